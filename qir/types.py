@@ -1,0 +1,54 @@
+"""Value types of the IR: activation tensors with a symbolic batch dim, and quantized weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+from qir.dtypes import DType
+
+if TYPE_CHECKING:
+    from qir.formats.base import WeightFormat
+
+# A dimension is a concrete size or a symbol (the batch dim "M").
+Dim = Union[int, str]
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[Dim, ...]
+    dtype: DType
+
+    def __str__(self) -> str:
+        return f"{self.dtype.name}[{', '.join(str(d) for d in self.shape)}]"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def concrete(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """Shape with symbols bound from `sizes` (e.g. {"M": 8})."""
+        out = []
+        for d in self.shape:
+            if isinstance(d, str):
+                if d not in sizes:
+                    raise ValueError(f"symbolic dim {d!r} of {self} is not bound")
+                out.append(sizes[d])
+            else:
+                out.append(d)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A quantized (or plain) linear weight in nn.Linear orientation [out_features, in_features]."""
+
+    format: WeightFormat
+    out_features: int
+    in_features: int
+
+    def __str__(self) -> str:
+        return f"qweight<{self.format.spell()}>[{self.out_features}, {self.in_features}]"
+
+
+ValueType = Union[TensorType, QWeight]
