@@ -1,0 +1,48 @@
+"""Weight formats: one module per format, registered by kind for the IR parser."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+from qir.dtypes import DType, by_name
+from qir.formats.base import FormatError, WeightFormat
+
+REGISTRY: dict[str, type[WeightFormat]] = {}
+
+
+def register(cls: type[WeightFormat]) -> type[WeightFormat]:
+    REGISTRY[cls.kind] = cls
+    return cls
+
+
+_SPELLING = re.compile(r"^(\w+)<(.*)>$")
+
+
+def parse_format(text: str) -> WeightFormat:
+    """Inverse of WeightFormat.spell(): 'mlx_affine<bits=4,group_size=64,scale_dtype=bf16>'."""
+    m = _SPELLING.match(text.strip())
+    if not m:
+        raise ValueError(f"bad weight format spelling {text!r}; expected kind<key=value,...>")
+    kind, inner = m.groups()
+    if kind not in REGISTRY:
+        raise ValueError(f"unknown weight format {kind!r}; known: {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[kind]
+    kinds = {f.name: f.type for f in fields(cls)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, inner.split(",")):
+        key, _, value = item.partition("=")
+        if key not in kinds:
+            raise ValueError(f"weight format {kind!r} has no parameter {key!r}")
+        t = str(kinds[key])
+        kwargs[key] = by_name(value) if "DType" in t else int(value) if "int" in t else value
+    return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _load_builtin() -> None:
+    from qir.formats import mlx  # noqa: F401  (registers itself)
+
+
+__all__ = ["REGISTRY", "DType", "FormatError", "WeightFormat", "parse_format", "register"]
+
+_load_builtin()

@@ -1,0 +1,94 @@
+"""The numpy reference: evaluates any graph, fused or not.
+
+Numerics mirror the kernels: weights are dequantized exactly in float32, products accumulate in
+float32, and every op rounds its result to the value's dtype (so a f16 block rounds between ops
+just as the kernels store f16 between launches)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from qir.graph import Graph, Node
+from qir.types import QWeight, TensorType
+
+Weights = Mapping[str, Mapping[str, np.ndarray]]
+
+
+class BindError(ValueError):
+    """Inputs or weights given to a block do not match its declared types."""
+
+
+def bind_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Check inputs against the graph's declared types; return the symbolic sizes (e.g. M)."""
+    sizes: dict[str, int] = {}
+    for name in graph.inputs:
+        t = graph.node(name).type
+        assert isinstance(t, TensorType)
+        if name not in inputs:
+            raise BindError(f"input %{name} ({t}) was not given; given: {', '.join(inputs) or 'none'}")
+        a = inputs[name]
+        if a.ndim != t.rank:
+            raise BindError(f"input %{name}: shape {list(a.shape)}, expected {t}")
+        if a.dtype != t.dtype.np:
+            raise BindError(f"input %{name}: dtype {a.dtype}, expected {t.dtype.name} ({t})")
+        for got, want in zip(a.shape, t.shape, strict=True):
+            if isinstance(want, str):
+                if sizes.setdefault(want, got) != got:
+                    raise BindError(f"input %{name}: {want}={got} but another input has {want}={sizes[want]}")
+                if got < 1:
+                    raise BindError(f"input %{name}: {want} must be at least 1, got {got}")
+            elif got != want:
+                raise BindError(f"input %{name}: shape {list(a.shape)}, expected {t}")
+    unknown = set(inputs) - set(graph.inputs)
+    if unknown:
+        raise BindError(f"unknown inputs {sorted(unknown)}; the block takes {graph.inputs}")
+    return sizes
+
+
+def dequantized(node: Node, weights: Weights) -> np.ndarray:
+    w = node.type
+    assert isinstance(w, QWeight)
+    key = node.attr("key")
+    if key not in weights:
+        raise BindError(f"weight {key!r} was not given")
+    bufs = weights[key]
+    w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
+    return w.format.dequantize(bufs, w.out_features, w.in_features)
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32)
+
+
+def silu(a: np.ndarray) -> np.ndarray:
+    return a / (np.float32(1) + np.exp(-a))
+
+
+_ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
+    "silu": silu,
+    "mul": np.multiply,
+    "add": np.add,
+}
+
+
+def interpret(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights) -> dict[str, np.ndarray]:
+    bind_inputs(graph, inputs)
+    env: dict[str, np.ndarray] = {}
+    for name, node in graph.items():
+        args = [env[o] for o in graph.operands(name)]
+        if node.op == "input":
+            env[name] = inputs[name]
+            continue
+        if node.op == "weight":
+            env[name] = dequantized(node, weights)
+            continue
+        assert isinstance(node.type, TensorType)
+        if node.op == "qlinear":
+            x, w = args
+            result = _f32(x) @ w.T
+        else:
+            result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
+        env[name] = result.astype(node.type.dtype.np)
+    return {out: env[value] for out, value in graph.outputs}

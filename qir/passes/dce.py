@@ -1,0 +1,27 @@
+"""Dead code elimination.
+
+Preconditions: a verified graph. Removes every node from which no output is reachable,
+inputs included: a block does not ask for what it does not read. Fires once per removed node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from qir.graph import Graph
+
+
+@dataclass(frozen=True)
+class DCE:
+    name: str = "dce"
+
+    def run(self, graph: Graph) -> int:
+        live: set[str] = set()
+        for _, value in graph.outputs:
+            live.add(value)
+            live |= nx.ancestors(graph.g, value)
+        dead = [n for n in graph.g if n not in live]
+        graph.g.remove_nodes_from(dead)
+        return len(dead)

@@ -1,0 +1,64 @@
+"""Runs a named pipeline of passes on a copy of a graph, verifying after each pass, counting
+matches and timing each pass."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from qir.graph import Graph
+from qir.passes.base import Pass
+from qir.passes.dce import DCE
+from qir.verify import verify
+
+PASSES: dict[str, Pass] = {p.name: p for p in (DCE(),)}
+PIPELINES: dict[str, tuple[str, ...]] = {
+    "default": ("dce",),
+    "none": (),
+}
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    matches: int
+    seconds: float
+
+
+def resolve(pipeline: str | Sequence[str]) -> tuple[Pass, ...]:
+    """'default', 'none', a comma-separated list, or a sequence of pass names."""
+    if isinstance(pipeline, str):
+        if pipeline in PIPELINES:
+            names = PIPELINES[pipeline]
+        else:
+            names = tuple(p.strip() for p in pipeline.split(",") if p.strip())
+    else:
+        names = tuple(pipeline)
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise ValueError(
+            f"unknown pass {', '.join(unknown)}; passes: {', '.join(PASSES)}; "
+            f"pipelines: {', '.join(PIPELINES)}"
+        )
+    return tuple(PASSES[n] for n in names)
+
+
+def run_pipeline(
+    graph: Graph,
+    pipeline: str | Sequence[str] = "default",
+    after_each: Callable[[str, Graph], None] | None = None,
+) -> tuple[Graph, list[PassRecord]]:
+    """Returns the rewritten copy and one record per pass; the caller's graph is untouched."""
+    passes = resolve(pipeline)
+    g = graph.copy()
+    verify(g)
+    records = []
+    for p in passes:
+        start = time.perf_counter()
+        matches = p.run(g)
+        verify(g)
+        records.append(PassRecord(p.name, matches, time.perf_counter() - start))
+        if after_each:
+            after_each(p.name, g)
+    return g, records

@@ -1,0 +1,39 @@
+"""Runtime errors with enough context to act on."""
+
+from __future__ import annotations
+
+
+class CompileError(RuntimeError):
+    """A kernel failed to compile: names the kernel, gives the compiler's message and the
+    generated source lines it points at (with line numbers)."""
+
+    def __init__(self, kernel: str, compiler: str, message: str, source: str) -> None:
+        self.kernel = kernel
+        self.compiler = compiler
+        self.message = message
+        super().__init__(f"{compiler} failed to compile kernel {kernel}:\n{message}\n{_excerpt(message, source)}")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine."""
+
+
+def _excerpt(message: str, source: str, context: int = 2) -> str:
+    import re
+
+    lines = source.splitlines()
+    wanted: set[int] = set()
+    # g++: "file.cu:12:5: error", NVRTC: "default_program(12): error"
+    for m in re.finditer(r"(?::(\d+):\d+:|\((\d+)\):)", message):
+        n = int(m.group(1) or m.group(2))
+        wanted.update(range(max(1, n - context), min(len(lines), n + context) + 1))
+    if not wanted:
+        return ""
+    out = ["generated source:"]
+    prev = 0
+    for n in sorted(wanted):
+        if prev and n != prev + 1:
+            out.append("  ...")
+        out.append(f"  {n:5d} | {lines[n - 1]}")
+        prev = n
+    return "\n".join(out)
