@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qir.codegen.lower import DEFAULT_M_TILE, Plan, lower
+from qir.errors import UsageError
 from qir.graph import Graph
 from qir.interpret import Weights, interpret
 from qir.passes.manager import PassRecord, run_pipeline
@@ -46,7 +47,7 @@ def compile(
     m_tile: int = DEFAULT_M_TILE,
 ) -> Compiled:
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     passed, records = run_pipeline(graph, passes)
     c = Compiled(graph, passed, backend, weights, records)
     if backend != "reference":

@@ -10,13 +10,14 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from qir.errors import QirError
 from qir.graph import Graph, Node
 from qir.types import QWeight, TensorType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
 
 
-class BindError(ValueError):
+class BindError(QirError, ValueError):
     """Inputs or weights given to a block do not match its declared types."""
 
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from qir import dtypes
+from qir.errors import QirError
 from qir.types import QWeight, TensorType, ValueType
 
 
-class IRTypeError(TypeError):
+class IRTypeError(QirError, TypeError):
     """An op got operands of the wrong shape, dtype or kind."""
 
 

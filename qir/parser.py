@@ -6,6 +6,7 @@ import json
 import re
 
 from qir.dtypes import by_name
+from qir.errors import QirError
 from qir.formats import parse_format
 from qir.graph import AttrValue, Graph, Node
 from qir.types import Dim, QWeight, TensorType, ValueType
@@ -21,7 +22,7 @@ _TENSOR = re.compile(r"^(\w+)\[(.*)\]$")
 _QWEIGHT = re.compile(r"^qweight<(.+)>\[(\d+), (\d+)\]$")
 
 
-class ParseError(ValueError):
+class ParseError(QirError, ValueError):
     pass
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import networkx as nx
 
+from qir.errors import QirError
 from qir.graph import Graph
 from qir.ops import IRTypeError, spec
 from qir.types import QWeight, TensorType
 
 
-class VerifyError(ValueError):
+class VerifyError(QirError, ValueError):
     pass
 
 
@@ -17,7 +18,10 @@ def verify(graph: Graph) -> None:
     if not nx.is_directed_acyclic_graph(graph.g):
         raise VerifyError(f"graph {graph.name} has a cycle")
     for name, node in graph.items():
-        s = spec(node.op)
+        try:
+            s = spec(node.op)
+        except IRTypeError as e:
+            raise VerifyError(f"%{name}: {e}") from None
         operands = graph.operands(name)
         if len(operands) != s.arity:
             raise VerifyError(f"%{name} = {node.op}: {len(operands)} operands, expected {s.arity}")

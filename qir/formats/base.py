@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from qir.dtypes import DType
+from qir.errors import QirError
 from qir.types import TensorType
 
 
-class FormatError(ValueError):
+class FormatError(QirError, ValueError):
     """Bad checkpoint or weight data; the message names the tensor and what is wrong."""
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from qir.builder import Builder, Value
 from qir.dtypes import DType
+from qir.errors import UsageError
 from qir.graph import Graph
 from qir.models.checkpoint import Checkpoint
 
@@ -23,7 +24,9 @@ class Block:
     weights: dict[str, dict[str, np.ndarray]]  # weight key (module path) -> kernel-layout buffers
 
 
-def _weight(b: Builder, ck: Checkpoint, weights: dict[str, dict[str, np.ndarray]], layer: int, proj: str) -> Value:
+def _weight(
+    b: Builder, ck: Checkpoint, weights: dict[str, dict[str, np.ndarray]], layer: int, proj: str
+) -> Value:
     module = ck.layer_module(layer, proj)
     lin = ck.linear(module)
     weights[module] = lin.buffers
@@ -60,7 +63,9 @@ BLOCKS: dict[str, Callable[[Checkpoint, int, DType], Block]] = {"mlp": mlp, "qkv
 
 def build(ck: Checkpoint, block: str, layer: int, act: DType | None = None) -> Block:
     if block not in BLOCKS:
-        raise ValueError(f"unknown block {block!r}; choose one of {', '.join(BLOCKS)}")
+        raise UsageError(f"unknown block {block!r}; choose one of {', '.join(BLOCKS)}")
     if not 0 <= layer < ck.num_layers:
-        raise ValueError(f"layer {layer} is out of range: the checkpoint has {ck.num_layers} layer(s)")
+        raise UsageError(
+            f"layer {layer} is out of range: the checkpoint has {ck.num_layers} layer(s)"
+        )
     return BLOCKS[block](ck, layer, act or ck.act_dtype)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from qir.errors import UsageError
 from qir.graph import Graph
 from qir.passes.base import Pass
 from qir.passes.dce import DCE
@@ -37,7 +38,7 @@ def resolve(pipeline: str | Sequence[str]) -> tuple[Pass, ...]:
         names = tuple(pipeline)
     unknown = [n for n in names if n not in PASSES]
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"unknown pass {', '.join(unknown)}; passes: {', '.join(PASSES)}; "
             f"pipelines: {', '.join(PIPELINES)}"
         )

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from qir.codegen.kernel import Kernel
+from qir.errors import UsageError
 
 BACKENDS = ("reference", "host", "cuda")
 
@@ -38,7 +39,7 @@ def get_backend(name: str) -> Backend:
         from qir.runtime.cuda import CudaBackend
 
         return CudaBackend()
-    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    raise UsageError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def best_backend() -> str:

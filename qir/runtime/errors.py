@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from qir.errors import QirError
 
-class CompileError(RuntimeError):
+
+class CompileError(QirError, RuntimeError):
     """A kernel failed to compile: names the kernel, gives the compiler's message and the
     generated source lines it points at (with line numbers)."""
 
@@ -14,7 +16,7 @@ class CompileError(RuntimeError):
         super().__init__(f"{compiler} failed to compile kernel {kernel}:\n{message}\n{_excerpt(message, source)}")
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(QirError, RuntimeError):
     """The requested backend cannot run on this machine."""
 
 

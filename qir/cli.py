@@ -1,0 +1,177 @@
+"""The `qir` command. Bad input ends in one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from qir import dtypes
+from qir.api import Compiled, compile
+from qir.codegen.lower import lower
+from qir.dump import dump, plan_json
+from qir.errors import QirError, UsageError
+from qir.models import load
+from qir.models.blocks import BLOCKS, Block, build
+from qir.passes.manager import run_pipeline
+from qir.runtime.backend import BACKENDS, best_backend
+
+EXIT_USAGE = 2
+ACT_DTYPES = ("f16", "bf16", "f32")
+DEMO_M = (1, 5)
+
+
+def _block(args: argparse.Namespace) -> Block:
+    ck = load(args.checkpoint)
+    act = dtypes.by_name(args.act_dtype) if args.act_dtype else None
+    return build(ck, args.block, args.layer, act)
+
+
+def _read_input(path: Path, block: Block) -> np.ndarray:
+    x_type = block.graph.node("x").type
+    try:
+        x = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--input {path}: cannot read a .npy array ({e})") from None
+    hidden = block.graph.node("x").type.shape[1]  # type: ignore[union-attr]
+    if x.ndim != 2 or x.shape[1] != hidden:
+        raise UsageError(f"--input {path}: shape {list(x.shape)}, expected [M, {hidden}] (hidden_size)")
+    if x.shape[0] < 1:
+        raise UsageError(f"--input {path}: M must be at least 1")
+    if x.dtype not in (np.float16, np.float32):
+        raise UsageError(f"--input {path}: dtype {x.dtype}, expected float16 or float32")
+    if not np.all(np.isfinite(x)):
+        raise UsageError(f"--input {path}: contains NaN or Inf")
+    return x.astype(x_type.dtype.np)  # type: ignore[union-attr]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    block = _block(args)
+    x = _read_input(args.input, block)
+    c = compile(block.graph, block.weights, backend=args.backend, passes=args.passes)
+    out = c({"x": x})
+    np.savez(args.out, **{k: v.astype(np.float32) for k, v in out.items()})
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in out.items()))
+    return 0
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    block = _block(args)
+    after, records = run_pipeline(block.graph, args.passes)
+    plan = lower(after)
+    files = dump(block.graph, after, plan, args.out)
+    for r in records:
+        print(f"pass {r.name}: {r.matches} match(es), {r.seconds * 1e3:.2f} ms")
+    print(f"wrote {len(files)} files to {args.out} ({len(plan.launches)} kernel launches)")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    block = _block(args)
+    after, _ = run_pipeline(block.graph, args.passes)
+    text = json.dumps(plan_json(lower(after), args.m), indent=2) + "\n"
+    if args.json:
+        args.json.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _max_rel(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
+    worst = 0.0
+    for k, r in ref.items():
+        r32 = r.astype(np.float32)
+        diff = np.max(np.abs(ours[k].astype(np.float32) - r32))
+        worst = max(worst, float(diff / max(float(np.max(np.abs(r32))), 1e-30)))
+    return worst
+
+
+def embedded_checkpoints() -> list[Path]:
+    root = resources.files("qir.models") / "embedded"
+    return sorted(Path(str(p)) for p in root.iterdir() if (Path(str(p)) / "config.json").is_file())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    backend = args.backend or best_backend()
+    rng = np.random.default_rng(0)
+    rows = []
+    for path in embedded_checkpoints():
+        ck = load(path)
+        for name in BLOCKS:
+            block = build(ck, name, 0)
+            c: Compiled = compile(block.graph, block.weights, backend=backend)
+            ref = compile(block.graph, block.weights, backend="reference")
+            for m in DEMO_M:
+                x = rng.standard_normal((m, ck.hidden_size), dtype=np.float32).astype(ck.act_dtype.np)
+                err = _max_rel(c({"x": x}), ref({"x": x}))
+                rows.append((path.name, name, m, c.kernel_count, backend, err))
+    header = ("checkpoint", "block", "M", "kernels", "backend", "max rel err vs reference")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)) + "  " + header[5])
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=False)) + f"  {r[5]:.2e}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--block", required=True, help=f"one of {', '.join(BLOCKS)}")
+    p.add_argument("--layer", type=int, default=0, help="decoder layer index (default 0)")
+    p.add_argument("--act-dtype", choices=ACT_DTYPES, help="activation dtype (default: the checkpoint's)")
+    p.add_argument("--passes", default="default", help="pipeline name or comma-separated passes")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="qir", description="Compile and run quantized LLM blocks.")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no compile progress lines")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a block of a checkpoint on an input")
+    _common(run)
+    run.add_argument("--input", type=Path, required=True, help="X.npy, [M, hidden] float16/float32")
+    run.add_argument("--out", type=Path, required=True, help="OUT.npz (float32 y, or q/k/v)")
+    run.add_argument("--backend", choices=BACKENDS, default="reference")
+    run.set_defaults(func=cmd_run)
+
+    dmp = sub.add_parser("dump", help="write the IR and the generated CUDA of a block")
+    _common(dmp)
+    dmp.add_argument("--out", type=Path, required=True, help="output directory")
+    dmp.set_defaults(func=cmd_dump)
+
+    cmp_ = sub.add_parser("compile", help="print the launch plan of a block as JSON")
+    _common(cmp_)
+    cmp_.add_argument("--m", type=int, default=None, help="batch rows M to size the grids for")
+    cmp_.add_argument("--json", type=Path, help="write the plan here instead of stdout")
+    cmp_.set_defaults(func=cmd_compile)
+
+    demo = sub.add_parser("demo", help="run the embedded checkpoints and check against the reference")
+    demo.add_argument("--backend", choices=BACKENDS, help="default: cuda if a GPU is present, else host")
+    demo.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="qir: %(message)s", stream=sys.stderr
+    )
+    try:
+        code: int = args.func(args)
+        return code
+    except (QirError, FileNotFoundError, NotADirectoryError) as e:
+        first = str(e).strip().splitlines()
+        print(f"qir: error: {first[0] if first else type(e).__name__}", file=sys.stderr)
+        if len(first) > 1:
+            # compile errors carry the compiler output and source excerpt on further lines
+            print("\n".join(first[1:]), file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

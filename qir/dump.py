@@ -1,0 +1,45 @@
+"""Writing a compiled block to a directory: the IR before and after passes, and one .cu per
+kernel (named by its specialisation) with the headers it includes beside it, so each file
+compiles on its own with `nvcc -std=c++17 -arch=sm_90 -cubin`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qir.codegen.lower import Plan
+from qir.graph import Graph
+from qir.printer import print_graph
+
+
+def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "before.ir", out / "after.ir"]
+    written[0].write_text(print_graph(before))
+    written[1].write_text(print_graph(after))
+    for launch in plan.launches:
+        k = launch.kernel
+        path = out / f"{k.name}.cu"
+        path.write_text(k.source)
+        written.append(path)
+        for header, text in k.headers:
+            (out / header).write_text(text)
+    written.append(out / "plan.json")
+    written[-1].write_text(json.dumps(plan_json(plan, m), indent=2) + "\n")
+    return written
+
+
+def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
+    """One entry per launch: kernel name, block, grid (for a given M, or as a formula), nodes."""
+    kernels = []
+    for launch in plan.launches:
+        grid: object = list(launch.grid(m)) if m else [launch.grid_x, f"ceil(M/{launch.m_tile})", 1]
+        kernels.append(
+            {
+                "name": launch.kernel.name,
+                "grid": grid,
+                "block": list(launch.kernel.block),
+                "nodes": list(launch.nodes),
+            }
+        )
+    return {"graph": plan.graph.name, "kernels": kernels}

@@ -1,0 +1,9 @@
+"""The base of every error qir raises for bad user input (the CLI prints these as one line)."""
+
+
+class QirError(Exception):
+    pass
+
+
+class UsageError(QirError, ValueError):
+    """An option or argument that names something that does not exist or is out of range."""

@@ -1,0 +1,116 @@
+"""Builder, verifier, printer and parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from qir import parse, print_graph
+from qir.builder import Builder
+from qir.dtypes import BF16, F16, F32
+from qir.formats.base import FormatError
+from qir.formats.mlx import MlxAffine
+from qir.ops import IRTypeError
+from qir.parser import ParseError
+from qir.types import QWeight
+from qir.verify import VerifyError, verify
+from tests.conftest import FMT4, mlp_graph
+
+
+def test_qlinear_rejects_width_mismatch_naming_both_operands():
+    b = Builder()
+    x = b.input("x", ("M", 300), F16)
+    w = b.weight("proj", QWeight(FMT4, 512, 256), name="w_proj")
+    with pytest.raises(IRTypeError, match=r"%x: f16\[M, 300\].*%w_proj.*in_features 256"):
+        b.qlinear(x, w)
+
+
+def test_binary_ops_reject_shape_and_dtype_mismatch():
+    b = Builder()
+    a = b.input("a", ("M", 64), F16)
+    c = b.input("c", ("M", 32), F16)
+    d = b.input("d", ("M", 64), BF16)
+    with pytest.raises(IRTypeError, match=r"mul: operands differ: %a: f16\[M, 64\] vs %c: f16\[M, 32\]"):
+        b.mul(a, c)
+    with pytest.raises(IRTypeError, match=r"%a: f16\[M, 64\] vs %d: bf16\[M, 64\]"):
+        b.add(a, d)
+
+
+def test_weight_shape_checked_by_format():
+    b = Builder()
+    with pytest.raises(FormatError, match="in_features 100 is not a multiple of the group size 64"):
+        b.weight("w", QWeight(FMT4, 8, 100))
+
+
+def test_activation_dtype_checked():
+    b = Builder()
+    w = b.weight("w", QWeight(FMT4, 64, 64))
+    i = b.input("i", ("M", 64), F32)
+    assert b.qlinear(i, w).type.dtype == F32
+    from qir.dtypes import U8
+
+    u = b.input("u", ("M", 64), U8)
+    with pytest.raises(IRTypeError, match="must be one of f16, bf16, f32"):
+        b.silu(u)
+
+
+def test_duplicate_names_rejected():
+    b = Builder()
+    b.input("x", ("M", 64), F16)
+    with pytest.raises(ValueError, match="already used"):
+        b.input("x", ("M", 64), F16)
+
+
+def test_printer_is_deterministic_and_parser_round_trips(rng):
+    g, _ = mlp_graph(rng, 128, 256, MlxAffine(3, 32, F16))
+    text = print_graph(g)
+    assert text == print_graph(g)
+    again = parse(text)
+    assert print_graph(again) == text
+    assert again.outputs == g.outputs
+    for name, node in g.items():
+        assert again.node(name) == node
+        assert again.operands(name) == g.operands(name)
+
+
+def test_parse_reads_hand_written_ir():
+    text = """
+    graph t {
+      %x = input : bf16[M, 64]
+      %w = weight {key="a.b"} : qweight<mlx_affine<bits=8,group_size=32,scale_dtype=f16>>[16, 64]
+      %y = qlinear %x, %w : bf16[M, 16]
+      %z = mul %y, %y : bf16[M, 16]
+      output out = %z
+    }
+    """
+    g = parse(text)
+    assert g.operands("z") == ("y", "y")
+    assert g.node("w").type.format == MlxAffine(8, 32, F16)
+    assert g.node("w").attr("key") == "a.b"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("graph t {\n %x = input : f16[M, 64]\n %y = silu %nope : f16[M, 64]\n output o = %y\n}", "not defined"),
+        ("graph t {\n %x = input : f16[M, 64]\n %y = silu %x : f16[M, 32]\n output o = %y\n}", "inferred"),
+        ("graph t {\n %x = input : f16[M, 64]\n %y = frob %x : f16[M, 64]\n output o = %y\n}", "unknown op"),
+        ("graph t {\n %x = input : f16[M, 64]\n}", "no outputs"),
+        ("graph t {\n %x = input : q16[M, 64]\n output o = %x\n}", "unknown dtype"),
+        ("nonsense", "expected 'graph NAME"),
+    ],
+)
+def test_parser_and_verifier_reject_bad_ir(text, message):
+    with pytest.raises((ParseError, VerifyError), match=message):
+        parse(text)
+
+
+def test_verify_catches_a_node_whose_type_was_changed(rng):
+    g, _ = mlp_graph(rng, 64, 128, FMT4)
+    node = g.node("act")
+    from dataclasses import replace
+
+    from qir.types import TensorType
+
+    g.set_node("act", replace(node, type=TensorType(("M", 128), BF16)))
+    with pytest.raises(VerifyError, match=r"%act = silu: declared bf16\[M, 128\], inferred f16\[M, 128\]"):
+        verify(g)
