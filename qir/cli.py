@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,9 @@ def _read_input(path: Path, block: Block) -> np.ndarray:
         raise UsageError(f"--input {path}: cannot read a .npy array ({e})") from None
     hidden = block.graph.node("x").type.shape[1]  # type: ignore[union-attr]
     if x.ndim != 2 or x.shape[1] != hidden:
-        raise UsageError(f"--input {path}: shape {list(x.shape)}, expected [M, {hidden}] (hidden_size)")
+        raise UsageError(
+            f"--input {path}: shape {list(x.shape)}, expected [M, {hidden}] (hidden_size)"
+        )
     if x.shape[0] < 1:
         raise UsageError(f"--input {path}: M must be at least 1")
     if x.dtype not in (np.float16, np.float32):
@@ -56,7 +59,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     x = _read_input(args.input, block)
     c = compile(block.graph, block.weights, backend=args.backend, passes=args.passes)
     out = c({"x": x})
-    np.savez(args.out, **{k: v.astype(np.float32) for k, v in out.items()})
+    arrays: dict[str, Any] = {k: v.astype(np.float32) for k, v in out.items()}
+    np.savez(args.out, **arrays)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in out.items()))
     return 0
 
@@ -108,7 +112,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             c: Compiled = compile(block.graph, block.weights, backend=backend)
             ref = compile(block.graph, block.weights, backend="reference")
             for m in DEMO_M:
-                x = rng.standard_normal((m, ck.hidden_size), dtype=np.float32).astype(ck.act_dtype.np)
+                x = rng.standard_normal((m, ck.hidden_size), dtype=np.float32).astype(
+                    ck.act_dtype.np
+                )
                 err = _max_rel(c({"x": x}), ref({"x": x}))
                 rows.append((path.name, name, m, c.kernel_count, backend, err))
     header = ("checkpoint", "block", "M", "kernels", "backend", "max rel err vs reference")
@@ -123,7 +129,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--block", required=True, help=f"one of {', '.join(BLOCKS)}")
     p.add_argument("--layer", type=int, default=0, help="decoder layer index (default 0)")
-    p.add_argument("--act-dtype", choices=ACT_DTYPES, help="activation dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--act-dtype", choices=ACT_DTYPES, help="activation dtype (default: the checkpoint's)"
+    )
     p.add_argument("--passes", default="default", help="pipeline name or comma-separated passes")
 
 
@@ -150,8 +158,12 @@ def parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--json", type=Path, help="write the plan here instead of stdout")
     cmp_.set_defaults(func=cmd_compile)
 
-    demo = sub.add_parser("demo", help="run the embedded checkpoints and check against the reference")
-    demo.add_argument("--backend", choices=BACKENDS, help="default: cuda if a GPU is present, else host")
+    demo = sub.add_parser(
+        "demo", help="run the embedded checkpoints and check against the reference"
+    )
+    demo.add_argument(
+        "--backend", choices=BACKENDS, help="default: cuda if a GPU is present, else host"
+    )
     demo.set_defaults(func=cmd_demo)
     return ap
 
@@ -159,7 +171,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO, format="qir: %(message)s", stream=sys.stderr
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="qir: %(message)s",
+        stream=sys.stderr,
     )
     try:
         code: int = args.func(args)

@@ -20,6 +20,8 @@ def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = Non
     for launch in plan.launches:
         k = launch.kernel
         path = out / f"{k.name}.cu"
+        if path in written:  # two launches of one specialisation share a kernel
+            continue
         path.write_text(k.source)
         written.append(path)
         for header, text in k.headers:

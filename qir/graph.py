@@ -66,7 +66,9 @@ class Graph:
         self.g.nodes[name]["node"] = node
 
     def operands(self, name: str) -> tuple[str, ...]:
-        edges = sorted(self.g.in_edges(name, data="idx"), key=lambda e: e[2])
+        edges: list[tuple[str, str, int]] = sorted(
+            self.g.in_edges(name, data="idx"), key=lambda e: e[2]
+        )
         return tuple(src for src, _, _ in edges)
 
     def set_operands(self, name: str, operands: tuple[str, ...]) -> None:
@@ -83,7 +85,8 @@ class Graph:
         return self.g.out_degree(name) + sum(1 for _, v in self.outputs if v == name)
 
     def replace_all_uses(self, old: str, new: str) -> None:
-        for _, user, key, idx in list(self.g.out_edges(old, keys=True, data="idx")):
+        uses: list[tuple[str, str, int, int]] = list(self.g.out_edges(old, keys=True, data="idx"))
+        for _, user, key, idx in uses:
             self.g.remove_edge(old, user, key)
             self.g.add_edge(new, user, idx=idx)
         self.outputs = [(n, new if v == old else v) for n, v in self.outputs]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from qir.dtypes import DType
 
@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from qir.formats.base import WeightFormat
 
 # A dimension is a concrete size or a symbol (the batch dim "M").
-Dim = Union[int, str]
+Dim = int | str
 
 
 @dataclass(frozen=True)
@@ -51,4 +51,4 @@ class QWeight:
         return f"qweight<{self.format.spell()}>[{self.out_features}, {self.in_features}]"
 
 
-ValueType = Union[TensorType, QWeight]
+ValueType = TensorType | QWeight

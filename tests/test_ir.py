@@ -29,7 +29,9 @@ def test_binary_ops_reject_shape_and_dtype_mismatch():
     a = b.input("a", ("M", 64), F16)
     c = b.input("c", ("M", 32), F16)
     d = b.input("d", ("M", 64), BF16)
-    with pytest.raises(IRTypeError, match=r"mul: operands differ: %a: f16\[M, 64\] vs %c: f16\[M, 32\]"):
+    with pytest.raises(
+        IRTypeError, match=r"mul: operands differ: %a: f16\[M, 64\] vs %c: f16\[M, 32\]"
+    ):
         b.mul(a, c)
     with pytest.raises(IRTypeError, match=r"%a: f16\[M, 64\] vs %d: bf16\[M, 64\]"):
         b.add(a, d)
@@ -91,9 +93,18 @@ def test_parse_reads_hand_written_ir():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("graph t {\n %x = input : f16[M, 64]\n %y = silu %nope : f16[M, 64]\n output o = %y\n}", "not defined"),
-        ("graph t {\n %x = input : f16[M, 64]\n %y = silu %x : f16[M, 32]\n output o = %y\n}", "inferred"),
-        ("graph t {\n %x = input : f16[M, 64]\n %y = frob %x : f16[M, 64]\n output o = %y\n}", "unknown op"),
+        (
+            "graph t {\n %x = input : f16[M, 64]\n %y = silu %nope : f16[M, 64]\n output o = %y\n}",
+            "not defined",
+        ),
+        (
+            "graph t {\n %x = input : f16[M, 64]\n %y = silu %x : f16[M, 32]\n output o = %y\n}",
+            "inferred",
+        ),
+        (
+            "graph t {\n %x = input : f16[M, 64]\n %y = frob %x : f16[M, 64]\n output o = %y\n}",
+            "unknown op",
+        ),
         ("graph t {\n %x = input : f16[M, 64]\n}", "no outputs"),
         ("graph t {\n %x = input : q16[M, 64]\n output o = %x\n}", "unknown dtype"),
         ("nonsense", "expected 'graph NAME"),
@@ -112,5 +123,7 @@ def test_verify_catches_a_node_whose_type_was_changed(rng):
     from qir.types import TensorType
 
     g.set_node("act", replace(node, type=TensorType(("M", 128), BF16)))
-    with pytest.raises(VerifyError, match=r"%act = silu: declared bf16\[M, 128\], inferred f16\[M, 128\]"):
+    with pytest.raises(
+        VerifyError, match=r"%act = silu: declared bf16\[M, 128\], inferred f16\[M, 128\]"
+    ):
         verify(g)

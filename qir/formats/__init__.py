@@ -36,7 +36,7 @@ def parse_format(text: str) -> WeightFormat:
             raise ValueError(f"weight format {kind!r} has no parameter {key!r}")
         t = str(kinds[key])
         kwargs[key] = by_name(value) if "DType" in t else int(value) if "int" in t else value
-    return cls(**kwargs)  # type: ignore[arg-type]
+    return cls(**kwargs)
 
 
 def _load_builtin() -> None:

@@ -9,6 +9,7 @@ from qir.graph import Graph
 
 
 class Pass(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def run(self, graph: Graph) -> int: ...

@@ -30,7 +30,8 @@ class CompiledBlock:
             bufs = weights[key]
             w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
             self._weights[wname] = {
-                b: backend.to_device(np.ascontiguousarray(bufs[b])) for b in w.format.buffers(w.out_features, w.in_features)
+                b: backend.to_device(np.ascontiguousarray(bufs[b]))
+                for b in w.format.buffers(w.out_features, w.in_features)
             }
         self._loaded = [backend.load(launch.kernel) for launch in plan.launches]
 
@@ -38,7 +39,9 @@ class CompiledBlock:
         graph = self.plan.graph
         sizes = bind_inputs(graph, inputs)
         m = sizes.get("M", 1)
-        env: dict[str, Any] = {n: self.backend.to_device(np.ascontiguousarray(inputs[n])) for n in graph.inputs}
+        env: dict[str, Any] = {
+            n: self.backend.to_device(np.ascontiguousarray(inputs[n])) for n in graph.inputs
+        }
         for launch, loaded in zip(self.plan.launches, self._loaded, strict=True):
             t = graph.node(launch.output).type
             assert isinstance(t, TensorType)
@@ -53,4 +56,10 @@ class CompiledBlock:
                     args.append(m)
             self.backend.launch(loaded, launch.grid(m), args)
         self.backend.synchronize()
-        return {out: self.backend.from_device(env[v]) for out, v in graph.outputs}
+        results = {}
+        for out, v in graph.outputs:
+            t = graph.node(v).type
+            assert isinstance(t, TensorType)
+            # CuPy has no bf16/fp8 dtypes and hands back same-width raw integers.
+            results[out] = self.backend.from_device(env[v]).view(t.dtype.np)
+        return results

@@ -1,0 +1,238 @@
+"""Checkpoint directories: config.json, format detection, and lazily read quantized linears.
+
+`load(dir)` reads config.json only; tensors are memory-mapped per module when `linear()` asks
+for them, so opening a large checkpoint to build one block touches just that block's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qir.dtypes import BF16, F16, F32, DType
+from qir.formats import mlx
+from qir.formats.base import FormatError
+from qir.models.safetensors_io import TensorStore
+from qir.types import QWeight
+
+_ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
+
+# Short names (as in golden.npz keys) of the HF Llama-style linears of one decoder layer.
+LAYER_LINEARS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+_LAYER_MODULE = re.compile(
+    r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
+)
+
+
+def layer_module(layer: int, name: str, num_layers: int | None = None) -> str:
+    """HF module path of a layer's linear; `name` is q/k/v/o/gate/up/down or q_proj, ..."""
+    if layer < 0:
+        raise FormatError(f"layer {layer} out of range: layer indices start at 0")
+    if num_layers is not None and layer >= num_layers:
+        raise FormatError(f"layer {layer} out of range: the checkpoint has {num_layers} layers")
+    short = name.removesuffix("_proj")
+    if short not in LAYER_LINEARS:
+        raise FormatError(
+            f"unknown layer linear {name!r}; known: {', '.join(LAYER_LINEARS)} (or *_proj)"
+        )
+    return f"model.layers.{layer}.{LAYER_LINEARS[short]}"
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One quantized linear: its IR weight type and kernel-layout buffers (read-only views)."""
+
+    module: str
+    weight: QWeight
+    buffers: dict[str, np.ndarray]
+
+
+class Checkpoint:
+    """An opened checkpoint: config.json facts plus per-module access to its quantized linears."""
+
+    def __init__(self, path: Path, config: dict[str, Any], family: Family) -> None:
+        self.path = path
+        self.config = config
+        self.family = family
+        self.store = TensorStore(path)
+
+    def _int(self, key: str, default: int | None = None) -> int:
+        value = self.config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FormatError(f"{self.path}/config.json: {key} is {value!r}, expected an int >= 1")
+        return value
+
+    @property
+    def hidden_size(self) -> int:
+        return self._int("hidden_size")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self._int("intermediate_size")
+
+    @property
+    def num_layers(self) -> int:
+        return self._int("num_hidden_layers")
+
+    @property
+    def num_heads(self) -> int:
+        return self._int("num_attention_heads")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._int("num_key_value_heads", self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        # Absent or null means the HF default, hidden_size / num_heads.
+        if self.config.get("head_dim") is None:
+            return self.hidden_size // self.num_heads
+        return self._int("head_dim")
+
+    @property
+    def act_dtype(self) -> DType:
+        for key in ("torch_dtype", "dtype"):
+            name = self.config.get(key)
+            if name is not None:
+                if name not in _ACT_DTYPES:
+                    raise FormatError(
+                        f"{self.path}/config.json: {key} {name!r} not supported "
+                        f"(expected one of {', '.join(_ACT_DTYPES)})"
+                    )
+                return _ACT_DTYPES[name]
+        return F16
+
+    def layer_module(self, layer: int, name: str) -> str:
+        return layer_module(layer, name, self.num_layers)
+
+    def expected_shape(self, module: str) -> tuple[int, int] | None:
+        """[out, in] that config.json implies for a known HF module name, else None."""
+        m = _LAYER_MODULE.match(module)
+        if not m:
+            return None
+        hidden, inter = self.hidden_size, self.intermediate_size
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "self_attn.q_proj": (q_out, hidden),
+            "self_attn.k_proj": (kv_out, hidden),
+            "self_attn.v_proj": (kv_out, hidden),
+            "self_attn.o_proj": (hidden, q_out),
+            "mlp.gate_proj": (inter, hidden),
+            "mlp.up_proj": (inter, hidden),
+            "mlp.down_proj": (hidden, inter),
+        }[m.group(2)]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Any stored tensor (norm weights, ...), as a read-only view."""
+        return self.store.get(name)
+
+    def linear(self, module: str) -> Linear:
+        lin = self.family.linear(self, module)
+        want = self.expected_shape(module)
+        got = (lin.weight.out_features, lin.weight.in_features)
+        if want is not None and got != want:
+            raise FormatError(
+                f"{module}.weight: holds a {list(got)} weight in {lin.weight.format.spell()}, "
+                f"but config.json implies {list(want)}"
+            )
+        return lin
+
+
+@dataclass(frozen=True)
+class Family:
+    """A checkpoint format family: how to recognise its config.json and read one linear."""
+
+    name: str
+    matches: Callable[[Mapping[str, Any]], bool]
+    linear: Callable[[Checkpoint, str], Linear]
+
+
+def _scale_dtype(ck: Checkpoint, scales: str) -> DType:
+    stored = ck.store.dtype(scales)
+    for d in mlx.SCALE_DTYPES:
+        if d.np == stored:
+            return d
+    names = ", ".join(d.name for d in mlx.SCALE_DTYPES)
+    raise FormatError(f"{scales}: dtype {stored}, expected one of {names}")
+
+
+def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
+    qcfg = mlx.quantization_dict(ck.config)
+    assert qcfg is not None  # the family matched on it
+    scales = f"{module}.scales"
+    if f"{module}.weight" not in ck.store:
+        raise FormatError(f"{module}.weight: missing from {ck.path}")
+    if scales not in ck.store:
+        raise FormatError(f"{scales}: missing (an MLX affine weight needs .weight/.scales/.biases)")
+    fmt = mlx.from_config(qcfg, module, _scale_dtype(ck, scales))
+    if fmt is None:
+        raise FormatError(f"{module}: not quantized (quantization[{module!r}] is false)")
+    words = ck.store.get(f"{module}.weight")
+    if words.ndim != 2 or words.dtype != np.uint32 or words.shape[1] * 32 % fmt.bits:
+        raise FormatError(
+            f"{module}.weight: {words.dtype} {list(words.shape)}, expected uint32 "
+            f"[out, in*{fmt.bits}/32] for {fmt.spell()}"
+        )
+    out_features, in_features = words.shape[0], words.shape[1] * 32 // fmt.bits
+    try:
+        fmt.check_shape(out_features, in_features)
+    except FormatError as e:
+        raise FormatError(f"{module}.weight: {e}") from None
+    bufs = {
+        name: ck.store.get(f"{module}.{name}")
+        for name in fmt.buffers(out_features, in_features)
+        if f"{module}.{name}" in ck.store
+    }
+    fmt.check_buffers(bufs, out_features, in_features, where=module)
+    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
+
+
+# Tried in order; the first whose `matches` accepts config.json reads the checkpoint.
+FAMILIES: list[Family] = [Family("mlx_affine", mlx.matches_config, _mlx_linear)]
+
+
+def _unsupported(config: Mapping[str, Any]) -> str:
+    for key in ("quantization_config", "quantization"):
+        q = config.get(key)
+        if isinstance(q, Mapping):
+            if "quant_method" in q:
+                return f"not supported: quantization {q['quant_method']} ({key}.quant_method)"
+            if "mode" in q:
+                return f"not supported: MLX mode {q['mode']} ({key}.mode)"
+            return f"not supported: quantization {dict(q)!r} ({key})"
+    return "not supported: quantization none (config.json has no quantization_config)"
+
+
+def load(path: str | Path) -> Checkpoint:
+    """Open a checkpoint directory: read config.json and detect its format (tensors stay lazy)."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise FormatError(f"{path}: checkpoint {what}")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FormatError(f"{cfg_path}: missing (a checkpoint directory needs config.json)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{cfg_path}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise FormatError(f"{cfg_path}: not a JSON object")
+    for family in FAMILIES:
+        if family.matches(config):
+            return Checkpoint(path, config, family)
+    raise FormatError(f"{cfg_path}: {_unsupported(config)}")

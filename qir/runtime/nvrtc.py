@@ -1,0 +1,178 @@
+"""Compile-only NVRTC through cuda.core: cubin for any arch, with ptxas' register and spill counts.
+
+Needs neither a GPU nor the driver, so CI can check every kernel for every target arch.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from qir.codegen.kernel import Kernel
+from qir.runtime.errors import BackendUnavailable, CompileError
+from qir.runtime.toolkit import cuda_include_dirs
+
+# NVRTC ships no C library headers, yet kernels include <stdint.h> so that g++ (host backend) and
+# NVRTC read the same source. The widths match glibc on LP64 (int64_t is long, not long long) so
+# overloads resolve the same way on both backends.
+_STDINT_SHIM = """\
+#pragma once
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long uint64_t;
+typedef long intptr_t;
+typedef unsigned long uintptr_t;
+static_assert(sizeof(int64_t) == 8 && sizeof(intptr_t) == sizeof(void*), "expected LP64");
+#define INT8_MIN (-128)
+#define INT8_MAX 127
+#define UINT8_MAX 255
+#define INT16_MIN (-32768)
+#define INT16_MAX 32767
+#define UINT16_MAX 65535
+#define INT32_MIN (-2147483647 - 1)
+#define INT32_MAX 2147483647
+#define UINT32_MAX 4294967295U
+#define INT64_MIN (-9223372036854775807L - 1)
+#define INT64_MAX 9223372036854775807L
+#define UINT64_MAX 18446744073709551615UL
+"""
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@dataclass(frozen=True)
+class CubinResult:
+    cubin: bytes
+    arch: str
+    registers: int  # per thread, of the entry function
+    spill_bytes: int  # spill stores + spill loads, over every function in the module
+    log: str  # ptxas -v output and any compiler warnings
+
+
+class SpillError(RuntimeError):
+    """A kernel spills registers to local memory on some arch: almost always a codegen bug (tile
+    too large for the register file) and a large slowdown, so it fails the build."""
+
+    def __init__(self, kernel: str, arch: str, spill_bytes: int, log: str) -> None:
+        self.kernel = kernel
+        self.arch = arch
+        self.spill_bytes = spill_bytes
+        super().__init__(
+            f"kernel {kernel} spills {spill_bytes} bytes (stores + loads) on {arch}:\n{log}"
+        )
+
+
+@contextmanager
+def kernel_include_dir(kernel: Kernel) -> Iterator[Path]:
+    """A temporary directory holding `kernel.headers` and the <stdint.h> shim, to put first on
+    NVRTC's include path (cuda.core does not expose NVRTC's in-memory headers)."""
+    with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:
+        root = Path(tmp)
+        (root / "stdint.h").write_text(_STDINT_SHIM)
+        for name, text in kernel.headers:
+            path = (root / name).resolve()
+            if not path.is_relative_to(root.resolve()):
+                raise ValueError(f"kernel {kernel.name}: header name {name!r} leaves its directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        yield root
+
+
+def compile_cubin(kernel: Kernel, arch: str = "sm_90") -> CubinResult:
+    """Compile `kernel` to a cubin for `arch` (e.g. "sm_80", "sm_90a") with NVRTC."""
+    try:
+        from cuda.core import Program, ProgramOptions
+
+        # cuda.core 1.2.2 exports no public exception type for NVRTC failures.
+        from cuda.core._utils.cuda_utils import NVRTCError
+    except ImportError as e:
+        raise BackendUnavailable(
+            "compiling with NVRTC needs cuda-core: pip install 'qir[compile]'"
+        ) from e
+    toolkit = cuda_include_dirs()
+    if not toolkit:
+        raise BackendUnavailable(
+            "CUDA headers (cuda_fp16.h) not found: pip install 'qir[compile]' or set CUDA_HOME"
+        )
+    with kernel_include_dir(kernel) as inc:
+        options = ProgramOptions(
+            name=f"{kernel.name}.cu",  # NVRTC prefixes diagnostics with this
+            arch=arch,
+            std="c++17",
+            include_path=[str(inc), *map(str, toolkit)],
+            ptxas_options="-v",
+        )
+        log = io.StringIO()
+        try:
+            code = Program(kernel.source, "c++", options=options).compile("cubin", logs=log)
+        except NVRTCError as e:
+            # The program log only reaches us inside the exception text, after this marker.
+            message = str(e).partition("compilation log:")[2] or str(e)
+            raise CompileError(kernel.name, "nvrtc", message.strip("\x00\n "), kernel.source) from e
+    # Printing the ObjectCode would load it as a module, which needs the driver; .code is the blob.
+    cubin = bytes(code.code)
+    text = log.getvalue().strip("\x00\n ")
+    registers = max((int(n) for n in _REGISTERS.findall(text)), default=0)
+    spills = sum(int(st) + int(ld) for st, ld in _SPILLS.findall(text))
+    return CubinResult(cubin=cubin, arch=arch, registers=registers, spill_bytes=spills, log=text)
+
+
+def check_no_spills(
+    kernel: Kernel, archs: Sequence[str] = ("sm_80", "sm_90")
+) -> tuple[CubinResult, ...]:
+    """Compile `kernel` for each arch; raise SpillError on the first that spills."""
+    results = []
+    for arch in archs:
+        result = compile_cubin(kernel, arch)
+        if result.spill_bytes > 0:
+            raise SpillError(kernel.name, arch, result.spill_bytes, result.log)
+        results.append(result)
+    return tuple(results)
+
+
+@cache
+def nvrtc_version() -> str:
+    """The NVRTC build, e.g. "13.0.88 CL-36424714": patch releases change codegen, so cache keys
+    need more than nvrtcVersion()'s major.minor. Read from the banner NVRTC writes into PTX."""
+    from cuda.bindings import nvrtc
+
+    # cuda.core's PTX path asks the driver whether it can load the result; cuda.bindings does not.
+    err, prog = nvrtc.nvrtcCreateProgram(b"", b"version_probe.cu", 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, 1, [b"-arch=compute_80"])
+        _check(err, "nvrtcCompileProgram")
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        _check(err, "nvrtcGetPTXSize")
+        ptx = b" " * size
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+        _check(err, "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    banner = ptx.decode(errors="replace")
+    release = re.search(r"release [\d.]+, V([\d.]+)", banner)
+    build = re.search(r"Build ID: (\S+)", banner)
+    if release is None:
+        err, major, minor = nvrtc.nvrtcVersion()
+        _check(err, "nvrtcVersion")
+        return f"{major}.{minor}"
+    return f"{release.group(1)} {build.group(1)}" if build else release.group(1)
+
+
+def _check(err: object, call: str) -> None:
+    from cuda.bindings import nvrtc
+
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{call} failed: {err}")

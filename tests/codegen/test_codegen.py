@@ -1,0 +1,91 @@
+"""Rendering: names spell the specialisation, templates are strict, every dumped .cu compiles."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import jinja2
+import pytest
+
+from qir.codegen.fragments import fragment_for
+from qir.codegen.gemv import gemv_kernel
+from qir.codegen.lower import lower
+from qir.codegen.render import render
+from qir.dtypes import BF16, F16, F32
+from qir.dump import dump
+from qir.formats.mlx import MlxAffine
+from qir.models import load
+from qir.models.blocks import build
+from qir.passes.manager import run_pipeline
+from qir.runtime.nvrtc import check_no_spills
+from qir.types import QWeight
+from tests.conftest import DATA, MLX_FIXTURES
+
+
+def test_kernel_name_spells_the_specialisation():
+    k = gemv_kernel(QWeight(MlxAffine(4, 128, BF16), 512, 256), F16, 8)
+    assert k.name == "qgemv_mlx4g128bf16_f16_n512_k256_m8"
+    assert f"void __launch_bounds__(128) {k.name}(" in k.source
+    assert [p.name for p in k.params] == ["x", "w_weight", "w_scales", "w_biases", "y", "M"]
+    assert k.headers[0][0] == "qir_common.cuh"
+
+
+def test_templates_reject_missing_variables():
+    with pytest.raises(jinja2.UndefinedError):
+        render("qgemv.cu.j2", name="k")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_fragment_chunks_tile_rows_exactly(bits, group):
+    for k in (group, 2 * group, 3 * group):
+        frag = fragment_for(MlxAffine(bits, group, F16), 8, k)
+        c = frag.context
+        assert frag.chunk_elems * bits == c["chunk_words"] * 32
+        assert k % frag.chunk_elems == 0
+        assert c["words_per_row"] % c["chunk_words"] == 0
+        assert frag.chunk_elems <= 64 and frag.chunk_elems % 8 == 0
+        assert c["sub_elems"] * c["subgroups"] == frag.chunk_elems
+        # a sub-chunk never spans two groups
+        assert group % c["sub_elems"] == 0
+
+
+def _rendered_kernels():
+    seen = {}
+    for fixture in MLX_FIXTURES:
+        ck = load(DATA / fixture)
+        for block in ("mlp", "qkv"):
+            for act in (F16, BF16, F32):
+                g, _ = run_pipeline(build(ck, block, 0, act).graph)
+                for launch in lower(g).launches:
+                    seen[launch.kernel.name] = launch.kernel
+    return list(seen.values())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_every_dumped_cu_compiles_on_its_own_with_nvcc(tmp_path):
+    ck = load(DATA / "mlx_mixed_3_6_S")
+    b = build(ck, "mlp", 0)
+    after, _ = run_pipeline(b.graph)
+    files = dump(b.graph, after, lower(after), tmp_path)
+    cus = [f for f in files if f.suffix == ".cu"]
+    assert len(cus) == 5  # gate and up share one 3-bit kernel
+    for cu in cus:
+        r = subprocess.run(
+            ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", cu.name, "-o", cu.stem + ".cubin"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / (cu.stem + ".cubin")).read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("kernel", _rendered_kernels(), ids=lambda k: k.name)
+def test_every_rendered_kernel_builds_with_nvrtc_for_sm80_and_sm90_without_spills(kernel):
+    results = check_no_spills(kernel, archs=("sm_80", "sm_90"))
+    assert [r.arch for r in results] == ["sm_80", "sm_90"]
+    for r in results:
+        assert r.cubin[:4] == b"\x7fELF"
+        assert 0 < r.registers <= 255

@@ -1,0 +1,114 @@
+"""The cuda backend: the NVRTC test kernels run on a GPU against NumPy references."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+# Sibling test module: pytest puts this directory on sys.path (no __init__.py here).
+from test_nvrtc import BF16_SCALE, HALF_SUM, HEADER_AXPY
+
+from qir.codegen.kernel import Kernel
+from qir.runtime.cuda import CudaBackend, available
+from qir.runtime.errors import BackendUnavailable, CompileError
+
+N = 1000  # not a multiple of any block size, so the bounds checks matter
+
+
+def test_without_gpu_names_the_host_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_gpu = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "cupy", no_gpu)
+    with pytest.raises(BackendUnavailable, match=r"is_available\(\) is false.*--backend host"):
+        CudaBackend()
+
+
+def test_without_cupy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    with pytest.raises(BackendUnavailable, match=r"qir\[cuda\].*--backend host"):
+        CudaBackend()
+    assert not available()
+
+
+def _grid(n: int, block: tuple[int, int, int]) -> tuple[int, int, int]:
+    return ((n + block[0] - 1) // block[0], 1, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not available(), reason="no CUDA GPU (cupy.cuda.is_available() is false)")
+class TestOnGpu:
+    @pytest.fixture(scope="class")
+    def be(self) -> CudaBackend:
+        return CudaBackend()
+
+    def test_half_uint4_loads(self, be: CudaBackend) -> None:
+        x = np.random.default_rng(0).standard_normal((N, 8)).astype(np.float16)
+        k = be.load(HALF_SUM)
+        y = be.empty(N, np.float16)
+        be.launch(k, _grid(N, HALF_SUM.block), [be.to_device(x), y, N])
+        be.synchronize()
+        want = x.astype(np.float32).sum(axis=1).astype(np.float16)
+        np.testing.assert_allclose(be.from_device(y), want, rtol=1e-3, atol=1e-3)
+
+    def test_bfloat16_round_trips_as_raw_bits(self, be: CudaBackend) -> None:
+        x = np.random.default_rng(1).standard_normal(N).astype(ml_dtypes.bfloat16)
+        k = be.load(BF16_SCALE)
+        y = be.empty(N, ml_dtypes.bfloat16)
+        be.launch(k, _grid(N, BF16_SCALE.block), [be.to_device(x), y, 3, np.int64(N)])
+        got = be.from_device(y).view(ml_dtypes.bfloat16)
+        want = (x.astype(np.float32) * 3).astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+    def test_kernel_headers_are_on_the_include_path(self, be: CudaBackend) -> None:
+        rng = np.random.default_rng(2)
+        x, b = rng.standard_normal((2, N)).astype(np.float32)
+        y = be.empty(N, np.float32)
+        be.launch(
+            be.load(HEADER_AXPY),
+            _grid(N, HEADER_AXPY.block),
+            [be.to_device(x), be.to_device(b), y, N],
+        )
+        np.testing.assert_allclose(be.from_device(y), 2 * x + b, rtol=1e-6)
+
+    def test_launch_on_a_stream(self, be: CudaBackend) -> None:
+        import cupy
+
+        x = np.arange(N, dtype=np.float32)
+        y = be.empty(N, np.float32)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        be.launch(
+            be.load(HEADER_AXPY),
+            _grid(N, HEADER_AXPY.block),
+            [be.to_device(x), be.to_device(x), y, N],
+            stream=stream,
+        )
+        stream.synchronize()
+        np.testing.assert_array_equal(be.from_device(y), 3 * x)
+
+    def test_load_is_cached(self, be: CudaBackend) -> None:
+        assert be.load(HALF_SUM) is be.load(HALF_SUM)
+
+    def test_compile_error(self, be: CudaBackend) -> None:
+        broken = Kernel(
+            "broken_gpu", 'extern "C" __global__ void broken_gpu() { int x = ; }', (), (1, 1, 1)
+        )
+        with pytest.raises(CompileError, match="broken_gpu"):
+            be.load(broken)
+
+    def test_launch_checks_arguments(self, be: CudaBackend) -> None:
+        k = be.load(HALF_SUM)
+        x = be.empty((N, 8), np.float16)
+        y = be.empty(N, np.float16)
+        with pytest.raises(ValueError, match=r"half_sum8 takes 3 arguments \(x, y, n\), got 2"):
+            be.launch(k, (1, 1, 1), [x, y])
+        with pytest.raises(ValueError, match=r"parameter n .*expected an int, got float"):
+            be.launch(k, (1, 1, 1), [x, y, 1.0])
+        with pytest.raises(ValueError, match=r"parameter x .*expected a cupy array, got ndarray"):
+            be.launch(k, (1, 1, 1), [np.zeros(8), y, N])
+        with pytest.raises(ValueError, match=r"parameter n .*does not fit in 32 bits"):
+            be.launch(k, (1, 1, 1), [x, y, 2**31])
+        with pytest.raises(ValueError, match=r"parameter x .*not C-contiguous"):
+            be.launch(k, (1, 1, 1), [x[:, ::2], y, N])
