@@ -9,6 +9,13 @@ from qir.dtypes import DType
 from qir.types import QWeight
 
 WARPS_PER_BLOCK = 4
+# Unrolling all x rows lets the compiler hoist every row's loads at once and spill (seen with
+# f32 activations and m_tile 8 on sm_90); 4 rows at a time keeps the loads in registers.
+M_UNROLL = 4
+# Resident blocks per SM the register allocation must allow. Without a minimum ptxas picked
+# 40 registers and spilled for 8-bit K=256 kernels; 4 blocks of 128 threads still leaves each
+# thread up to 128 registers, which no fragment needs.
+MIN_BLOCKS_PER_SM = 4
 
 
 def gemv_name(w: QWeight, act: DType, m_tile: int) -> str:
@@ -29,6 +36,8 @@ def gemv_kernel(w: QWeight, act: DType, m_tile: int) -> Kernel:
         N=w.out_features,
         K=w.in_features,
         m_tile=m_tile,
+        m_unroll=min(m_tile, M_UNROLL),
+        min_blocks=MIN_BLOCKS_PER_SM,
         rows_per_block=WARPS_PER_BLOCK,
         threads=32 * WARPS_PER_BLOCK,
         chunks_per_row=frag.chunks_per_row(w.in_features),

@@ -26,7 +26,7 @@ from tests.conftest import DATA, MLX_FIXTURES
 def test_kernel_name_spells_the_specialisation():
     k = gemv_kernel(QWeight(MlxAffine(4, 128, BF16), 512, 256), F16, 8)
     assert k.name == "qgemv_mlx4g128bf16_f16_n512_k256_m8"
-    assert f"void __launch_bounds__(128) {k.name}(" in k.source
+    assert f"void __launch_bounds__(128, 4) {k.name}(" in k.source
     assert [p.name for p in k.params] == ["x", "w_weight", "w_scales", "w_biases", "y", "M"]
     assert k.headers[0][0] == "qir_common.cuh"
 
