@@ -28,7 +28,9 @@ def bind_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int
         t = graph.node(name).type
         assert isinstance(t, TensorType)
         if name not in inputs:
-            raise BindError(f"input %{name} ({t}) was not given; given: {', '.join(inputs) or 'none'}")
+            raise BindError(
+                f"input %{name} ({t}) was not given; given: {', '.join(inputs) or 'none'}"
+            )
         a = inputs[name]
         if a.ndim != t.rank:
             raise BindError(f"input %{name}: shape {list(a.shape)}, expected {t}")
@@ -37,7 +39,9 @@ def bind_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int
         for got, want in zip(a.shape, t.shape, strict=True):
             if isinstance(want, str):
                 if sizes.setdefault(want, got) != got:
-                    raise BindError(f"input %{name}: {want}={got} but another input has {want}={sizes[want]}")
+                    raise BindError(
+                        f"input %{name}: {want}={got} but another input has {want}={sizes[want]}"
+                    )
                 if got < 1:
                     raise BindError(f"input %{name}: {want} must be at least 1, got {got}")
             elif got != want:
@@ -74,7 +78,9 @@ _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
-def interpret(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights) -> dict[str, np.ndarray]:
+def interpret(
+    graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights
+) -> dict[str, np.ndarray]:
     bind_inputs(graph, inputs)
     env: dict[str, np.ndarray] = {}
     for name, node in graph.items():

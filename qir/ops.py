@@ -52,11 +52,15 @@ def _activation(op: str, names: Sequence[str], types: Sequence[ValueType], i: in
     return t
 
 
-def _infer_leaf(types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]) -> ValueType:
+def _infer_leaf(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
     raise AssertionError("leaf types are given, not inferred")
 
 
-def _infer_qlinear(types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]) -> ValueType:
+def _infer_qlinear(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
     x = _activation("qlinear", names, types, 0)
     w = types[1]
     if not isinstance(w, QWeight):
@@ -70,14 +74,18 @@ def _infer_qlinear(types: Sequence[ValueType], names: Sequence[str], attrs: Mapp
 
 
 def _infer_unary(op: str) -> Infer:
-    def infer(types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]) -> ValueType:
+    def infer(
+        types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+    ) -> ValueType:
         return _activation(op, names, types, 0)
 
     return infer
 
 
 def _infer_binary(op: str) -> Infer:
-    def infer(types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]) -> ValueType:
+    def infer(
+        types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+    ) -> ValueType:
         a = _activation(op, names, types, 0)
         b = _activation(op, names, types, 1)
         if a.shape != b.shape or a.dtype != b.dtype:

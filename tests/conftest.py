@@ -43,7 +43,11 @@ def mlp_graph(
     weights = {}
     x = b.input("x", ("M", hidden), act)
     ws = {}
-    for name, (o, i) in {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items():
+    for name, (o, i) in {
+        "gate": (inter, hidden),
+        "up": (inter, hidden),
+        "down": (hidden, inter),
+    }.items():
         qw, bufs = random_weight(rng, o, i, fmt)
         weights[name] = bufs
         ws[name] = b.weight(name, qw, name=f"w_{name}")

@@ -49,7 +49,9 @@ class WeightFormat(ABC):
         """Raise FormatError if a weight of this shape cannot be held in this format."""
 
     @abstractmethod
-    def dequantize(self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int) -> np.ndarray:
+    def dequantize(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
+    ) -> np.ndarray:
         """float32 [out, in] weight from kernel-layout buffers."""
 
     @abstractmethod
@@ -65,13 +67,17 @@ class WeightFormat(ABC):
     def fragment(self) -> str:
         """Name of the device dequant fragment in codegen (templates/formats/<fragment>.cuh.j2)."""
 
-    def check_buffers(self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str) -> None:
+    def check_buffers(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
+    ) -> None:
         """Check kernel-layout buffers against buffers(): names, shapes, dtypes, finite scales."""
         self.check_shape(out_features, in_features)
         want = self.buffers(out_features, in_features)
         for name, t in want.items():
             if name not in bufs:
-                raise FormatError(f"{where}.{name}: missing (format {self.spell()} needs {', '.join(want)})")
+                raise FormatError(
+                    f"{where}.{name}: missing (format {self.spell()} needs {', '.join(want)})"
+                )
             a = bufs[name]
             if tuple(a.shape) != t.shape:
                 raise FormatError(
@@ -79,7 +85,9 @@ class WeightFormat(ABC):
                     f"[{out_features}, {in_features}] weight in {self.spell()}"
                 )
             if a.dtype != t.dtype.np:
-                raise FormatError(f"{where}.{name}: dtype {a.dtype}, expected {t.dtype.np} ({t.dtype.name})")
+                raise FormatError(
+                    f"{where}.{name}: dtype {a.dtype}, expected {t.dtype.np} ({t.dtype.name})"
+                )
             if t.dtype.is_float and not np.all(np.isfinite(np.asarray(a, dtype=np.float32))):
                 raise FormatError(f"{where}.{name}: contains NaN or Inf")
 

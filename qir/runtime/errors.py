@@ -13,7 +13,9 @@ class CompileError(QirError, RuntimeError):
         self.kernel = kernel
         self.compiler = compiler
         self.message = message
-        super().__init__(f"{compiler} failed to compile kernel {kernel}:\n{message}\n{_excerpt(message, source)}")
+        super().__init__(
+            f"{compiler} failed to compile kernel {kernel}:\n{message}\n{_excerpt(message, source)}"
+        )
 
 
 class BackendUnavailable(QirError, RuntimeError):
