@@ -1,0 +1,639 @@
+// qir_host.h: run CUDA C++ kernels on the CPU.
+//
+// Force-included (`g++ -include qir_host.h`) ahead of a rendered .cu file so the very source that
+// runs on a GPU compiles as host C++. Each CUDA thread becomes a fiber (glibc ucontext); one OS
+// thread runs one block at a time, so `__shared__` is `static thread_local`, and threadIdx/blockIdx
+// are per-OS-thread globals that the scheduler rewrites before every switch into a fiber.
+// Boost.Context is not used (and not required): ucontext is everywhere glibc is, and switching
+// with _setjmp/_longjmp once ucontext has built the stacks (see `Worker::resume`) avoids
+// swapcontext's per-switch syscall, which is what Boost.Context would have bought.
+//
+// Not supported: dynamic shared memory (`extern __shared__`), inline PTX (kernels guard it with
+// `#ifdef __CUDA_ARCH__`, which is never defined here), clusters, cooperative groups.
+#pragma once
+
+#define QIR_HOST 1
+
+// glibc's fortified longjmp rejects jumps onto another stack, which is what a fiber switch is.
+#undef _FORTIFY_SOURCE
+
+// The toolkit headers go first: they define __host__/__device__ etc. as empty for non-nvcc
+// compilers, and their include guards make the kernel's own #includes no-ops afterwards.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include <setjmp.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __shared__
+#undef __constant__
+#define __global__
+#define __device__
+#define __host__
+#define __constant__ const
+#define __shared__ static thread_local
+#define __launch_bounds__(...)
+#ifndef __forceinline__
+#define __forceinline__ inline __attribute__((always_inline))
+#endif
+
+static constexpr int warpSize = 32;
+
+// Per-OS-thread view of "which CUDA thread is running": rewritten by the scheduler on each switch.
+static thread_local uint3 threadIdx;
+static thread_local uint3 blockIdx;
+static thread_local dim3 blockDim;
+static thread_local dim3 gridDim;
+
+namespace qir_host {
+
+enum class State : uint8_t { runnable, wait_block, wait_warp, done };
+
+struct Fiber {
+  ucontext_t ctx;
+  jmp_buf jb;
+  bool started;
+  uint3 tid;
+  unsigned warp;
+  unsigned lane;
+  State state;
+};
+
+struct Warp {
+  unsigned live = 0;     // lanes that have not returned
+  unsigned arrived = 0;  // lanes waiting at the current warp barrier
+  unsigned gen = 0;      // completed warp barriers; its parity picks the exchange bank
+  // Double-buffered exchange slots: a lane writes bank gen&1, waits for the barrier, then reads the
+  // same bank. It next writes that bank only after the barrier after that, which every lane reaches
+  // only once done reading, so one barrier per exchange is enough (the usual two-phase scheme
+  // with the second phase folded into the next exchange's barrier).
+  uint64_t slot[2][32];
+};
+
+struct Launch {
+  dim3 grid, block;
+  void (*body)(void*);  // runs the kernel for the current fiber
+  void* args;
+  std::atomic<unsigned long> next_block{0};
+  std::atomic<bool> failed{false};
+};
+
+inline std::mutex& error_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::string& error_message() {
+  static std::string s;
+  return s;
+}
+
+// First error wins; the others would only describe the same failure from other workers.
+inline void fail(Launch& launch, const std::string& msg) {
+  std::lock_guard<std::mutex> lock(error_mutex());
+  if (!launch.failed.exchange(true)) error_message() = msg;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr size_t kStackBytes = 512 * 1024;  // ASan's stack redzones need room
+#else
+constexpr size_t kStackBytes = 64 * 1024;
+#endif
+
+// Fiber stacks, kept per OS thread across blocks and launches: mapping and first-touching fresh
+// stacks costs more than a small kernel. Guard pages would cost an mprotect and a VMA per fiber,
+// so overflow is caught after the fact by a canary at the bottom of each stack instead.
+struct Arena {
+  char* base = nullptr;
+  size_t bytes = 0;
+  ~Arena() {
+    if (base) munmap(base, bytes);
+  }
+};
+static thread_local Arena arena;
+constexpr uint64_t kCanary = 0x5152484f53544b31ull;
+
+inline char* stack_arena(size_t bytes) {
+  if (arena.bytes < bytes) {
+    if (arena.base) munmap(arena.base, arena.bytes);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    arena.base = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+    arena.bytes = arena.base ? bytes : 0;
+  }
+  return arena.base;
+}
+
+class Worker;
+static thread_local Worker* current_worker = nullptr;
+
+class Worker {
+ public:
+  explicit Worker(Launch& launch) : launch_(launch) {
+    const dim3& b = launch.block;
+    n_ = b.x * b.y * b.z;
+    arena_ = stack_arena(static_cast<size_t>(n_) * kStackBytes);
+    if (!arena_) return;
+    for (unsigned i = 0; i < n_; ++i) std::memcpy(stack_bottom(i), &kCanary, sizeof kCanary);
+    fibers_.resize(n_);
+    warps_.resize((n_ + 31) / 32);
+    for (unsigned i = 0; i < n_; ++i) {
+      Fiber& f = fibers_[i];
+      f.tid = make_uint3(i % b.x, (i / b.x) % b.y, i / (b.x * b.y));
+      f.warp = i / 32;
+      f.lane = i % 32;
+      f.started = false;
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = stack_bottom(i);
+      f.ctx.uc_stack.ss_size = kStackBytes;
+      f.ctx.uc_link = nullptr;
+      makecontext(&f.ctx, &Worker::fiber_main, 0);
+    }
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void run() {
+    if (!arena_) {
+      fail(launch_, "qir_host: cannot allocate fiber stacks");
+      return;
+    }
+    current_worker = this;
+    blockDim = launch_.block;
+    gridDim = launch_.grid;
+    const dim3& g = launch_.grid;
+    const unsigned long total = static_cast<unsigned long>(g.x) * g.y * g.z;
+    while (!launch_.failed.load(std::memory_order_relaxed)) {
+      unsigned long b = launch_.next_block.fetch_add(1);
+      if (b >= total) break;
+      blockIdx = make_uint3(b % g.x, (b / g.x) % g.y, b / (static_cast<unsigned long>(g.x) * g.y));
+      if (!run_block()) break;
+    }
+    current_worker = nullptr;
+  }
+
+  // Called from fibers.
+  void syncthreads() {
+    Fiber& f = fibers_[cur_];
+    if (++block_arrived_ == n_) {
+      block_arrived_ = 0;
+      for (Fiber& o : fibers_)
+        if (o.state == State::wait_block) o.state = State::runnable;
+      return;
+    }
+    f.state = State::wait_block;
+    yield(f);
+  }
+
+  void syncwarp() {
+    Fiber& f = fibers_[cur_];
+    Warp& w = warps_[f.warp];
+    if (++w.arrived == w.live) {
+      release(f.warp);
+      return;
+    }
+    f.state = State::wait_warp;
+    yield(f);
+  }
+
+  // Publishes this lane's value and returns the warp's 32 slots once every live lane has
+  // published. Like on the GPU, lanes that returned or skip the call (divergent shuffles) leave
+  // stale slots: that is undefined behaviour in CUDA too.
+  const uint64_t* exchange(uint64_t bits) {
+    Fiber& f = fibers_[cur_];
+    Warp& w = warps_[f.warp];
+    uint64_t* bank = w.slot[w.gen & 1];
+    bank[f.lane] = bits;
+    syncwarp();
+    return bank;
+  }
+
+  unsigned lane() const { return fibers_[cur_].lane; }
+
+  unsigned active_mask() const {
+    const Fiber& f = fibers_[cur_];
+    unsigned mask = 0;
+    for (unsigned i = f.warp * 32; i < std::min(n_, f.warp * 32 + 32); ++i)
+      if (fibers_[i].state != State::done) mask |= 1u << (i % 32);
+    return mask;
+  }
+
+ private:
+  char* stack_bottom(unsigned i) const { return arena_ + static_cast<size_t>(i) * kStackBytes; }
+
+  // One block: every fiber runs until it blocks or returns; a full pass in which no fiber could
+  // run while some are still alive is a deadlock.
+  bool run_block() {
+    block_arrived_ = 0;
+    for (unsigned i = 0; i < n_; ++i) fibers_[i].state = State::runnable;
+    for (unsigned w = 0; w < warps_.size(); ++w) {
+      warps_[w].live = std::min(32u, n_ - w * 32);
+      warps_[w].arrived = 0;
+    }
+    unsigned live = n_;
+    while (live > 0) {
+      bool progressed = false;
+      for (unsigned i = 0; i < n_; ++i) {
+        if (fibers_[i].state != State::runnable) continue;
+        progressed = true;
+        resume(i);
+        if (fibers_[i].state == State::done) --live;
+      }
+      if (!progressed) {
+        report_deadlock(live);
+        return false;
+      }
+    }
+    for (unsigned i = 0; i < n_; ++i) {
+      if (std::memcmp(stack_bottom(i), &kCanary, sizeof kCanary) != 0) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "thread (%u,%u,%u) of block (%u,%u,%u) overflowed its %zu KiB "
+                 "fiber stack", fibers_[i].tid.x, fibers_[i].tid.y, fibers_[i].tid.z, blockIdx.x,
+                 blockIdx.y, blockIdx.z, kStackBytes / 1024);
+        fail(launch_, buf);
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // ucontext makes the fiber stacks, but swapcontext costs a sigprocmask syscall per switch, so
+  // after the first entry switches go through _setjmp/_longjmp, which leave the signal mask alone.
+  // Sanitizer builds keep swapcontext throughout, which ASan's fiber annotations understand.
+  void resume(unsigned i) {
+    cur_ = i;
+    Fiber& f = fibers_[i];
+    threadIdx = f.tid;
+#if defined(__SANITIZE_ADDRESS__)
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, stack_bottom(i), kStackBytes);
+    swapcontext(&sched_, &f.ctx);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    if (_setjmp(sched_jb_) == 0) {
+      if (f.started) _longjmp(f.jb, 1);
+      f.started = true;
+      setcontext(&f.ctx);
+    }
+#endif
+  }
+
+  void yield(Fiber& f) {
+#if defined(__SANITIZE_ADDRESS__)
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, sched_stack_bottom_, sched_stack_size_);
+    swapcontext(&f.ctx, &sched_);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    if (_setjmp(f.jb) == 0) _longjmp(sched_jb_, 1);
+#endif
+  }
+
+  void release(unsigned warp) {
+    Warp& w = warps_[warp];
+    w.arrived = 0;
+    ++w.gen;
+    for (unsigned i = warp * 32; i < std::min(n_, warp * 32 + 32); ++i)
+      if (fibers_[i].state == State::wait_warp) fibers_[i].state = State::runnable;
+  }
+
+  // Fibers never return: after the kernel body they park as `done` and are resumed for the next
+  // block, so contexts are made once per launch instead of once per block.
+  static void fiber_main() {
+    Worker* self = current_worker;
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(nullptr, &self->sched_stack_bottom_, &self->sched_stack_size_);
+#endif
+    for (;;) {
+      self->launch_.body(self->launch_.args);
+      Fiber& f = self->fibers_[self->cur_];
+      f.state = State::done;
+      Warp& w = self->warps_[f.warp];
+      // A lane leaving may complete a warp barrier the others are waiting at; a block barrier it
+      // leaves incomplete stays so and is reported as a deadlock.
+      if (--w.live > 0 && w.arrived == w.live) self->release(f.warp);
+      self->yield(f);
+    }
+  }
+
+  void report_deadlock(unsigned live) {
+    unsigned at_block = 0, at_warp = 0;
+    for (const Fiber& f : fibers_) {
+      at_block += f.state == State::wait_block;
+      at_warp += f.state == State::wait_warp;
+    }
+    char buf[256];
+    snprintf(buf, sizeof buf,
+             "deadlock in block (%u,%u,%u): %u of %u threads returned, %u wait at "
+             "__syncthreads, %u at a warp barrier (__syncwarp/shuffle/vote)",
+             blockIdx.x, blockIdx.y, blockIdx.z, n_ - live, n_, at_block, at_warp);
+    fail(launch_, buf);
+  }
+
+  Launch& launch_;
+  unsigned n_ = 0;
+  char* arena_ = nullptr;
+  std::vector<Fiber> fibers_;
+  std::vector<Warp> warps_;
+  ucontext_t sched_;
+  jmp_buf sched_jb_;
+  unsigned cur_ = 0;
+  unsigned block_arrived_ = 0;
+#if defined(__SANITIZE_ADDRESS__)
+  const void* sched_stack_bottom_ = nullptr;
+  size_t sched_stack_size_ = 0;
+#endif
+};
+
+inline unsigned worker_count(unsigned long blocks) {
+  unsigned n = std::thread::hardware_concurrency();
+  if (const char* env = std::getenv("QIR_HOST_THREADS")) n = static_cast<unsigned>(std::atoi(env));
+  if (n == 0) n = 1;
+  return static_cast<unsigned>(std::min<unsigned long>(n, blocks));
+}
+
+inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args) {
+  {
+    std::lock_guard<std::mutex> lock(error_mutex());
+    error_message().clear();
+  }
+  Launch l;
+  l.grid = dim3(grid3[0], grid3[1], grid3[2]);
+  l.block = dim3(block3[0], block3[1], block3[2]);
+  l.body = body;
+  l.args = args;
+  const unsigned long threads = static_cast<unsigned long>(l.block.x) * l.block.y * l.block.z;
+  const unsigned long blocks = static_cast<unsigned long>(l.grid.x) * l.grid.y * l.grid.z;
+  if (threads == 0 || threads > 1024 || blocks == 0) {
+    fail(l, "qir_host: block must hold 1..1024 threads and the grid at least one block");
+    return 1;
+  }
+  const unsigned n = worker_count(blocks);
+  std::vector<std::thread> pool;
+  for (unsigned i = 1; i < n; ++i) pool.emplace_back([&l] { Worker(l).run(); });
+  Worker(l).run();
+  for (std::thread& t : pool) t.join();
+  return l.failed.load() ? 1 : 0;
+}
+
+// Unpacks cuLaunchKernel-style `void** params` (params[i] points at argument i) into the
+// kernel's typed parameters, once per launch; every fiber then calls the kernel with the tuple.
+template <typename... A>
+struct Call {
+  void (*fn)(A...);
+  std::tuple<std::decay_t<A>...> args;
+
+  static void run(void* self) {
+    auto* c = static_cast<Call*>(self);
+    std::apply(c->fn, c->args);
+  }
+};
+
+template <typename... A, size_t... I>
+int launch_kernel(void (*fn)(A...), const unsigned* grid3, const unsigned* block3, void** params,
+                  std::index_sequence<I...>) {
+  Call<A...> call{fn, {*static_cast<std::decay_t<A>*>(params[I])...}};
+  return launch(grid3, block3, &Call<A...>::run, &call);
+}
+
+template <typename... A>
+int launch_kernel(void (*fn)(A...), const unsigned* grid3, const unsigned* block3, void** params) {
+  return launch_kernel(fn, grid3, block3, params, std::index_sequence_for<A...>{});
+}
+
+template <typename T>
+inline uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
+                "warp exchange supports trivially copyable types up to 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+
+template <typename T>
+inline T from_bits(uint64_t bits) {
+  T v;
+  std::memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+// Shuffles take the source lane from `src` (already resolved within the width segment).
+template <typename T, typename Src>
+inline T shuffle(T v, Src src) {
+  const unsigned lane = current_worker->lane();
+  const uint64_t* bank = current_worker->exchange(to_bits(v));
+  return from_bits<T>(bank[src(lane) % 32]);
+}
+
+}  // namespace qir_host
+
+extern "C" __attribute__((visibility("default"))) const char* qir_host_error() {
+  return qir_host::error_message().c_str();
+}
+
+#define QIR_HOST_EXPORT(name)                                                                \
+  extern "C" __attribute__((visibility("default"))) int qir_launch_##name(                   \
+      const unsigned* grid3, const unsigned* block3, void** params) {                        \
+    return qir_host::launch_kernel(&name, grid3, block3, params);                            \
+  }
+
+// ---- CUDA device API -------------------------------------------------------------------------
+// Masks are ignored: every live lane of the warp takes part, so shuffles must be reached
+// convergently (as CUDA requires for a full mask).
+
+inline void __syncthreads() { qir_host::current_worker->syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { qir_host::current_worker->syncwarp(); }
+inline unsigned __activemask() { return qir_host::current_worker->active_mask(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src, int width = warpSize) {
+  return qir_host::shuffle(v, [=](unsigned lane) {
+    return (lane / width) * width + static_cast<unsigned>(src) % width;
+  });
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask, int width = warpSize) {
+  return qir_host::shuffle(v, [=](unsigned lane) {
+    const unsigned s = lane ^ static_cast<unsigned>(mask);
+    return s / width == lane / width ? s : lane;
+  });
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = warpSize) {
+  return qir_host::shuffle(v, [=](unsigned lane) {
+    return lane % width + delta < static_cast<unsigned>(width) ? lane + delta : lane;
+  });
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = warpSize) {
+  return qir_host::shuffle(v, [=](unsigned lane) { return lane % width >= delta ? lane - delta : lane; });
+}
+
+inline unsigned __ballot_sync(unsigned, int pred) {
+  const unsigned live = __activemask();
+  const uint64_t* bank = qir_host::current_worker->exchange(pred != 0);
+  unsigned r = 0;
+  for (unsigned i = 0; i < 32; ++i)
+    if ((live >> i & 1u) && bank[i]) r |= 1u << i;
+  return r;
+}
+inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __all_sync(unsigned m, int pred) {
+  const unsigned live = __activemask();
+  return __ballot_sync(m, pred) == live;
+}
+
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+
+// Blocks run concurrently on OS threads, so atomics must be real ones.
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+  if constexpr (std::is_integral<T>::value) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  } else {
+    using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+    U* q = reinterpret_cast<U*>(p);
+    U old = __atomic_load_n(q, __ATOMIC_RELAXED);
+    for (;;) {
+      T updated = qir_host::from_bits<T>(old) + v;
+      U want;
+      std::memcpy(&want, &updated, sizeof(U));
+      if (__atomic_compare_exchange_n(q, &old, want, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        return qir_host::from_bits<T>(old);
+    }
+  }
+}
+template <typename T>
+inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
+template <typename T>
+inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
+template <typename T>
+inline T atomicCAS(T* p, T expected, T desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected;
+}
+template <typename T>
+inline T atomicMax(T* p, T v) {
+  T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,
+                                                 __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+template <typename T>
+inline T atomicMin(T* p, T v) {
+  T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (v < old && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,
+                                                 __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+
+// CUDA's min/max overloads mix integer types by the usual arithmetic conversions.
+template <typename A, typename B>
+inline auto max(A a, B b) -> decltype(a + b) { return a > b ? a : b; }
+template <typename A, typename B>
+inline auto min(A a, B b) -> decltype(a + b) { return a < b ? a : b; }
+
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __log2f(float x) { return log2f(x); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanhf(float x) { return tanhf(x); }
+inline float __powf(float x, float y) { return powf(x, y); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+
+inline int __float_as_int(float x) { return qir_host::from_bits<int>(qir_host::to_bits(x)); }
+inline unsigned __float_as_uint(float x) { return qir_host::from_bits<unsigned>(qir_host::to_bits(x)); }
+inline float __int_as_float(int x) { return qir_host::from_bits<float>(qir_host::to_bits(x)); }
+inline float __uint_as_float(unsigned x) { return qir_host::from_bits<float>(qir_host::to_bits(x)); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline unsigned __brev(unsigned x) {
+  x = (x >> 1 & 0x55555555u) | (x & 0x55555555u) << 1;
+  x = (x >> 2 & 0x33333333u) | (x & 0x33333333u) << 2;
+  x = (x >> 4 & 0x0f0f0f0fu) | (x & 0x0f0f0f0fu) << 4;
+  return __builtin_bswap32(x);
+}
+
+#if defined(QIR_HOST_RUNNER)
+// Standalone-executable mode (sanitizer builds): an ASan runtime cannot be loaded into an
+// uninstrumented Python, so the kernel runs in its own process on buffers malloc'd to their exact
+// size, where ASan's redzones catch out-of-bounds indexing.
+//   argv[1] (input): u32 grid[3], u32 block[3], u32 nparams, then per param u32 kind
+//     (0 = buffer, 1 = int) and u64 nbytes followed by the bytes;
+//   argv[2] (output): the buffers' final bytes, concatenated in parameter order.
+extern "C" int QIR_HOST_RUNNER(const unsigned*, const unsigned*, void**);
+
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  FILE* in = std::fopen(argv[1], "rb");
+  if (!in) return 2;
+  unsigned dims[6], n = 0;
+  if (std::fread(dims, sizeof(unsigned), 6, in) != 6 || std::fread(&n, 4, 1, in) != 1) return 2;
+  std::vector<void*> values(n);
+  std::vector<void*> buffers(n, nullptr);
+  std::vector<uint64_t> sizes(n, 0);
+  for (unsigned i = 0; i < n; ++i) {
+    unsigned kind = 0;
+    if (std::fread(&kind, 4, 1, in) != 1 || std::fread(&sizes[i], 8, 1, in) != 1) return 2;
+    void* data = std::malloc(sizes[i] ? sizes[i] : 1);
+    if (sizes[i] && std::fread(data, 1, sizes[i], in) != sizes[i]) return 2;
+    if (kind == 0) {
+      buffers[i] = data;
+      values[i] = &buffers[i];
+    } else {
+      values[i] = data;
+    }
+  }
+  std::fclose(in);
+  if (QIR_HOST_RUNNER(dims, dims + 3, values.data()) != 0) {
+    std::fprintf(stderr, "%s\n", qir_host_error());
+    return 3;
+  }
+  FILE* out = std::fopen(argv[2], "wb");
+  if (!out) return 2;
+  for (unsigned i = 0; i < n; ++i)
+    if (buffers[i]) std::fwrite(buffers[i], 1, sizes[i], out);
+  std::fclose(out);
+  return 0;
+}
+#endif

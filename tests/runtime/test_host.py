@@ -1,0 +1,335 @@
+"""The host backend: hand-written CUDA kernels compiled by g++, run as fibers, checked against
+NumPy."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qir.codegen.kernel import Kernel, KernelParam
+from qir.runtime.errors import CompileError
+from qir.runtime.host import HostBackend, HostKernel
+from qir.runtime.toolkit import cuda_include_dirs
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None or not cuda_include_dirs(),
+    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
+)
+
+PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <stdint.h>\n"
+
+
+def buf(name: str, c_type: str) -> KernelParam:
+    return KernelParam(name, c_type, "buffer")
+
+
+def i32(name: str) -> KernelParam:
+    return KernelParam(name, "int", "int")
+
+
+def make(
+    name: str, params: tuple[KernelParam, ...], body: str, block: tuple[int, int, int] = (128, 1, 1)
+) -> Kernel:
+    sig = ", ".join(f"{p.c_type} {p.name}" for p in params)
+    src = f'{PRELUDE}\nextern "C" __global__ void {name}({sig}) {{\n{body}\n}}\n'
+    return Kernel(name, src, params, block)
+
+
+# One warp per row, butterfly reduction: the shape of a decode GEMV.
+GEMV = make(
+    "gemv_warp",
+    (
+        buf("w", "const float* __restrict__"),
+        buf("x", "const float* __restrict__"),
+        buf("y", "float* __restrict__"),
+        i32("n"),
+        i32("k"),
+    ),
+    """
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  float acc = 0.f;
+  for (int j = lane; j < k; j += 32) acc += w[row * k + j] * x[j];
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) y[row] = acc;
+""",
+    block=(256, 1, 1),
+)
+
+
+@pytest.fixture(scope="module")
+def be(tmp_path_factory: pytest.TempPathFactory) -> HostBackend:
+    return HostBackend(cache_dir=tmp_path_factory.mktemp("host-cache"))
+
+
+def rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def test_warp_shuffle_gemv(be: HostBackend) -> None:
+    n, k = 300, 200  # 300 rows is not a multiple of 8 warps per block: the last warps return
+    w = rng().standard_normal((n, k)).astype(np.float32)
+    x = rng().standard_normal(k).astype(np.float32)
+    y = be.empty(n, np.float32)
+    be.launch(be.load(GEMV), ((n + 7) // 8, 1, 1), [w, x, y, n, k])
+    np.testing.assert_allclose(y, w @ x, rtol=1e-4, atol=1e-4)
+
+
+def test_shuffle_variants_and_votes(be: HostBackend) -> None:
+    kern = make(
+        "shfl_variants",
+        (buf("out", "int*"),),
+        """
+  const int lane = threadIdx.x % 32;
+  int* o = out + 5 * threadIdx.x;
+  o[0] = __shfl_down_sync(0xffffffffu, lane, 3);        // own value past the end
+  o[1] = __shfl_sync(0xffffffffu, lane * 10, 7, 16);    // lane 7 of each 16-lane half
+  o[2] = __shfl_xor_sync(0xffffffffu, lane, 8, 8);      // xor leaving the segment: own value
+  o[3] = (int)__ballot_sync(0xffffffffu, lane % 2);
+  o[4] = __shfl_up_sync(0xffffffffu, (unsigned)lane, 1);
+""",
+        block=(64, 1, 1),
+    )
+    out = np.zeros((64, 5), np.int32)
+    be.launch(be.load(kern), (1, 1, 1), [out])
+    lane = np.arange(64) % 32
+    np.testing.assert_array_equal(out[:, 0], np.where(lane + 3 < 32, lane + 3, lane))
+    np.testing.assert_array_equal(out[:, 1], np.where(lane < 16, 70, 230))
+    np.testing.assert_array_equal(out[:, 2], lane)
+    np.testing.assert_array_equal(out[:, 3], np.full(64, np.int32(np.uint32(0xAAAAAAAA))))
+    np.testing.assert_array_equal(out[:, 4], np.where(lane >= 1, lane - 1, lane))
+
+
+def test_shared_memory_block_reduction(be: HostBackend) -> None:
+    kern = make(
+        "block_sum",
+        (buf("x", "const float*"), buf("out", "float*"), i32("n")),
+        """
+  __shared__ float s[128];
+  const int i = blockIdx.x * 128 + threadIdx.x;
+  s[threadIdx.x] = i < n ? x[i] : 0.f;
+  __syncthreads();
+  for (int stride = 64; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) s[threadIdx.x] += s[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = s[0];
+""",
+    )
+    n = 1000
+    x = rng().standard_normal(n).astype(np.float32)
+    blocks = (n + 127) // 128
+    out = be.empty(blocks, np.float32)
+    be.launch(be.load(kern), (blocks, 1, 1), [x, out, n])
+    ref = np.pad(x, (0, blocks * 128 - n)).reshape(blocks, 128).sum(axis=1)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_2d_grid_ragged_edges(be: HostBackend) -> None:
+    kern = make(
+        "add_2d",
+        (buf("a", "const float*"), buf("b", "float*"), i32("rows"), i32("cols")),
+        """
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y * blockDim.y + threadIdx.y;
+  if (r >= rows || c >= cols) return;
+  b[r * cols + c] = a[r * cols + c] * 2.f + (float)(gridDim.x * 1000 + blockDim.y);
+""",
+        block=(16, 8, 1),
+    )
+    rows, cols = 37, 53
+    a = rng().standard_normal((rows, cols)).astype(np.float32)
+    b = np.full((rows, cols), np.nan, np.float32)
+    grid = ((cols + 15) // 16, (rows + 7) // 8, 1)
+    be.launch(be.load(kern), grid, [a, b, rows, cols])
+    np.testing.assert_allclose(b, a * 2 + grid[0] * 1000 + 8, rtol=1e-6)
+
+
+def test_uint4_loads_and_half_bf16(be: HostBackend) -> None:
+    # 8 halves per 128-bit load in, one bf16 sum per row out.
+    kern = make(
+        "half_rows_to_bf16",
+        (buf("x", "const uint4* __restrict__"), buf("y", "__nv_bfloat16*"), i32("n")),
+        """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const uint4 v = __ldg(&x[i]);
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+  float acc = 0.f;
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h[j]);
+    acc += f.x + f.y;
+  }
+  y[i] = __float2bfloat16(acc);
+""",
+    )
+    n = 333
+    x = rng().standard_normal((n, 8)).astype(np.float16)
+    y = be.empty(n, ml_dtypes.bfloat16)
+    be.launch(be.load(kern), ((n + 127) // 128, 1, 1), [x, y, n])
+    ref = x.astype(np.float32).sum(axis=1).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(y.astype(np.float32), ref.astype(np.float32))
+
+
+def test_bf16_in_half_out(be: HostBackend) -> None:
+    kern = make(
+        "bf16_scale",
+        (buf("x", "const __nv_bfloat16*"), buf("y", "__half*"), i32("n"), i32("scale")),
+        """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = __float2half(__bfloat162float(x[i]) * (float)scale);
+""",
+    )
+    n = 200
+    x = rng().standard_normal(n).astype(ml_dtypes.bfloat16)
+    y = be.empty(n, np.float16)
+    be.launch(be.load(kern), (2, 1, 1), [x, y, n, -3])
+    np.testing.assert_array_equal(y, (x.astype(np.float32) * -3).astype(np.float16))
+
+
+def test_atomic_add_across_blocks(be: HostBackend) -> None:
+    kern = make(
+        "atomics",
+        (buf("x", "const float*"), buf("fsum", "float*"), buf("count", "int*"), i32("n")),
+        """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  atomicAdd(fsum, x[i]);
+  atomicAdd(count, 1);
+""",
+    )
+    n = 5000
+    x = np.ones(n, np.float32) * 0.5  # exactly representable partial sums: order-independent
+    fsum, count = np.zeros(1, np.float32), np.zeros(1, np.int32)
+    be.launch(be.load(kern), ((n + 127) // 128, 1, 1), [x, fsum, count, n])
+    assert fsum[0] == n * 0.5
+    assert count[0] == n
+
+
+def test_deadlock_is_reported(be: HostBackend) -> None:
+    kern = make(
+        "early_return_then_sync",
+        (buf("out", "float*"),),
+        """
+  __shared__ float s[128];
+  if (threadIdx.x >= 100) return;  // these threads never reach the barrier
+  s[threadIdx.x] = 1.f;
+  __syncthreads();
+  out[threadIdx.x] = s[0];
+""",
+    )
+    out = be.empty(128, np.float32)
+    with pytest.raises(
+        RuntimeError,
+        match=r"deadlock.*28 of 128 threads returned.*100 wait at "
+        r"__syncthreads",
+    ):
+        be.launch(be.load(kern), (4, 1, 1), [out])
+
+
+def test_divergent_warp_barrier_is_reported(be: HostBackend) -> None:
+    kern = make(
+        "warp_vs_block",
+        (buf("out", "int*"),),
+        """
+  if (threadIdx.x < 16) __syncthreads();
+  else out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+""",
+        block=(32, 1, 1),
+    )
+    with pytest.raises(RuntimeError, match="16 wait at __syncthreads, 16 at a warp barrier"):
+        be.launch(be.load(kern), (1, 1, 1), [np.zeros(32, np.int32)])
+
+
+def test_compile_error_names_kernel_and_line(be: HostBackend) -> None:
+    kern = make("broken_kernel", (buf("y", "float*"),), "  y[0] = undeclared_thing + 1.f;")
+    with pytest.raises(CompileError) as e:
+        be.load(kern)
+    msg = str(e.value)
+    assert "broken_kernel" in msg
+    assert "y[0] = undeclared_thing + 1.f;" in msg
+    assert e.value.compiler == "g++"
+
+
+def test_argument_checks(be: HostBackend) -> None:
+    k = be.load(GEMV)
+    w, x, y = np.zeros((8, 32), np.float32), np.zeros(32, np.float32), np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="expected 5 arguments"):
+        be.launch(k, (1, 1, 1), [w, x, y, 8])
+    with pytest.raises(ValueError, match=r"param x .*numpy array"):
+        be.launch(k, (1, 1, 1), [w, 3, y, 8, 32])
+    with pytest.raises(ValueError, match="param w must be C-contiguous"):
+        be.launch(k, (1, 1, 1), [w.T, x, y, 8, 32])
+    with pytest.raises(ValueError, match=r"param k .*needs an int"):
+        be.launch(k, (1, 1, 1), [w, x, y, 8, 32.0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"param n=.*int32"):
+        be.launch(k, (1, 1, 1), [w, x, y, 2**31, 32])
+
+
+def test_disk_cache_skips_recompile(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="qir.runtime")
+    first = HostBackend(cache_dir=tmp_path)
+    assert first.load(GEMV) is first.load(GEMV)  # in-process cache
+    assert sum("compiling gemv_warp (host g++)" in r.message for r in caplog.records) == 1
+    caplog.clear()
+    k = HostBackend(cache_dir=tmp_path).load(GEMV)
+    assert not any("compiling" in r.message for r in caplog.records)
+    y = np.zeros(8, np.float32)
+    HostBackend(cache_dir=tmp_path).launch(
+        k, (1, 1, 1), [np.ones((8, 32), np.float32), np.ones(32, np.float32), y, 8, 32]
+    )
+    np.testing.assert_array_equal(y, 32)
+
+
+def test_corrupt_cache_entry_is_a_miss(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    HostBackend(cache_dir=tmp_path / "a").load(GEMV)
+    # A copy under another path: the loader would hand back the already-open library by name.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (so,) = (tmp_path / "b").glob("gemv_warp-*/gemv_warp.so")
+    so.write_bytes(b"not an ELF file")
+    caplog.set_level(logging.INFO, logger="qir.runtime")
+    k = HostBackend(cache_dir=tmp_path / "b").load(GEMV)
+    assert any("compiling gemv_warp" in r.message for r in caplog.records)
+    assert isinstance(k, HostKernel)
+
+
+def test_gemv_speed(be: HostBackend) -> None:
+    """512x256, one warp per row: 16384 fibers, 5 shuffles each. Loose bound, catches only a
+    regression to a syscall per switch."""
+    n, k = 512, 256
+    w = rng().standard_normal((n, k)).astype(np.float32)
+    x = rng().standard_normal(k).astype(np.float32)
+    y = be.empty(n, np.float32)
+    hk = be.load(GEMV)
+    be.launch(hk, (n // 8, 1, 1), [w, x, y, n, k])
+    t0 = time.perf_counter()
+    be.launch(hk, (n // 8, 1, 1), [w, x, y, n, k])
+    elapsed = time.perf_counter() - t0
+    np.testing.assert_allclose(y, w @ x, rtol=1e-4, atol=1e-4)
+    assert elapsed < 1.0
+
+
+def test_sanitize_catches_out_of_bounds_write(tmp_path: Path) -> None:
+    be = HostBackend(cache_dir=tmp_path, sanitize=True)
+    kern = make(
+        "off_by_one",
+        (buf("y", "float*"), i32("n")),
+        """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i <= n) y[i] = 1.f;  // bug: writes y[n]
+""",
+    )
+    hk = be.load(kern)
+    with pytest.raises(RuntimeError, match="heap-buffer-overflow"):
+        be.launch(hk, (1, 1, 1), [np.zeros(100, np.float32), 100])
+    # In bounds, the sanitized run computes and copies results back.
+    y = np.zeros(128, np.float32)
+    be.launch(hk, (1, 1, 1), [y, 100])
+    np.testing.assert_array_equal(y, np.r_[np.ones(101), np.zeros(27)])

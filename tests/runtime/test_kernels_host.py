@@ -1,0 +1,99 @@
+"""Generated kernels on the host backend against the numpy interpreter and the tools' goldens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qir
+from qir.builder import Builder
+from qir.dtypes import BF16, F16, F32
+from qir.formats.mlx import MlxAffine
+from qir.models import load
+from qir.models.blocks import build
+from tests.conftest import DATA, MLX_FIXTURES, max_rel, mlp_graph, random_weight, rel_err
+
+GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
+# Host and reference differ only in fp32 summation order, then both round to the act dtype.
+TOL = {F16: 2e-3, BF16: 1.6e-2, F32: 1e-5}
+
+
+@pytest.fixture(scope="module")
+def host_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("host-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, host_cache):
+    monkeypatch.setenv("QIR_CACHE_DIR", str(host_cache))
+
+
+@pytest.mark.parametrize("fixture", MLX_FIXTURES)
+@pytest.mark.parametrize("block", ["mlp", "qkv"])
+def test_host_matches_reference_and_golden(fixture, block):
+    golden = np.load(DATA / fixture / "golden.npz")
+    b = build(load(DATA / fixture), block, 0, F16)
+    host = qir.compile(b.graph, b.weights, backend="host")
+    ref = qir.compile(b.graph, b.weights, backend="reference")
+    assert host.kernel_count == (6 if block == "mlp" else 3)
+    for m in (1, 5, 40):
+        x = golden[f"x.M{m}"]
+        ours, theirs = host({"x": x}), ref({"x": x})
+        for name, value in ours.items():
+            assert value.dtype == np.float16
+            assert max_rel(value, theirs[name]) <= TOL[F16], (name, m)
+            assert rel_err(value, golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2
+
+
+@pytest.mark.parametrize("act", [F16, BF16, F32], ids=lambda d: d.name)
+@pytest.mark.parametrize("m", [1, 3, 8, 11])
+def test_host_mlp_all_act_dtypes(rng, act, m):
+    """M=11 spans two m-tiles of 8, the second one partial."""
+    g, w = mlp_graph(rng, 192, 96, MlxAffine(4, 32, BF16), act)
+    x = rng.standard_normal((m, 192), dtype=np.float32).astype(act.np)
+    ours = qir.compile(g, w, backend="host")({"x": x})["y"]
+    ref = qir.compile(g, w, backend="reference")({"x": x})["y"]
+    assert max_rel(ours, ref) <= TOL[act]
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n", [1, 37, 130])
+def test_host_qlinear_out_features_not_a_multiple_of_rows_per_block(rng, n, m):
+    qw, bufs = random_weight(rng, n, 128, MlxAffine(4, 64, F16))
+    b = Builder()
+    x = b.input("x", ("M", 128), F16)
+    b.output("y", b.qlinear(x, b.weight("w", qw)))
+    xa = rng.standard_normal((m, 128), dtype=np.float32).astype(np.float16)
+    ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
+    ref = qir.compile(b.graph, {"w": bufs}, backend="reference")({"x": xa})["y"]
+    assert ours.shape == (m, n)
+    assert max_rel(ours, ref) <= TOL[F16]
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    bits=st.sampled_from([1, 2, 3, 4, 5, 6, 8]),
+    group=st.sampled_from([32, 64, 128]),
+    n=st.integers(1, 37),
+    k_groups=st.integers(1, 3),
+    m=st.integers(1, 9),
+    scale_dtype=st.sampled_from([F16, BF16, F32]),
+    seed=st.integers(0, 2**16),
+)
+def test_host_qlinear_equals_reference_for_any_format(
+    bits, group, n, k_groups, m, scale_dtype, seed
+):
+    rng = np.random.default_rng(seed)
+    k = group * k_groups
+    qw, bufs = random_weight(rng, n, k, MlxAffine(bits, group, scale_dtype))
+    b = Builder()
+    x = b.input("x", ("M", k), F32)
+    b.output("y", b.qlinear(x, b.weight("w", qw)))
+    xa = rng.standard_normal((m, k), dtype=np.float32)
+    ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
+    ref = qir.compile(b.graph, {"w": bufs}, backend="reference")({"x": xa})["y"]
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))

@@ -1,0 +1,163 @@
+"""The qir command: outputs, files, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qir.cli import main
+from tests.conftest import DATA, rel_err
+
+CKPT = DATA / "mlx_affine4_g64_S"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qir.cli", "-q", *args], capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize("backend", ["reference", "host"])
+def test_run_mlp_writes_float32_y_matching_golden(tmp_path, backend, monkeypatch):
+    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path / "cache"))
+    golden = np.load(CKPT / "golden.npz")
+    np.save(tmp_path / "x.npy", golden["x.M5"])
+    out = tmp_path / "out.npz"
+    args = ["run", str(CKPT), "--block", "mlp", "--layer", "0", "--input", str(tmp_path / "x.npy")]
+    assert main([*args, "--out", str(out), "--backend", backend, "--act-dtype", "f16"]) == 0
+    y = np.load(out)["y"]
+    assert y.dtype == np.float32 and y.shape == (5, 256)
+    assert rel_err(y, golden["mlp.0.M5"]) <= 1e-2
+
+
+def test_run_qkv_accepts_float32_input_and_default_act_dtype(tmp_path):
+    golden = np.load(CKPT / "golden.npz")
+    np.save(tmp_path / "x.npy", golden["x.M1"].astype(np.float32))
+    out = tmp_path / "out.npz"
+    args = [
+        "run",
+        str(CKPT),
+        "--block",
+        "qkv",
+        "--input",
+        str(tmp_path / "x.npy"),
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    res = np.load(out)
+    assert sorted(res.files) == ["k", "q", "v"]
+    for p in "qkv":
+        # default act dtype is the checkpoint's bf16, so the tolerance is bf16's
+        assert rel_err(res[p], golden[f"{p}.0.M1"]) <= 1e-2
+
+
+def test_dump_writes_ir_and_standalone_cu_files(tmp_path):
+    assert main(["dump", str(CKPT), "--block", "mlp", "--layer", "0", "--out", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "before.ir" in names and "after.ir" in names and "qir_common.cuh" in names
+    assert "qgemv_mlx4g64bf16_bf16_n512_k256_m8.cu" in names
+    assert "%gate = qlinear %x, %w_gate" in (tmp_path / "before.ir").read_text()
+
+
+def test_compile_writes_one_plan_entry_per_launch(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert main(["compile", str(CKPT), "--block", "qkv", "--m", "5", "--json", str(plan)]) == 0
+    kernels = json.loads(plan.read_text())["kernels"]
+    assert [k["nodes"] for k in kernels] == [["q"], ["k"], ["v"]]
+    assert kernels[0]["grid"] == [64, 1, 1] and kernels[0]["block"] == [128, 1, 1]
+
+
+def _broken_checkpoint(tmp_path: Path, drop: str | None = None, **retype: str) -> Path:
+    """A copy of the 4-bit fixture with one tensor removed or re-typed."""
+    from safetensors.numpy import save_file
+
+    from qir.models.safetensors_io import TensorStore
+
+    store = TensorStore(CKPT)
+    names = store.keys()
+    tensors = {k: np.array(store.get(k)) for k in names if k != drop}
+    for k, dtype in retype.items():
+        tensors[k] = tensors[k].astype(dtype)
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    shutil.copy(CKPT / "config.json", dst)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing_scales", "model.layers.0.mlp.gate_proj.scales"),
+        ("wrong_dtype", "model.layers.0.mlp.up_proj.weight: int32 [512, 32], expected uint32"),
+        ("bad_block", "unknown block 'attention'"),
+        ("bad_layer", "layer 3 is out of range"),
+        ("bad_width", r"shape [5, 300], expected [M, 256]"),
+        ("no_checkpoint", "nowhere: checkpoint does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, case, message):
+    ckpt, block, layer = CKPT, "mlp", "0"
+    x = np.zeros((5, 256), np.float16)
+    if case == "missing_scales":
+        ckpt = _broken_checkpoint(tmp_path, drop="model.layers.0.mlp.gate_proj.scales")
+    elif case == "wrong_dtype":
+        ckpt = _broken_checkpoint(tmp_path, **{"model.layers.0.mlp.up_proj.weight": "int32"})
+    elif case == "bad_block":
+        block = "attention"
+    elif case == "bad_layer":
+        layer = "3"
+    elif case == "bad_width":
+        x = np.zeros((5, 300), np.float16)
+    elif case == "no_checkpoint":
+        ckpt = tmp_path / "nowhere"
+    np.save(tmp_path / "x.npy", x)
+    r = run_cli(
+        "run", str(ckpt), "--block", block, "--layer", layer,
+        "--input", str(tmp_path / "x.npy"), "--out", str(tmp_path / "o.npz"),
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qir: error: "), r.stderr
+    assert message in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_group_size_not_dividing_in_features_is_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(CKPT, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization"]["group_size"] = 96
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    np.save(tmp_path / "x.npy", np.zeros((1, 256), np.float16))
+    r = run_cli(
+        "run",
+        str(ckpt),
+        "--block",
+        "qkv",
+        "--input",
+        str(tmp_path / "x.npy"),
+        "--out",
+        str(tmp_path / "o.npz"),
+    )
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "group_size" in r.stderr
+
+
+def test_demo_prints_a_table_on_the_host_backend(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
+    assert main(["-q", "demo", "--backend", "host"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:5] == ["checkpoint", "block", "M", "kernels", "backend"]
+    rows = [ln.split() for ln in lines[1:]]
+    assert {r[1] for r in rows} == {"mlp", "qkv"} and len(rows) == 8
+    for r in rows:
+        assert r[3] == ("6" if r[1] == "mlp" else "3") and r[4] == "host"
+        assert float(r[5]) <= 2e-2
