@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 from dataclasses import fields
 
@@ -40,7 +42,10 @@ def parse_format(text: str) -> WeightFormat:
 
 
 def _load_builtin() -> None:
-    from qir.formats import mlx  # noqa: F401  (registers itself)
+    """Imports every format module; each registers itself."""
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name != "base":
+            importlib.import_module(f"{__name__}.{mod.name}")
 
 
 __all__ = ["REGISTRY", "DType", "FormatError", "WeightFormat", "parse_format", "register"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
-from qir.formats import mlx
 from qir.formats.base import FormatError
+from qir.models.families import FAMILIES, Family, load_all
 from qir.models.safetensors_io import TensorStore
 from qir.types import QWeight
 
@@ -152,59 +152,6 @@ class Checkpoint:
         return lin
 
 
-@dataclass(frozen=True)
-class Family:
-    """A checkpoint format family: how to recognise its config.json and read one linear."""
-
-    name: str
-    matches: Callable[[Mapping[str, Any]], bool]
-    linear: Callable[[Checkpoint, str], Linear]
-
-
-def _scale_dtype(ck: Checkpoint, scales: str) -> DType:
-    stored = ck.store.dtype(scales)
-    for d in mlx.SCALE_DTYPES:
-        if d.np == stored:
-            return d
-    names = ", ".join(d.name for d in mlx.SCALE_DTYPES)
-    raise FormatError(f"{scales}: dtype {stored}, expected one of {names}")
-
-
-def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
-    qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
-    scales = f"{module}.scales"
-    if f"{module}.weight" not in ck.store:
-        raise FormatError(f"{module}.weight: missing from {ck.path}")
-    if scales not in ck.store:
-        raise FormatError(f"{scales}: missing (an MLX affine weight needs .weight/.scales/.biases)")
-    fmt = mlx.from_config(qcfg, module, _scale_dtype(ck, scales))
-    if fmt is None:
-        raise FormatError(f"{module}: not quantized (quantization[{module!r}] is false)")
-    words = ck.store.get(f"{module}.weight")
-    if words.ndim != 2 or words.dtype != np.uint32 or words.shape[1] * 32 % fmt.bits:
-        raise FormatError(
-            f"{module}.weight: {words.dtype} {list(words.shape)}, expected uint32 "
-            f"[out, in*{fmt.bits}/32] for {fmt.spell()}"
-        )
-    out_features, in_features = words.shape[0], words.shape[1] * 32 // fmt.bits
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{module}.weight: {e}") from None
-    bufs = {
-        name: ck.store.get(f"{module}.{name}")
-        for name in fmt.buffers(out_features, in_features)
-        if f"{module}.{name}" in ck.store
-    }
-    fmt.check_buffers(bufs, out_features, in_features, where=module)
-    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
-
-
-# Tried in order; the first whose `matches` accepts config.json reads the checkpoint.
-FAMILIES: list[Family] = [Family("mlx_affine", mlx.matches_config, _mlx_linear)]
-
-
 def _unsupported(config: Mapping[str, Any]) -> str:
     for key in ("quantization_config", "quantization"):
         q = config.get(key)
@@ -232,6 +179,7 @@ def load(path: str | Path) -> Checkpoint:
         raise FormatError(f"{cfg_path}: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise FormatError(f"{cfg_path}: not a JSON object")
+    load_all()
     for family in FAMILIES:
         if family.matches(config):
             return Checkpoint(path, config, family)

@@ -1,36 +1,14 @@
-"""Per-format device dequant fragments: Python computes each fragment's constants and kernel
-parameters from the format; the fragment template only substitutes them.
-
-A fragment defines `qir_dequant_chunk(<weight params>, row, chunk, float (&wv)[chunk_elems])`,
-which dequantizes weights [chunk*chunk_elems, (chunk+1)*chunk_elems) of one output row."""
+"""Fragment constants for MLX affine (templates/formats/mlx_affine.cuh.j2)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
+from qir.codegen.fragments import MAX_CHUNK_ELEMS, Fragment, register_fragment
 from qir.codegen.kernel import KernelParam
 from qir.formats.base import WeightFormat
 from qir.formats.mlx import MlxAffine
 
 
-@dataclass(frozen=True)
-class Fragment:
-    template: str
-    params: tuple[KernelParam, ...]  # in the order of the format's buffers()
-    buffers: tuple[str, ...]
-    chunk_elems: int
-    context: dict[str, Any]
-
-    def chunks_per_row(self, in_features: int) -> int:
-        return in_features // self.chunk_elems
-
-
-# Per-lane register budget: a chunk is dequantized into this many floats at most.
-MAX_CHUNK_ELEMS = 64
-
-
+@register_fragment("mlx_affine")
 def _mlx_affine(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, MlxAffine)
     words_per_row = in_features * fmt.bits // 32
@@ -70,16 +48,3 @@ def _mlx_affine(fmt: WeightFormat, out_features: int, in_features: int) -> Fragm
             "scale_t": scale_t,
         },
     )
-
-
-FRAGMENTS: dict[str, Callable[[WeightFormat, int, int], Fragment]] = {
-    "mlx_affine": _mlx_affine,
-}
-
-
-def fragment_for(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
-    try:
-        make = FRAGMENTS[fmt.fragment]
-    except KeyError:
-        raise NotImplementedError(f"no device dequant fragment for {fmt.spell()} yet") from None
-    return make(fmt, out_features, in_features)

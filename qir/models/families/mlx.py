@@ -1,0 +1,55 @@
+"""mlx-lm checkpoints: `<module>.weight/.scales/.biases`, read as stored (no repack)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qir.dtypes import DType
+from qir.formats import mlx
+from qir.formats.base import FormatError
+from qir.models.checkpoint import Checkpoint, Linear
+from qir.models.families import Family, register_family
+from qir.types import QWeight
+
+
+def _scale_dtype(ck: Checkpoint, scales: str) -> DType:
+    stored = ck.store.dtype(scales)
+    for d in mlx.SCALE_DTYPES:
+        if d.np == stored:
+            return d
+    names = ", ".join(d.name for d in mlx.SCALE_DTYPES)
+    raise FormatError(f"{scales}: dtype {stored}, expected one of {names}")
+
+
+def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
+    qcfg = mlx.quantization_dict(ck.config)
+    assert qcfg is not None  # the family matched on it
+    scales = f"{module}.scales"
+    if f"{module}.weight" not in ck.store:
+        raise FormatError(f"{module}.weight: missing from {ck.path}")
+    if scales not in ck.store:
+        raise FormatError(f"{scales}: missing (an MLX affine weight needs .weight/.scales/.biases)")
+    fmt = mlx.from_config(qcfg, module, _scale_dtype(ck, scales))
+    if fmt is None:
+        raise FormatError(f"{module}: not quantized (quantization[{module!r}] is false)")
+    words = ck.store.get(f"{module}.weight")
+    if words.ndim != 2 or words.dtype != np.uint32 or words.shape[1] * 32 % fmt.bits:
+        raise FormatError(
+            f"{module}.weight: {words.dtype} {list(words.shape)}, expected uint32 "
+            f"[out, in*{fmt.bits}/32] for {fmt.spell()}"
+        )
+    out_features, in_features = words.shape[0], words.shape[1] * 32 // fmt.bits
+    try:
+        fmt.check_shape(out_features, in_features)
+    except FormatError as e:
+        raise FormatError(f"{module}.weight: {e}") from None
+    bufs = {
+        name: ck.store.get(f"{module}.{name}")
+        for name in fmt.buffers(out_features, in_features)
+        if f"{module}.{name}" in ck.store
+    }
+    fmt.check_buffers(bufs, out_features, in_features, where=module)
+    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
+
+
+register_family(Family("mlx_affine", mlx.matches_config, _mlx_linear))
