@@ -33,7 +33,7 @@ class Launch:
     grid_x: int
     m_tile: int  # grid.y = ceil(M / m_tile)
     args: tuple[Arg, ...]
-    output: str  # the value this launch writes
+    outputs: tuple[str, ...]  # the values this launch writes
     nodes: tuple[str, ...]  # IR nodes it covers
 
     def grid(self, m: int) -> tuple[int, int, int]:
@@ -66,13 +66,13 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
                 Arg("M"),
             )
             kernel = gemv_kernel(w, out.dtype, m_tile)
-            launches.append(Launch(kernel, gemv_grid_x(w), m_tile, args, name, (name,)))
+            launches.append(Launch(kernel, gemv_grid_x(w), m_tile, args, (name,), (name,)))
         elif spec(node.op).elementwise:
             n = out.shape[1]
             assert isinstance(n, int)
             args = (*(Arg("value", o) for o in operands), Arg("value", name), Arg("M"))
             kernel = elementwise_kernel(node.op, out.dtype, n)
-            launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, name, (name,)))
+            launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
         else:
             raise NotImplementedError(f"no kernel for %{name} = {node.op}")
     return Plan(graph, tuple(launches))

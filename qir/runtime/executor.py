@@ -43,9 +43,10 @@ class CompiledBlock:
             n: self.backend.to_device(np.ascontiguousarray(inputs[n])) for n in graph.inputs
         }
         for launch, loaded in zip(self.plan.launches, self._loaded, strict=True):
-            t = graph.node(launch.output).type
-            assert isinstance(t, TensorType)
-            env[launch.output] = self.backend.empty(t.concrete(sizes), t.dtype.np)
+            for out in launch.outputs:
+                t = graph.node(out).type
+                assert isinstance(t, TensorType)
+                env[out] = self.backend.empty(t.concrete(sizes), t.dtype.np)
             args: list[Any] = []
             for a in launch.args:
                 if a.kind == "value":
