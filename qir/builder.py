@@ -41,6 +41,7 @@ class Builder:
             if self.graph.node(o.name).type != o.type:
                 raise ValueError(f"{o} does not belong to graph {self.graph.name}")
         result = spec(op).infer(types, names, {})
+        assert isinstance(result, TensorType)
         n = self.graph.add(self._fresh(name, op), Node(op, result), tuple(names))
         return Value(n, result)
 

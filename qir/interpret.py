@@ -7,12 +7,14 @@ just as the kernels store f16 between launches)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from qir.errors import QirError
 from qir.graph import Graph, Node
-from qir.types import QWeight, TensorType
+from qir.ops import qlinear_layout
+from qir.types import QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
 
@@ -78,24 +80,44 @@ _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
+def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
+    """Fused or not, the same numerics as the unfused ops: the prologue rounds silu(g) and the
+    product to the act dtype like separate silu/mul ops would, the epilogue adds the residual
+    to the rounded projection."""
+    attrs = dict(node.attrs)
+    ins, ws, extras = qlinear_layout(len(args), attrs)
+    t = node.type.elements[0] if isinstance(node.type, TupleType) else node.type
+    assert isinstance(t, TensorType)
+    dt = t.dtype.np
+    if attrs.get("prologue") == "silu_mul":
+        g, u = args[ins]
+        x = (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+    else:
+        (x,) = args[ins]
+    outs = [(_f32(x) @ w.T).astype(dt) for w in args[ws]]
+    if attrs.get("epilogue") == "residual":
+        (r,) = args[extras]
+        outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
+    return tuple(outs) if isinstance(node.type, TupleType) else outs[0]
+
+
 def interpret(
     graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights
 ) -> dict[str, np.ndarray]:
     bind_inputs(graph, inputs)
-    env: dict[str, np.ndarray] = {}
+    env: dict[str, Any] = {}
     for name, node in graph.items():
         args = [env[o] for o in graph.operands(name)]
         if node.op == "input":
             env[name] = inputs[name]
-            continue
-        if node.op == "weight":
+        elif node.op == "weight":
             env[name] = dequantized(node, weights)
-            continue
-        assert isinstance(node.type, TensorType)
-        if node.op == "qlinear":
-            x, w = args
-            result = _f32(x) @ w.T
+        elif node.op == "qlinear":
+            env[name] = _qlinear(node, args)
+        elif node.op == "get":
+            env[name] = args[0][node.attr("index")]
         else:
+            assert isinstance(node.type, TensorType)
             result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
-        env[name] = result.astype(node.type.dtype.np)
+            env[name] = result.astype(node.type.dtype.np)
     return {out: env[value] for out, value in graph.outputs}

@@ -10,7 +10,7 @@ from typing import Any
 
 from qir import dtypes
 from qir.errors import QirError
-from qir.types import QWeight, TensorType, ValueType
+from qir.types import QWeight, TensorType, TupleType, ValueType
 
 
 class IRTypeError(QirError, TypeError):
@@ -18,6 +18,9 @@ class IRTypeError(QirError, TypeError):
 
 
 Infer = Callable[[Sequence[ValueType], Sequence[str], Mapping[str, Any]], ValueType]
+
+
+VARIADIC = -1
 
 
 @dataclass(frozen=True)
@@ -58,19 +61,77 @@ def _infer_leaf(
     raise AssertionError("leaf types are given, not inferred")
 
 
+PROLOGUES = ("silu_mul",)
+EPILOGUES = ("residual",)
+
+
+def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, slice, slice]:
+    """Where a qlinear's inputs, weights and epilogue operands sit among its operands.
+
+    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input);
+    weights: one or more (several = one multi-output node reading its input once);
+    then the residual r with epilogue residual (y = r + x W^T).
+    """
+    n_in = 2 if attrs.get("prologue") == "silu_mul" else 1
+    n_extra = 1 if attrs.get("epilogue") == "residual" else 0
+    return (
+        slice(0, n_in),
+        slice(n_in, n_operands - n_extra),
+        slice(n_operands - n_extra, n_operands),
+    )
+
+
 def _infer_qlinear(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
+    prologue, epilogue = attrs.get("prologue"), attrs.get("epilogue")
+    if prologue is not None and prologue not in PROLOGUES:
+        raise IRTypeError(f"qlinear: unknown prologue {prologue!r}; known: {', '.join(PROLOGUES)}")
+    if epilogue is not None and epilogue not in EPILOGUES:
+        raise IRTypeError(f"qlinear: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
+    _, ws, extras = qlinear_layout(len(types), attrs)
+    if ws.stop - ws.start < 1:
+        raise IRTypeError(f"qlinear: {len(types)} operands leave no weight")
     x = _activation("qlinear", names, types, 0)
-    w = types[1]
-    if not isinstance(w, QWeight):
-        raise IRTypeError(f"qlinear: operand 1 ({_desc(names[1], w)}) must be a weight")
-    if x.shape[1] != w.in_features:
-        raise IRTypeError(
-            f"qlinear: input {_desc(names[0], x)} has {x.shape[1]} features but weight "
-            f"{_desc(names[1], w)} has in_features {w.in_features}"
-        )
-    return TensorType((x.shape[0], w.out_features), x.dtype)
+    if prologue == "silu_mul":
+        u = _activation("qlinear", names, types, 1)
+        if u != x:
+            raise IRTypeError(
+                f"qlinear prologue silu_mul: {_desc(names[0], x)} and {_desc(names[1], u)} differ"
+            )
+    results = []
+    for i in range(ws.start, ws.stop):
+        w = types[i]
+        if not isinstance(w, QWeight):
+            raise IRTypeError(f"qlinear: operand {i} ({_desc(names[i], w)}) must be a weight")
+        if x.shape[1] != w.in_features:
+            raise IRTypeError(
+                f"qlinear: input {_desc(names[0], x)} has {x.shape[1]} features but weight "
+                f"{_desc(names[i], w)} has in_features {w.in_features}"
+            )
+        results.append(TensorType((x.shape[0], w.out_features), x.dtype))
+    if epilogue == "residual":
+        if len(results) != 1:
+            raise IRTypeError("qlinear epilogue residual: needs exactly one weight")
+        r = _activation("qlinear", names, types, extras.start)
+        if r != results[0]:
+            raise IRTypeError(
+                f"qlinear epilogue residual: {_desc(names[extras.start], r)} does not match "
+                f"the result {results[0]}"
+            )
+    return results[0] if len(results) == 1 else TupleType(tuple(results))
+
+
+def _infer_get(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    t = types[0]
+    if not isinstance(t, TupleType):
+        raise IRTypeError(f"get: operand {_desc(names[0], t)} is not a tuple")
+    i = attrs.get("index")
+    if not isinstance(i, int) or not 0 <= i < len(t.elements):
+        raise IRTypeError(f"get: index {i!r} out of range for {_desc(names[0], t)}")
+    return t.elements[i]
 
 
 def _infer_unary(op: str) -> Infer:
@@ -103,7 +164,13 @@ OPS: dict[str, OpSpec] = {
     for s in (
         OpSpec("input", 0, _infer_leaf),
         OpSpec("weight", 0, _infer_leaf, frozenset({"key"})),
-        OpSpec("qlinear", 2, _infer_qlinear),
+        OpSpec(
+            "qlinear",
+            VARIADIC,
+            _infer_qlinear,
+            frozenset({"prologue", "epilogue", "kernel", "fused"}),
+        ),
+        OpSpec("get", 1, _infer_get, frozenset({"index"})),
         OpSpec("silu", 1, _infer_unary("silu"), elementwise=True),
         OpSpec("mul", 2, _infer_binary("mul"), elementwise=True),
         OpSpec("add", 2, _infer_binary("add"), elementwise=True),

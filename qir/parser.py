@@ -9,7 +9,7 @@ from qir.dtypes import by_name
 from qir.errors import QirError
 from qir.formats import parse_format
 from qir.graph import AttrValue, Graph, Node
-from qir.types import Dim, QWeight, TensorType, ValueType
+from qir.types import Dim, QWeight, TensorType, TupleType, ValueType
 from qir.verify import verify
 
 _NAME = r"[\w.]+"
@@ -25,6 +25,11 @@ class ParseError(QirError, ValueError):
 
 
 def parse_type(text: str) -> ValueType:
+    if text.startswith("(") and text.endswith(")"):
+        elements = [parse_type(e) for e in re.findall(r"\w+\[[^\]]*\]", text)]
+        if not elements or not all(isinstance(e, TensorType) for e in elements):
+            raise ParseError(f"bad tuple type {text!r}")
+        return TupleType(tuple(e for e in elements if isinstance(e, TensorType)))
     m = _QWEIGHT.match(text)
     if m:
         return QWeight(parse_format(m.group(1)), int(m.group(2)), int(m.group(3)))

@@ -51,4 +51,14 @@ class QWeight:
         return f"qweight<{self.format.spell()}>[{self.out_features}, {self.in_features}]"
 
 
-ValueType = TensorType | QWeight
+@dataclass(frozen=True)
+class TupleType:
+    """The results of a multi-output node (a merged gate/up or q/k/v qlinear); `get` projects."""
+
+    elements: tuple[TensorType, ...]
+
+    def __str__(self) -> str:
+        return f"({', '.join(str(e) for e in self.elements)})"
+
+
+ValueType = TensorType | QWeight | TupleType

@@ -6,7 +6,7 @@ import networkx as nx
 
 from qir.errors import QirError
 from qir.graph import Graph
-from qir.ops import IRTypeError, spec
+from qir.ops import VARIADIC, IRTypeError, spec
 from qir.types import QWeight, TensorType
 
 
@@ -23,7 +23,7 @@ def verify(graph: Graph) -> None:
         except IRTypeError as e:
             raise VerifyError(f"%{name}: {e}") from None
         operands = graph.operands(name)
-        if len(operands) != s.arity:
+        if s.arity != VARIADIC and len(operands) != s.arity:
             raise VerifyError(f"%{name} = {node.op}: {len(operands)} operands, expected {s.arity}")
         unknown = {k for k, _ in node.attrs} - s.attrs
         if unknown:

@@ -11,7 +11,7 @@ THREADS = 256
 # C expressions over the operands' float values (av, bv); Python picks them, the template
 # only substitutes.
 EXPRESSIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "silu": (("a",), "av / (1.0f + expf(-av))"),
+    "silu": (("a",), "qir_silu(av)"),
     "mul": (("a", "b"), "av * bv"),
     "add": (("a", "b"), "av + bv"),
 }

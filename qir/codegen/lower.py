@@ -10,11 +10,11 @@ from typing import Literal
 
 from qir.codegen.elementwise import elementwise_grid_x, elementwise_kernel
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import gemv_grid_x, gemv_kernel
+from qir.codegen.gemv import GemvSpec, gemv_kernel
 from qir.codegen.kernel import Kernel
 from qir.graph import Graph
-from qir.ops import spec
-from qir.types import QWeight, TensorType
+from qir.ops import qlinear_layout, spec
+from qir.types import QWeight, TensorType, TupleType
 
 # Rows of x one GEMV launch handles; grid.y covers the rest.
 DEFAULT_M_TILE = 8
@@ -46,28 +46,52 @@ class Plan:
     launches: tuple[Launch, ...]
 
 
+def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> Launch:
+    node = graph.node(name)
+    operands = graph.operands(name)
+    ins, ws, extras = qlinear_layout(len(operands), dict(node.attrs))
+    weights = tuple(t for w in operands[ws] if isinstance(t := graph.node(w).type, QWeight))
+    if isinstance(node.type, TupleType):
+        by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
+        if sorted(by_index) != list(range(len(weights))):
+            raise NotImplementedError(
+                f"%{name}: every result of a multi-output qlinear needs a get"
+            )
+        outputs = tuple(by_index[i] for i in range(len(weights)))
+        act = node.type.elements[0].dtype
+    else:
+        assert isinstance(node.type, TensorType)
+        outputs, act = (name,), node.type.dtype
+    gemv = GemvSpec(
+        weights,
+        act,
+        m_tile,
+        prologue=node.attr("prologue") == "silu_mul",
+        epilogue=node.attr("epilogue") == "residual",
+    )
+    frag = fragment_for(weights[0].format, weights[0].out_features, weights[0].in_features)
+    args = (
+        *(Arg("value", v) for v in operands[ins]),
+        *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
+        *(Arg("value", o) for o in outputs),
+        *(Arg("value", v) for v in operands[extras]),
+        Arg("M"),
+    )
+    covers = (name, *node.attr("fused", ()))
+    return Launch(gemv_kernel(gemv), gemv.grid_x, m_tile, args, outputs, covers)
+
+
 def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
     launches = []
     for name, node in graph.items():
-        if node.op in ("input", "weight"):
-            continue
+        if node.op in ("input", "weight", "get"):
+            continue  # leaves, and projections of a multi-output launch's results
         operands = graph.operands(name)
-        out = node.type
-        assert isinstance(out, TensorType)
         if node.op == "qlinear":
-            x, wname = operands
-            w = graph.node(wname).type
-            assert isinstance(w, QWeight)
-            frag = fragment_for(w.format, w.out_features, w.in_features)
-            args = (
-                Arg("value", x),
-                *(Arg("weight", wname, b) for b in frag.buffers),
-                Arg("value", name),
-                Arg("M"),
-            )
-            kernel = gemv_kernel(w, out.dtype, m_tile)
-            launches.append(Launch(kernel, gemv_grid_x(w), m_tile, args, (name,), (name,)))
+            launches.append(_lower_qlinear(graph, name, m_tile))
         elif spec(node.op).elementwise:
+            out = node.type
+            assert isinstance(out, TensorType)
             n = out.shape[1]
             assert isinstance(n, int)
             args = (*(Arg("value", o) for o in operands), Arg("value", name), Arg("M"))

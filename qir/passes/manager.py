@@ -11,11 +11,18 @@ from qir.errors import UsageError
 from qir.graph import Graph
 from qir.passes.base import Pass
 from qir.passes.dce import DCE
+from qir.passes.merge_parallel import MergeParallel
+from qir.passes.residual_epilogue import ResidualEpilogue
+from qir.passes.select_kernels import SelectKernels
+from qir.passes.silu_prologue import SiluPrologue
 from qir.verify import verify
 
-PASSES: dict[str, Pass] = {p.name: p for p in (DCE(),)}
+PASSES: dict[str, Pass] = {
+    p.name: p for p in (MergeParallel(), SiluPrologue(), ResidualEpilogue(), DCE(), SelectKernels())
+}
 PIPELINES: dict[str, tuple[str, ...]] = {
-    "default": ("dce",),
+    "default": ("merge_parallel", "silu_prologue", "residual_epilogue", "dce", "select_kernels"),
+    # Unfused: one kernel per op, the baseline every fusion is compared against.
     "none": (),
 }
 

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import gemv_kernel
+from qir.codegen.gemv import GemvSpec, gemv_kernel
 from qir.codegen.lower import lower
 from qir.codegen.render import render
 from qir.dtypes import BF16, F16, F32
@@ -24,11 +24,26 @@ from tests.conftest import DATA, MLX_FIXTURES
 
 
 def test_kernel_name_spells_the_specialisation():
-    k = gemv_kernel(QWeight(MlxAffine(4, 128, BF16), 512, 256), F16, 8)
+    w = QWeight(MlxAffine(4, 128, BF16), 512, 256)
+    k = gemv_kernel(GemvSpec((w,), F16, 8))
     assert k.name == "qgemv_mlx4g128bf16_f16_n512_k256_m8"
     assert f"void __launch_bounds__(128, 4) {k.name}(" in k.source
-    assert [p.name for p in k.params] == ["x", "w_weight", "w_scales", "w_biases", "y", "M"]
+    assert [p.name for p in k.params] == ["x", "w0_weight", "w0_scales", "w0_biases", "y0", "M"]
     assert k.headers[0][0] == "qir_common.cuh"
+    dual = gemv_kernel(GemvSpec((w, w), F16, 8))
+    assert dual.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8"
+    assert [p.name for p in dual.params][-3:] == ["y0", "y1", "M"]
+    down = QWeight(MlxAffine(4, 128, BF16), 256, 512)
+    fused = gemv_kernel(GemvSpec((down,), F16, 8, prologue=True, epilogue=True))
+    assert fused.name == "qgemv_mlx4g128bf16_f16_n256_k512_m8_silu_res"
+    assert [p.name for p in fused.params] == ["g", "u", "w0_weight", "w0_scales", "w0_biases", "y0", "r", "M"]
+
+
+def test_one_launch_rejects_mixed_formats():
+    a = QWeight(MlxAffine(4, 128, BF16), 512, 256)
+    b = QWeight(MlxAffine(8, 128, BF16), 512, 256)
+    with pytest.raises(ValueError, match="one format"):
+        GemvSpec((a, b), F16, 8)
 
 
 def test_templates_reject_missing_variables():
@@ -57,9 +72,10 @@ def _rendered_kernels():
         ck = load(DATA / fixture)
         for block in ("mlp", "qkv"):
             for act in (F16, BF16, F32):
-                g, _ = run_pipeline(build(ck, block, 0, act).graph)
-                for launch in lower(g).launches:
-                    seen[launch.kernel.name] = launch.kernel
+                for passes in ("default", "none"):
+                    g, _ = run_pipeline(build(ck, block, 0, act).graph, passes)
+                    for launch in lower(g).launches:
+                        seen[launch.kernel.name] = launch.kernel
     return list(seen.values())
 
 
@@ -70,7 +86,7 @@ def test_every_dumped_cu_compiles_on_its_own_with_nvcc(tmp_path):
     after, _ = run_pipeline(b.graph)
     files = dump(b.graph, after, lower(after), tmp_path)
     cus = [f for f in files if f.suffix == ".cu"]
-    assert len(cus) == 5  # gate and up share one 3-bit kernel
+    assert len(cus) == 2  # gate/up in one launch; down with the silu prologue and residual
     for cu in cus:
         r = subprocess.run(
             ["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", cu.name, "-o", cu.stem + ".cubin"],

@@ -65,7 +65,7 @@ def test_dce_differential(rng):
 
 
 def test_pipeline_names_are_checked():
-    assert [p.name for p in resolve("default")] == ["dce"]
+    assert "dce" in [p.name for p in resolve("default")]
     assert resolve("none") == ()
     with pytest.raises(ValueError, match="unknown pass fuse_everything"):
         resolve("dce,fuse_everything")

@@ -30,14 +30,19 @@ def _cache(monkeypatch, host_cache):
     monkeypatch.setenv("QIR_CACHE_DIR", str(host_cache))
 
 
+KERNELS = {("mlp", "default"): 2, ("qkv", "default"): 1, ("mlp", "none"): 6, ("qkv", "none"): 3}
+
+
+@pytest.mark.parametrize("passes", ["default", "none"])
 @pytest.mark.parametrize("fixture", MLX_FIXTURES)
 @pytest.mark.parametrize("block", ["mlp", "qkv"])
-def test_host_matches_reference_and_golden(fixture, block):
+def test_host_matches_reference_and_golden(fixture, block, passes):
     golden = np.load(DATA / fixture / "golden.npz")
     b = build(load(DATA / fixture), block, 0, F16)
-    host = qir.compile(b.graph, b.weights, backend="host")
+    host = qir.compile(b.graph, b.weights, backend="host", passes=passes)
     ref = qir.compile(b.graph, b.weights, backend="reference")
-    assert host.kernel_count == (6 if block == "mlp" else 3)
+    mixed_qkv = (fixture, block, passes) == ("mlx_mixed_3_6_S", "qkv", "default")
+    assert host.kernel_count == (2 if mixed_qkv else KERNELS[block, passes])  # 6-bit v alone
     for m in (1, 5, 40):
         x = golden[f"x.M{m}"]
         ours, theirs = host({"x": x}), ref({"x": x})

@@ -39,3 +39,10 @@ __device__ __forceinline__ float qir_warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
+
+// Rounds through the activation type, so fused code keeps the numerics of the separate ops
+// that stored T between them.
+template <typename T>
+__device__ __forceinline__ float qir_round(float v) { return qir_to_float(qir_from_float<T>(v)); }
+
+__device__ __forceinline__ float qir_silu(float v) { return v / (1.0f + expf(-v)); }

@@ -1,0 +1,66 @@
+"""Merge parallel qlinears: several plain qlinears reading the same input with weights of one
+format and one in_features (gate/up; q/k/v) become one multi-output qlinear that reads the input
+once; each original value becomes a `get` of it, so users and block outputs are untouched.
+
+Preconditions: a verified graph. Scale-safe by construction: every weight keeps its own
+buffers, so per-tensor scales (NVFP4 global scales, FP8) stay per output segment; nothing is
+merged by max().
+Does not handle: qlinears that already carry a prologue or epilogue, or already merged ones
+(merging happens first in the pipeline); weights of different formats or widths (not merged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qir.graph import Graph, Node, make_attrs
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.types import QWeight, TensorType, TupleType
+
+
+def _plain_qlinear_users(graph: Graph, x: str) -> list[str]:
+    users = []
+    for u in graph.users(x):
+        node = graph.node(u)
+        if node.op == "qlinear" and not node.attrs and graph.operands(u)[0] == x:
+            users.append(u)
+    return users
+
+
+def _groups(graph: Graph, x: str) -> list[list[str]]:
+    by_key: dict[tuple[object, int], list[str]] = {}
+    for u in _plain_qlinear_users(graph, x):
+        w = graph.node(graph.operands(u)[1]).type
+        assert isinstance(w, QWeight)
+        by_key.setdefault((w.format, w.in_features), []).append(u)
+    return [g for g in by_key.values() if len(g) > 1]
+
+
+def _has_group(graph: Graph, x: str) -> bool:
+    return bool(_groups(graph, x))
+
+
+def _merge(rw: Rewriter, m: Match) -> bool:
+    graph = rw.graph
+    group = _groups(graph, m.root)[0]
+    weights = [graph.operands(u)[1] for u in group]
+    types = tuple(t for u in group if isinstance(t := graph.node(u).type, TensorType))
+    merged = rw.insert(
+        "_".join(group),
+        Node("qlinear", TupleType(types), make_attrs(fused=tuple(group))),
+        [m.root, *weights],
+    )
+    for i, u in enumerate(group):
+        rw.redefine(u, Node("get", types[i], make_attrs(index=i)), [merged])
+    return True
+
+
+RULES = (Rule("merge_parallel", Pat(check=_has_group), _merge),)
+
+
+@dataclass(frozen=True)
+class MergeParallel:
+    name: str = "merge_parallel"
+
+    def run(self, graph: Graph) -> int:
+        return apply_rules(graph, RULES)
