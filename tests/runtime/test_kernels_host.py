@@ -14,6 +14,7 @@ from qir.formats.mlx import MlxAffine
 from qir.models import load
 from qir.models.blocks import build
 from tests.conftest import DATA, MLX_FIXTURES, max_rel, mlp_graph, random_weight, rel_err
+from tests.passes.test_fusion import random_graphs
 
 GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 # Host and reference differ only in fp32 summation order, then both round to the act dtype.
@@ -102,3 +103,27 @@ def test_host_qlinear_equals_reference_for_any_format(
     ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
     ref = qir.compile(b.graph, {"w": bufs}, backend="reference")({"x": xa})["y"]
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(graph=random_graphs(), seed=st.integers(0, 2**16), m=st.integers(1, 9))
+def test_host_fused_random_graphs_equal_reference(graph, seed, m):
+    """Whatever the passes fuse, the generated kernels compute what the interpreter does on the
+    unfused graph (up to fp32 summation order)."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for w in graph.weights:
+        t = graph.node(w).type
+        weights[graph.node(w).attr("key")] = random_weight(
+            rng, t.out_features, t.in_features, t.format
+        )[1]
+    t = graph.node("x").type
+    x = rng.standard_normal((m, t.shape[1])).astype(t.dtype.np)
+    ours = qir.compile(graph, weights, backend="host")({"x": x})
+    ref = qir.interpret(graph, {"x": x}, weights)
+    for k in ref:
+        scale = max(float(np.abs(ref[k].astype(np.float32)).max()), 1e-3)
+        err = float(np.abs(ours[k].astype(np.float32) - ref[k].astype(np.float32)).max()) / scale
+        assert err <= 2 * TOL[t.dtype], k

@@ -1,0 +1,243 @@
+"""Fusion passes: IR before/after, must-not-fire cases, match counters, and the interpreter
+before == after (bit for bit: fusion keeps the unfused rounding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qir import interpret, parse, print_graph
+from qir.builder import Builder, Value
+from qir.dtypes import BF16, F16, F32
+from qir.formats.mlx import MlxAffine
+from qir.passes.manager import PASSES, run_pipeline
+from qir.passes.rewrite import Pat, match
+from qir.types import QWeight
+from tests.conftest import random_weight
+
+W4 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
+W8 = "qweight<mlx_affine<bits=8,group_size=64,scale_dtype=bf16>>"
+
+MLP = f"""
+graph mlp {{
+  %x = input : f16[M, 128]
+  %w_gate = weight {{key="gate"}} : {W4}[256, 128]
+  %w_up = weight {{key="up"}} : {W4}[256, 128]
+  %w_down = weight {{key="down"}} : {W4}[128, 256]
+  %gate = qlinear %x, %w_gate : f16[M, 256]
+  %up = qlinear %x, %w_up : f16[M, 256]
+  %act = silu %gate : f16[M, 256]
+  %h = mul %act, %up : f16[M, 256]
+  %down = qlinear %h, %w_down : f16[M, 128]
+  %y = add %x, %down : f16[M, 128]
+  output y = %y
+}}
+"""
+
+
+def run_pass(text: str, name: str) -> tuple[str, int]:
+    g = parse(text)
+    fired = PASSES[name].run(g)
+    return print_graph(g), fired
+
+
+def weights_for(text: str, rng: np.random.Generator) -> dict[str, dict[str, np.ndarray]]:
+    g = parse(text)
+    out = {}
+    for w in g.weights:
+        t = g.node(w).type
+        out[g.node(w).attr("key")] = random_weight(rng, t.out_features, t.in_features, t.format)[1]
+    return out
+
+
+def assert_same_numbers(before: str, after: str, rng: np.random.Generator, m: int = 3) -> None:
+    gb, ga = parse(before), parse(after)
+    w = weights_for(before, rng)
+    inputs = {}
+    for name in gb.inputs:
+        t = gb.node(name).type
+        inputs[name] = rng.standard_normal((m, t.shape[1])).astype(t.dtype.np)
+    ob, oa = interpret(gb, inputs, w), interpret(ga, {k: inputs[k] for k in ga.inputs}, w)
+    assert ob.keys() == oa.keys()
+    for k in ob:
+        np.testing.assert_array_equal(ob[k], oa[k])
+
+
+def test_merge_parallel_fires_on_gate_up(rng):
+    after, fired = run_pass(MLP, "merge_parallel")
+    assert fired == 1
+    assert (
+        '%gate_up = qlinear %x, %w_gate, %w_up {fused=["gate", "up"]} : (f16[M, 256], f16[M, 256])'
+        in after
+    )
+    assert "%gate = get %gate_up {index=0} : f16[M, 256]" in after
+    assert "%up = get %gate_up {index=1} : f16[M, 256]" in after
+    assert_same_numbers(MLP, after, rng)
+
+
+def test_merge_parallel_merges_three_with_different_widths(rng):
+    text = f"""
+    graph qkv {{
+      %x = input : bf16[M, 128]
+      %wq = weight {{key="q"}} : {W4}[128, 128]
+      %wk = weight {{key="k"}} : {W4}[64, 128]
+      %wv = weight {{key="v"}} : {W4}[64, 128]
+      %q = qlinear %x, %wq : bf16[M, 128]
+      %k = qlinear %x, %wk : bf16[M, 64]
+      %v = qlinear %x, %wv : bf16[M, 64]
+      output q = %q
+      output k = %k
+      output v = %v
+    }}
+    """
+    after, fired = run_pass(text, "merge_parallel")
+    assert fired == 1
+    assert "%q_k_v = qlinear %x, %wq, %wk, %wv" in after
+    assert ": (bf16[M, 128], bf16[M, 64], bf16[M, 64])" in after
+    assert_same_numbers(text, after, rng)
+
+
+@pytest.mark.parametrize(
+    ("second_weight", "why"),
+    [
+        (f"{W8}[256, 128]", "different format"),
+        (f"{W4}[256, 192]", "different in_features (other input)"),
+    ],
+)
+def test_merge_parallel_does_not_fire(second_weight, why):
+    x2 = "%x2 = input : f16[M, 192]\n" if "192" in second_weight else ""
+    src = "%x2" if x2 else "%x"
+    text = f"""
+    graph t {{
+      %x = input : f16[M, 128]
+      {x2}
+      %wa = weight {{key="a"}} : {W4}[256, 128]
+      %wb = weight {{key="b"}} : {second_weight}
+      %a = qlinear %x, %wa : f16[M, 256]
+      %b = qlinear {src}, %wb : f16[M, 256]
+      output a = %a
+      output b = %b
+    }}
+    """
+    after, fired = run_pass(text, "merge_parallel")
+    assert fired == 0, why
+    assert after == print_graph(parse(text))
+
+
+def test_silu_prologue_fires_and_removes_the_intermediates(rng):
+    merged, _ = run_pass(MLP, "merge_parallel")
+    after, fired = run_pass(merged, "silu_prologue")
+    assert fired == 1
+    assert (
+        '%down = qlinear %gate, %up, %w_down {fused=["act", "h"], prologue="silu_mul"} : f16[M, 128]'
+        in after
+    )
+    assert "%act" not in after and "%h" not in after
+    assert_same_numbers(MLP, after, rng)
+
+
+def test_silu_prologue_matches_swapped_mul(rng):
+    text = MLP.replace("%h = mul %act, %up", "%h = mul %up, %act")
+    after, fired = run_pass(text, "silu_prologue")
+    assert fired == 1 and "%down = qlinear %gate, %up, %w_down" in after
+    assert_same_numbers(text, after, rng)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (("output y = %y", "output y = %y\n  output a = %act"), "silu output used twice"),
+        (("output y = %y", "output y = %y\n  output h = %h"), "product used twice"),
+        (("%act = silu %gate", "%act = add %gate, %gate"), "not a silu"),
+    ],
+)
+def test_silu_prologue_does_not_fire(edit, why):
+    text = MLP.replace(*edit)
+    _, fired = run_pass(text, "silu_prologue")
+    assert fired == 0, why
+
+
+def test_residual_epilogue_fires_after_the_prologue(rng):
+    text, _ = run_pass(MLP, "silu_prologue")
+    after, fired = run_pass(text, "residual_epilogue")
+    assert fired == 1
+    assert (
+        '%y = qlinear %gate, %up, %w_down, %x {epilogue="residual", fused=["act", "h", "down"], '
+        'prologue="silu_mul"} : f16[M, 128]' in after
+    )
+    assert_same_numbers(MLP, after, rng)
+
+
+def test_residual_epilogue_either_operand_order(rng):
+    text = MLP.replace("%y = add %x, %down", "%y = add %down, %x")
+    after, fired = run_pass(text, "residual_epilogue")
+    assert fired == 1 and '%y = qlinear %h, %w_down, %x {epilogue="residual"' in after
+    assert_same_numbers(text, after, rng)
+
+
+def test_residual_epilogue_does_not_fire_when_projection_is_used_twice():
+    text = MLP.replace("output y = %y", "output y = %y\n  output d = %down")
+    _, fired = run_pass(text, "residual_epilogue")
+    assert fired == 0
+
+
+def test_default_pipeline_counts_and_ir():
+    g, records = run_pipeline(parse(MLP))
+    assert {r.name: r.matches for r in records} == {
+        "merge_parallel": 1,
+        "silu_prologue": 1,
+        "residual_epilogue": 1,
+        "dce": 0,
+        "select_kernels": 2,
+    }
+    assert [n for n, node in g.items() if node.op == "qlinear"] == ["gate_up", "y"]
+
+
+def test_patterns_capture_and_require_one_use():
+    g = parse(MLP)
+    pat = Pat("mul", (Pat("silu", (Pat(name="g"),), one_use=True), Pat(name="u")), name="h")
+    m = match(g, pat, "h")
+    assert m is not None and (m["g"], m["u"], m["h"]) == ("gate", "up", "h")
+    g.outputs.append(("a", "act"))
+    assert match(g, pat, "h") is None
+    # one name bound to two different values does not match
+    assert match(g, Pat("mul", (Pat(name="a"), Pat(name="a"))), "h") is None
+
+
+@st.composite
+def random_graphs(draw):
+    """Random blocks of qlinear/silu/mul/add over random formats and act dtypes."""
+    act = draw(st.sampled_from([F16, BF16, F32]))
+    width = draw(st.sampled_from([64, 128]))
+    b = Builder("rand")
+    values: list[Value] = [b.input("x", ("M", width), act)]
+    n_w = 0
+    for _ in range(draw(st.integers(1, 7))):
+        op = draw(st.sampled_from(["qlinear", "qlinear", "silu", "mul", "add"]))
+        a = values[draw(st.integers(0, len(values) - 1))]
+        if op == "qlinear":
+            fmt = MlxAffine(draw(st.sampled_from([3, 4, 8])), 64, BF16)
+            w = b.weight(f"w{n_w}", QWeight(fmt, width, width))
+            n_w += 1
+            values.append(b.qlinear(a, w))
+        elif op == "silu":
+            values.append(b.silu(a))
+        else:
+            c = values[draw(st.integers(0, len(values) - 1))]
+            values.append(b.mul(a, c) if op == "mul" else b.add(a, c))
+    b.output("out", values[-1])
+    if len(values) > 2:
+        b.output("extra", values[draw(st.integers(1, len(values) - 2))])
+    return b.graph
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=random_graphs(), seed=st.integers(0, 2**16), m=st.integers(1, 5))
+def test_pipeline_preserves_the_interpreter_on_random_graphs(graph, seed, m):
+    rng = np.random.default_rng(seed)
+    text = print_graph(graph)
+    after, _ = run_pipeline(graph)
+    assert print_graph(graph) == text, "the caller's graph is untouched"
+    assert_same_numbers(text, print_graph(after), rng, m)
