@@ -49,9 +49,17 @@ class Builder:
         t = TensorType(tuple(shape), dtype)
         return Value(self.graph.add(self._fresh(name, "x"), Node("input", t)), t)
 
-    def weight(self, key: str, weight: QWeight, name: str | None = None) -> Value:
+    def weight(
+        self,
+        key: str,
+        weight: QWeight,
+        name: str | None = None,
+        act_rule: dict[str, float] | None = None,
+    ) -> Value:
+        """`act_rule`: the calibrated activation scale of a W4A4 weight
+        (WeightFormat.act_quant_rule), kept on the node for W4A4 routing."""
         weight.format.check_shape(weight.out_features, weight.in_features)
-        node = Node("weight", weight, make_attrs(key=key))
+        node = Node("weight", weight, make_attrs(key=key, **(act_rule or {})))
         return Value(self.graph.add(self._fresh(name, "w"), node), weight)
 
     def qlinear(self, x: Value, w: Value, name: str | None = None) -> Value:

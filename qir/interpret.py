@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from qir.errors import QirError
+from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
-from qir.ops import qlinear_layout
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout
 from qir.types import QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
@@ -80,18 +81,27 @@ _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
+def quantize_act(scheme: str, x: np.ndarray, attrs: Mapping[str, Any]) -> np.ndarray:
+    rule = {k: v for k, v in attrs.items() if k in ACT_SCALE_ATTRS}
+    return ACT_QUANTIZERS[scheme](_f32(x), **rule)
+
+
 def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
     """Fused or not, the same numerics as the unfused ops: the prologue rounds silu(g) and the
     product to the act dtype like separate silu/mul ops would, the epilogue adds the residual
     to the rounded projection."""
     attrs = dict(node.attrs)
     ins, ws, extras = qlinear_layout(len(args), attrs)
+    m = args[0].shape[0]
     t = node.type.elements[0] if isinstance(node.type, TupleType) else node.type
     assert isinstance(t, TensorType)
     dt = t.dtype.np
     if attrs.get("prologue") == "silu_mul":
         g, u = args[ins]
         x = (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+        scheme = attrs.get("act_quant")
+        if isinstance(scheme, str) and m <= W4A4_MAX_M:
+            x = quantize_act(scheme, x, attrs)
     else:
         (x,) = args[ins]
     outs = [(_f32(x) @ w.T).astype(dt) for w in args[ws]]
@@ -114,6 +124,14 @@ def interpret(
             env[name] = dequantized(node, weights)
         elif node.op == "qlinear":
             env[name] = _qlinear(node, args)
+        elif node.op == "quantize_act":
+            # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
+            (x,) = args
+            env[name] = (
+                quantize_act(node.attr("scheme"), x, dict(node.attrs))
+                if x.shape[0] <= W4A4_MAX_M
+                else _f32(x)
+            )
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
         else:

@@ -10,7 +10,7 @@ from typing import Any
 
 from qir import dtypes
 from qir.errors import QirError
-from qir.types import QWeight, TensorType, TupleType, ValueType
+from qir.types import QActType, QWeight, TensorType, TupleType, ValueType
 
 
 class IRTypeError(QirError, TypeError):
@@ -92,7 +92,16 @@ def _infer_qlinear(
     _, ws, extras = qlinear_layout(len(types), attrs)
     if ws.stop - ws.start < 1:
         raise IRTypeError(f"qlinear: {len(types)} operands leave no weight")
-    x = _activation("qlinear", names, types, 0)
+    if isinstance(types[0], QActType):
+        if prologue is not None:
+            raise IRTypeError("qlinear: a pre-quantized input takes no prologue")
+        x = types[0].source
+    else:
+        x = _activation("qlinear", names, types, 0)
+    if attrs.get("act_quant") is not None:
+        if prologue != "silu_mul":
+            raise IRTypeError("qlinear: act_quant quantizes a prologue's result; use quantize_act")
+        _check_act_rule("qlinear", attrs, "act_quant")
     if prologue == "silu_mul":
         u = _activation("qlinear", names, types, 1)
         if u != x:
@@ -120,6 +129,38 @@ def _infer_qlinear(
                 f"the result {results[0]}"
             )
     return results[0] if len(results) == 1 else TupleType(tuple(results))
+
+
+ACT_SCHEMES = ("nvfp4",)
+# The calibrated scale attributes a quantization rule may carry (see WeightFormat.act_quant_rule).
+ACT_SCALE_ATTRS = frozenset({"input_scale", "input_global_scale"})
+# W4A4 kernels take batches of at most this many rows; larger M runs the 16-bit path.
+W4A4_MAX_M = 64
+
+
+def _check_act_rule(op: str, attrs: Mapping[str, Any], key: str) -> None:
+    scheme = attrs.get(key)
+    if scheme not in ACT_SCHEMES:
+        raise IRTypeError(
+            f"{op}: unknown activation scheme {scheme!r}; known: {', '.join(ACT_SCHEMES)}"
+        )
+    scales = [a for a in ACT_SCALE_ATTRS if a in attrs]
+    if len(scales) > 1:
+        raise IRTypeError(f"{op}: give at most one of {sorted(ACT_SCALE_ATTRS)}")
+    for a in scales:
+        if not isinstance(attrs[a], float) or not attrs[a] > 0:
+            raise IRTypeError(f"{op}: {a} must be a positive float, got {attrs[a]!r}")
+
+
+def _infer_quantize_act(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    x = _activation("quantize_act", names, types, 0)
+    _check_act_rule("quantize_act", attrs, "scheme")
+    k = x.shape[1]
+    if not isinstance(k, int) or k % 64:
+        raise IRTypeError(f"quantize_act: {_desc(names[0], x)} needs features divisible by 64")
+    return QActType(attrs["scheme"], x)
 
 
 def _infer_get(
@@ -163,7 +204,8 @@ OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
         OpSpec("input", 0, _infer_leaf),
-        OpSpec("weight", 0, _infer_leaf, frozenset({"key"})),
+        # A weight may carry its calibrated activation scale (W4A4 checkpoints).
+        OpSpec("weight", 0, _infer_leaf, frozenset({"key"}) | ACT_SCALE_ATTRS),
         OpSpec(
             "qlinear",
             VARIADIC,

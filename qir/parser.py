@@ -9,7 +9,7 @@ from qir.dtypes import by_name
 from qir.errors import QirError
 from qir.formats import parse_format
 from qir.graph import AttrValue, Graph, Node
-from qir.types import Dim, QWeight, TensorType, TupleType, ValueType
+from qir.types import Dim, QActType, QWeight, TensorType, TupleType, ValueType
 from qir.verify import verify
 
 _NAME = r"[\w.]+"
@@ -17,6 +17,7 @@ _HEADER = re.compile(rf"^graph ({_NAME}) \{{$")
 _NODE = re.compile(rf"^%({_NAME}) = (\w+)((?: %{_NAME}(?:, %{_NAME})*)?)(?: \{{(.*)\}})? : (.+)$")
 _OUTPUT = re.compile(rf"^output (\w+) = %({_NAME})$")
 _TENSOR = re.compile(r"^(\w+)\[(.*)\]$")
+_QACT = re.compile(r"^qact<(\w+), (.+)>$")
 _QWEIGHT = re.compile(r"^qweight<(.+)>\[(\d+), (\d+)\]$")
 
 
@@ -30,6 +31,12 @@ def parse_type(text: str) -> ValueType:
         if not elements or not all(isinstance(e, TensorType) for e in elements):
             raise ParseError(f"bad tuple type {text!r}")
         return TupleType(tuple(e for e in elements if isinstance(e, TensorType)))
+    m = _QACT.match(text)
+    if m:
+        source = parse_type(m.group(2))
+        if not isinstance(source, TensorType):
+            raise ParseError(f"bad qact source type {m.group(2)!r}")
+        return QActType(m.group(1), source)
     m = _QWEIGHT.match(text)
     if m:
         return QWeight(parse_format(m.group(1)), int(m.group(2)), int(m.group(3)))

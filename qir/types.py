@@ -61,4 +61,25 @@ class TupleType:
         return f"({', '.join(str(e) for e in self.elements)})"
 
 
-ValueType = TensorType | QWeight | TupleType
+@dataclass(frozen=True)
+class QActType:
+    """An activation quantized for W4A4 kernels: `source` is the 16-bit tensor it was made from.
+
+    Storage is one byte buffer [M, row_bytes]: per row the packed E2M1 codes (K/2 bytes), then
+    one float32 dequant factor per 16 elements (the E4M3 block scale folded with the global
+    scale), so the GEMV reads codes and factors of a row with 16-byte loads."""
+
+    scheme: str
+    source: TensorType
+
+    def __str__(self) -> str:
+        return f"qact<{self.scheme}, {self.source}>"
+
+    @property
+    def row_bytes(self) -> int:
+        k = self.source.shape[1]
+        assert isinstance(k, int)
+        return k // 2 + 4 * (k // 16)
+
+
+ValueType = TensorType | QWeight | TupleType | QActType

@@ -5,12 +5,25 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+from collections.abc import Callable
 from dataclasses import fields
+
+import numpy as np
 
 from qir.dtypes import DType, by_name
 from qir.formats.base import FormatError, WeightFormat
 
 REGISTRY: dict[str, type[WeightFormat]] = {}
+
+
+# Activation quantizers by scheme: fn(x_f32 [M, K], **rule) -> fake-quantized float32 [M, K],
+# where rule is a quantize_act's scale attributes (none: per-row scale at run time).
+ActQuantizer = Callable[..., np.ndarray]
+ACT_QUANTIZERS: dict[str, ActQuantizer] = {}
+
+
+def register_act_quantizer(scheme: str, fn: ActQuantizer) -> None:
+    ACT_QUANTIZERS[scheme] = fn
 
 
 def register(cls: type[WeightFormat]) -> type[WeightFormat]:

@@ -67,6 +67,27 @@ class WeightFormat(ABC):
     def fragment(self) -> str:
         """Name of the device dequant fragment in codegen (templates/formats/<fragment>.cuh.j2)."""
 
+    def act_quant_scheme(self) -> str | None:
+        """The activation quantization this format's kernels can consume instead of 16-bit
+        activations (e.g. "nvfp4" for W4A4), or None."""
+        return None
+
+    def declared_act_bits(self) -> int:
+        """The activation width the checkpoint was calibrated for (4 = W4A4 declared)."""
+        return 16
+
+    def act_quant_rule(self, bufs: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """The calibrated activation scale of one weight, as IR attributes of its quantize_act
+        (empty: a per-row scale computed at run time)."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for `qir inspect`: `bits` per weight element, `group` (inputs per scale; None
+        for one scale per row or tensor) and `w4a4` (activations run 4-bit). The default reads
+        the usual parameter names; formats whose parameters say it otherwise override this."""
+        p = self.params()
+        return {"bits": p.get("bits"), "group": p.get("group_size"), "w4a4": p.get("act_bits") == 4}
+
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
     ) -> None:

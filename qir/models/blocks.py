@@ -30,7 +30,8 @@ def _weight(
     module = ck.layer_module(layer, proj)
     lin = ck.linear(module)
     weights[module] = lin.buffers
-    return b.weight(module, lin.weight, name=f"w_{proj}")
+    rule = lin.weight.format.act_quant_rule(lin.buffers)
+    return b.weight(module, lin.weight, name=f"w_{proj}", act_rule=rule)
 
 
 def mlp(ck: Checkpoint, layer: int, act: DType) -> Block:

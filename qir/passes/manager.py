@@ -13,16 +13,40 @@ from qir.passes.base import Pass
 from qir.passes.dce import DCE
 from qir.passes.merge_parallel import MergeParallel
 from qir.passes.residual_epilogue import ResidualEpilogue
+from qir.passes.route_w4a4 import RouteW4A4
 from qir.passes.select_kernels import SelectKernels
+from qir.passes.share_act_quant import ShareActQuant
 from qir.passes.silu_prologue import SiluPrologue
 from qir.verify import verify
 
-PASSES: dict[str, Pass] = {
-    p.name: p for p in (MergeParallel(), SiluPrologue(), ResidualEpilogue(), DCE(), SelectKernels())
+
+@dataclass(frozen=True)
+class PassOptions:
+    """Knobs of parameterised passes (the CLI's --weight-quantization, ...)."""
+
+    weight_quantization: str = "declared"
+
+
+PASSES: dict[str, Callable[[PassOptions], Pass]] = {
+    "merge_parallel": lambda o: MergeParallel(),
+    "silu_prologue": lambda o: SiluPrologue(),
+    "residual_epilogue": lambda o: ResidualEpilogue(),
+    "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
+    "share_act_quant": lambda o: ShareActQuant(),
+    "dce": lambda o: DCE(),
+    "select_kernels": lambda o: SelectKernels(),
 }
 PIPELINES: dict[str, tuple[str, ...]] = {
-    "default": ("merge_parallel", "silu_prologue", "residual_epilogue", "dce", "select_kernels"),
-    # Unfused: one kernel per op, the baseline every fusion is compared against.
+    "default": (
+        "merge_parallel",
+        "silu_prologue",
+        "residual_epilogue",
+        "route_w4a4",
+        "share_act_quant",
+        "dce",
+        "select_kernels",
+    ),
+    # Unfused and 16-bit: one kernel per op, the baseline every fusion is compared against.
     "none": (),
 }
 
@@ -34,7 +58,7 @@ class PassRecord:
     seconds: float
 
 
-def resolve(pipeline: str | Sequence[str]) -> tuple[Pass, ...]:
+def resolve(pipeline: str | Sequence[str], options: PassOptions | None = None) -> tuple[Pass, ...]:
     """'default', 'none', a comma-separated list, or a sequence of pass names."""
     if isinstance(pipeline, str):
         if pipeline in PIPELINES:
@@ -49,16 +73,18 @@ def resolve(pipeline: str | Sequence[str]) -> tuple[Pass, ...]:
             f"unknown pass {', '.join(unknown)}; passes: {', '.join(PASSES)}; "
             f"pipelines: {', '.join(PIPELINES)}"
         )
-    return tuple(PASSES[n] for n in names)
+    options = options or PassOptions()
+    return tuple(PASSES[n](options) for n in names)
 
 
 def run_pipeline(
     graph: Graph,
     pipeline: str | Sequence[str] = "default",
     after_each: Callable[[str, Graph], None] | None = None,
+    options: PassOptions | None = None,
 ) -> tuple[Graph, list[PassRecord]]:
     """Returns the rewritten copy and one record per pass; the caller's graph is untouched."""
-    passes = resolve(pipeline)
+    passes = resolve(pipeline, options)
     g = graph.copy()
     verify(g)
     records = []

@@ -74,6 +74,11 @@ class Rewriter:
         self.graph.set_node(value, node)
         self.graph.set_operands(value, tuple(operands))
 
+    def replace(self, old: str, new: str) -> None:
+        """Point every use of `old`, output references included, at `new`; `old` is swept."""
+        self.graph.replace_all_uses(old, new)
+        self._touched.add(old)
+
     def sweep(self) -> None:
         """Erase nodes left without uses by this rewrite (and what only they used)."""
         work = list(self._touched)

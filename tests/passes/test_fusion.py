@@ -12,7 +12,7 @@ from qir import interpret, parse, print_graph
 from qir.builder import Builder, Value
 from qir.dtypes import BF16, F16, F32
 from qir.formats.mlx import MlxAffine
-from qir.passes.manager import PASSES, run_pipeline
+from qir.passes.manager import PASSES, PassOptions, run_pipeline
 from qir.passes.rewrite import Pat, match
 from qir.types import QWeight
 from tests.conftest import random_weight
@@ -39,7 +39,7 @@ graph mlp {{
 
 def run_pass(text: str, name: str) -> tuple[str, int]:
     g = parse(text)
-    fired = PASSES[name].run(g)
+    fired = PASSES[name](PassOptions()).run(g)
     return print_graph(g), fired
 
 
@@ -189,6 +189,8 @@ def test_default_pipeline_counts_and_ir():
         "merge_parallel": 1,
         "silu_prologue": 1,
         "residual_epilogue": 1,
+        "route_w4a4": 0,
+        "share_act_quant": 0,
         "dce": 0,
         "select_kernels": 2,
     }
