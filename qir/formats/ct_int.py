@@ -1,0 +1,114 @@
+"""compressed-tensors `pack-quantized` symmetric int weights (W4A16 / W8A16 schemes).
+
+Checkpoint = kernel layout, read as stored (zero-copy views):
+
+  weight [O, I*bits/32]  uint32 (stored int32 `weight_packed`)  element i at bits
+                         bits*(i % (32/bits)) of word i // (32/bits), offset-binary q + 2^(bits-1)
+  scales [O, I/g]        scale_dtype (the model dtype; stored `weight_scale`)
+
+Decode: `(code - 2^(bits-1)) * scale`. strategy "channel" is one group per row, so the family
+passes group_size = in_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from qir.dtypes import BF16, F16, F32, U32, DType
+from qir.formats import register
+from qir.formats.base import FormatError, WeightFormat
+from qir.formats.mlx import pack_codes, unpack_codes
+from qir.types import TensorType
+
+BITS = (4, 8)
+SCALE_DTYPES = (BF16, F16, F32)
+# compressed-tensors replaces a zero scale by this so that quantizing divides safely.
+_EPS = np.finfo(np.float32).eps
+
+
+@register
+@dataclass(frozen=True)
+class CtInt(WeightFormat):
+    kind: ClassVar[str] = "ct_int"
+
+    bits: int
+    group_size: int
+    scale_dtype: DType
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise FormatError(
+                f"not supported: compressed-tensors pack-quantized {self.bits}-bit int "
+                f"(expected one of {BITS})"
+            )
+        if self.group_size < 8 or self.group_size % 8:
+            raise FormatError(f"ct_int: group_size={self.group_size} must be a multiple of 8")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise FormatError(
+                f"ct_int: scale_dtype={self.scale_dtype} not supported; "
+                f"expected one of {', '.join(d.name for d in SCALE_DTYPES)}"
+            )
+
+    @property
+    def offset(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def tag(self) -> str:
+        return f"ct{self.bits}g{self.group_size}{self.scale_dtype.name}"
+
+    def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
+        return {
+            "weight": TensorType((out_features, in_features * self.bits // 32), U32),
+            "scales": TensorType((out_features, in_features // self.group_size), self.scale_dtype),
+        }
+
+    def check_shape(self, out_features: int, in_features: int) -> None:
+        if out_features < 1 or in_features < 1:
+            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
+        if in_features % self.group_size:
+            raise FormatError(
+                f"{self.spell()}: in_features {in_features} is not a multiple of the group size "
+                f"{self.group_size}"
+            )
+
+    def dequantize(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
+    ) -> np.ndarray:
+        self.check_buffers(bufs, out_features, in_features, where=self.spell())
+        q = unpack_codes(np.asarray(bufs["weight"]), self.bits, in_features).astype(np.float32)
+        s = np.asarray(bufs["scales"]).astype(np.float32)[..., None]
+        w = (q.reshape(out_features, -1, self.group_size) - np.float32(self.offset)) * s
+        return w.reshape(out_features, in_features)
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        """compressed-tensors' symmetric min/max quantizer (calculate_qparams + quantize):
+        scale = max(|min|, |max|) / ((2^bits - 1) / 2), q = clamp(round(w / scale), -2^(b-1),
+        2^(b-1) - 1), with the scale rounded to the model dtype before the codes are taken."""
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim != 2:
+            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        out_features, in_features = w.shape
+        self.check_shape(out_features, in_features)
+        if not np.all(np.isfinite(w)):
+            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
+        g = w.reshape(out_features, -1, self.group_size)
+        amax = np.maximum(-np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0))
+        scale = amax / np.float32(((1 << self.bits) - 1) / 2)
+        scale = np.where(scale == 0, _EPS, scale).astype(self.scale_dtype.np)
+        s32 = scale.astype(np.float32)[..., None]
+        q = np.clip(np.rint(g / s32), -self.offset, self.offset - 1) + self.offset
+        return {
+            "weight": pack_codes(q.astype(np.uint32).reshape(out_features, in_features), self.bits),
+            "scales": scale,
+        }
+
+    def bytes_per_weight(self) -> float:
+        return self.bits / 8 + self.scale_dtype.itemsize / self.group_size
+
+    @property
+    def fragment(self) -> str:
+        return "ct_int"

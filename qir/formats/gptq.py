@@ -1,0 +1,261 @@
+"""GPTQ (AutoGPTQ / GPTQModel; HF `quant_method: "gptq"`), 2/3/4/8-bit, optional act-order.
+
+Checkpoint: `qweight [I*bits/32, O]` int32 packed along the input dim, `qzeros [G, O*bits/32]`
+packed along the output dim, `scales [G, O]`, `g_idx [I]` (G = ceil(I/g)). For every width the
+within-column packing is a little-endian bitstream: element i at stream bits [i*bits,
+(i+1)*bits) (3-bit codes straddle words exactly like MLX's), so `qweight.T` *is* the
+output-major kernel weight.
+
+Kernel layout:
+
+  weight [O, I*bits/32]  uint32       row o = the bitstream of W[o, :]'s codes
+  zeros  [O, G]          uint8        the stored zero field, as written (see zero_offset)
+  scales [O, G]          scale_dtype
+  g_idx  [I]             int32        only with act_order=1: the group of each input channel
+
+Decode: `(q - (zeros[g] + zero_offset)) * scales[g]` with g = g_idx[i] (or i // group_size).
+v1 (`checkpoint_format: "gptq"`) stores zero - 1 and every v1 decoder adds 1 back to the masked
+field (so a stored all-ones field means 2^bits); v2 (`"gptq_v2"`) stores the zero itself. Keeping
+the stored field and adding the offset in the kernel reproduces both without a wider zeros type.
+
+With act-order the input channels' groups are an arbitrary map; the kernel gathers each weight's
+zero and scale through `g_idx` (permuting input channels would need x permuted too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from qir.dtypes import BF16, F16, F32, I32, U8, U32, DType
+from qir.formats import register
+from qir.formats.base import FormatError, WeightFormat
+from qir.formats.mlx import pack_codes, unpack_codes
+from qir.types import TensorType
+
+BITS = (2, 3, 4, 8)
+SCALE_DTYPES = (F16, BF16, F32)
+# checkpoint_format -> what decoders add to the stored zero field.
+ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
+
+
+@register
+@dataclass(frozen=True)
+class Gptq(WeightFormat):
+    kind: ClassVar[str] = "gptq"
+
+    bits: int
+    group_size: int  # the family resolves HF's -1 (one group per row) to in_features
+    checkpoint_format: str
+    act_order: int  # 1: a g_idx buffer maps input channels to groups
+    scale_dtype: DType
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise FormatError(f"gptq: bits={self.bits} not supported; expected one of {BITS}")
+        if self.group_size < 1:
+            raise FormatError(f"gptq: group_size={self.group_size} must be >= 1")
+        if self.checkpoint_format not in ZERO_OFFSET:
+            raise FormatError(
+                f"not supported: GPTQ checkpoint_format {self.checkpoint_format} "
+                f"(expected one of {', '.join(ZERO_OFFSET)})"
+            )
+        if self.act_order not in (0, 1):
+            raise FormatError(f"gptq: act_order={self.act_order}, expected 0 or 1")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise FormatError(
+                f"gptq: scale_dtype={self.scale_dtype} not supported; "
+                f"expected one of {', '.join(d.name for d in SCALE_DTYPES)}"
+            )
+
+    @property
+    def zero_offset(self) -> int:
+        return ZERO_OFFSET[self.checkpoint_format]
+
+    def tag(self) -> str:
+        v = "v2" if self.zero_offset == 0 else ""
+        act = "act" if self.act_order else ""
+        return f"gptq{v}{self.bits}g{self.group_size}{act}{self.scale_dtype.name}"
+
+    def groups(self, in_features: int) -> int:
+        return -(-in_features // self.group_size)
+
+    def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
+        n = self.groups(in_features)
+        bufs = {
+            "weight": TensorType((out_features, in_features * self.bits // 32), U32),
+            "zeros": TensorType((out_features, n), U8),
+            "scales": TensorType((out_features, n), self.scale_dtype),
+        }
+        if self.act_order:
+            bufs["g_idx"] = TensorType((in_features,), I32)
+        return bufs
+
+    def check_shape(self, out_features: int, in_features: int) -> None:
+        if out_features < 1 or in_features < 1:
+            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
+        # Whole words per row, and the kernel dequantizes at least 8 weights at a time.
+        if in_features * self.bits % 32 or in_features % 8:
+            raise FormatError(
+                f"{self.spell()}: in_features {in_features} must be a multiple of "
+                f"{max(8, 32 // np.gcd(32, self.bits))}"
+            )
+
+    def check_buffers(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
+    ) -> None:
+        super().check_buffers(bufs, out_features, in_features, where)
+        if np.any(np.asarray(bufs["zeros"]) >> self.bits):
+            raise FormatError(f"{where}.zeros: values above {(1 << self.bits) - 1}")
+        if self.act_order:
+            g_idx = np.asarray(bufs["g_idx"])
+            n = self.groups(in_features)
+            if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= n):
+                raise FormatError(
+                    f"{where}.g_idx: values in [{g_idx.min()}, {g_idx.max()}], expected [0, {n})"
+                )
+
+    def group_of(self, bufs: Mapping[str, np.ndarray], in_features: int) -> np.ndarray:
+        if self.act_order:
+            return np.asarray(bufs["g_idx"]).astype(np.intp)
+        return np.arange(in_features) // self.group_size
+
+    def dequantize(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
+    ) -> np.ndarray:
+        self.check_buffers(bufs, out_features, in_features, where=self.spell())
+        q = unpack_codes(np.asarray(bufs["weight"]), self.bits, in_features).astype(np.float32)
+        gi = self.group_of(bufs, in_features)
+        z = np.asarray(bufs["zeros"]).astype(np.float32)[:, gi] + np.float32(self.zero_offset)
+        s = np.asarray(bufs["scales"]).astype(np.float32)[:, gi]
+        return (q - z) * s
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        """Round-to-nearest with GPTQ's asymmetric Quantizer (no Hessian error feedback); with
+        act_order=1 the g_idx buffer is the trivial i // group_size."""
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim != 2:
+            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        return self.quantize_grouped(w, np.arange(w.shape[1], dtype=np.int32) // self.group_size)
+
+    def quantize_grouped(self, w: np.ndarray, g_idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Like quantize, with input channel i in group g_idx[i] (needs act_order=1 unless g_idx
+        is the trivial map)."""
+        w = np.asarray(w, dtype=np.float32)
+        out_features, in_features = w.shape
+        self.check_shape(out_features, in_features)
+        if not np.all(np.isfinite(w)):
+            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
+        n = self.groups(in_features)
+        g_idx = np.asarray(g_idx, dtype=np.int32)
+        trivial = np.arange(in_features) // self.group_size
+        if not self.act_order and not np.array_equal(g_idx, trivial):
+            raise FormatError(f"{self.spell()}: a non-trivial g_idx needs act_order=1")
+        maxq = np.float32((1 << self.bits) - 1)
+        # GPTQ's Quantizer.find_params: the range always includes 0, an all-zero group is [-1, 1].
+        lo = np.zeros((out_features, n), np.float32)
+        hi = np.zeros((out_features, n), np.float32)
+        at = (np.arange(out_features)[:, None], g_idx[None, :])
+        np.minimum.at(lo, at, w)
+        np.maximum.at(hi, at, w)
+        empty = (lo == 0) & (hi == 0)
+        lo, hi = np.where(empty, np.float32(-1), lo), np.where(empty, np.float32(1), hi)
+        # v1 stores zero - 1, so a zero of 0 cannot be written: those groups spread [0, hi] over
+        # one level less and take zero 1 (lo > -scale/2 still lands on a code).
+        zero_is_0 = np.rint(-lo / ((hi - lo) / maxq)) == 0
+        levels = np.where(zero_is_0 & (self.zero_offset == 1), maxq - 1, maxq)
+        tiny = ml_dtypes.finfo(self.scale_dtype.np).smallest_subnormal
+        scale = np.maximum((hi - lo) / levels, tiny).astype(self.scale_dtype.np)
+        s32 = scale.astype(np.float32)
+        zero = np.clip(np.rint(-lo / s32), self.zero_offset, maxq)
+        q = np.clip(np.rint(w / s32[:, g_idx]) + zero[:, g_idx], 0, maxq).astype(np.uint32)
+        bufs = {
+            "weight": pack_codes(q, self.bits),
+            "zeros": (zero - self.zero_offset).astype(np.uint8),
+            "scales": scale,
+        }
+        if self.act_order:
+            bufs["g_idx"] = g_idx
+        return bufs
+
+    def bytes_per_weight(self) -> float:
+        # Codes plus one scale and one zero byte per group; g_idx is shared by every row.
+        return self.bits / 8 + (self.scale_dtype.itemsize + 1) / self.group_size
+
+    @property
+    def fragment(self) -> str:
+        return "gptq"
+
+
+def _u32(a: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if a.dtype not in (np.int32, np.uint32):
+        raise FormatError(f"{name}: dtype {a.dtype}, expected int32")
+    if tuple(a.shape) != shape:
+        raise FormatError(f"{name}: shape {list(a.shape)}, expected {list(shape)}")
+    return a.view(np.uint32)
+
+
+def repack(
+    qweight: np.ndarray,
+    qzeros: np.ndarray,
+    scales: np.ndarray,
+    g_idx: np.ndarray | None,
+    bits: int,
+    group_size: int,
+    checkpoint_format: str,
+    where: str,
+) -> tuple[Gptq, int, int, dict[str, np.ndarray]]:
+    """Checkpoint tensors into the kernel layout; group_size -1 means one group per row.
+
+    The format uses act_order=1 only when g_idx is not the trivial i // group_size map, so
+    desc_act checkpoints whose map happens to be trivial get the faster kernel."""
+    if bits not in BITS:
+        raise FormatError(f"not supported: GPTQ {bits}-bit ({where})")
+    if qweight.ndim != 2:
+        raise FormatError(f"{where}.qweight: {qweight.ndim}-D, expected int32 [in*bits/32, out]")
+    in_features, out_features = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    if qweight.shape[0] * 32 % bits:
+        raise FormatError(f"{where}.qweight: {qweight.shape[0]} rows do not hold whole codes")
+    g = in_features if group_size == -1 else group_size
+    trivial = np.arange(in_features) // g
+    if g_idx is not None and (g_idx.dtype != np.int32 or tuple(g_idx.shape) != (in_features,)):
+        raise FormatError(
+            f"{where}.g_idx: {g_idx.dtype} {list(g_idx.shape)}, expected int32 [{in_features}]"
+        )
+    act_order = int(g_idx is not None and not np.array_equal(g_idx, trivial))
+    scale_dtype = next((d for d in SCALE_DTYPES if d.np == scales.dtype), None)
+    if scale_dtype is None:
+        names = ", ".join(d.np.name for d in SCALE_DTYPES)
+        raise FormatError(f"{where}.scales: dtype {scales.dtype}, expected one of {names}")
+    fmt = Gptq(bits, g, checkpoint_format, act_order, scale_dtype)
+    try:
+        fmt.check_shape(out_features, in_features)
+    except FormatError as e:
+        raise FormatError(f"{where}.qweight: {e}") from None
+    if out_features * bits % 32:
+        raise FormatError(
+            f"{where}.qzeros: {out_features} output channels x {bits} bits do not fill whole "
+            "int32 words"
+        )
+    n = fmt.groups(in_features)
+    qw = _u32(qweight, f"{where}.qweight", (in_features * bits // 32, out_features))
+    qz = _u32(qzeros, f"{where}.qzeros", (n, out_features * bits // 32))
+    if tuple(scales.shape) != (n, out_features):
+        raise FormatError(
+            f"{where}.scales: shape {list(scales.shape)}, expected {[n, out_features]} "
+            f"(group size {g})"
+        )
+    bufs = {
+        "weight": np.ascontiguousarray(qw.T),
+        "zeros": np.ascontiguousarray(unpack_codes(qz, bits, out_features).T.astype(np.uint8)),
+        "scales": np.ascontiguousarray(scales.T),
+    }
+    if act_order:
+        assert g_idx is not None
+        bufs["g_idx"] = np.asarray(g_idx)
+    fmt.check_buffers(bufs, out_features, in_features, where)
+    return fmt, out_features, in_features, bufs

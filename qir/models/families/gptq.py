@@ -1,0 +1,66 @@
+"""GPTQ checkpoints (`quant_method: "gptq"`): `<module>.qweight/.qzeros/.scales[/.g_idx]`,
+repacked at load (see qir.formats.gptq)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from qir.formats import gptq
+from qir.formats.base import FormatError
+from qir.models.checkpoint import Checkpoint, Linear
+from qir.models.families import Family, register_family
+from qir.types import QWeight
+
+_TENSORS = ("qweight", "qzeros", "scales")
+
+
+def _qcfg(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    q = config.get("quantization_config")
+    return q if isinstance(q, Mapping) and q.get("quant_method") == "gptq" else None
+
+
+def matches_config(config: Mapping[str, Any]) -> bool:
+    return _qcfg(config) is not None
+
+
+def _int(q: Mapping[str, Any], key: str) -> int:
+    value = q.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"quantization_config.{key}: expected an integer, got {value!r}")
+    return value
+
+
+def _gptq_linear(ck: Checkpoint, module: str) -> Linear:
+    q = _qcfg(ck.config)
+    assert q is not None  # the family matched on it
+    # HF writes `checkpoint_format`; GPTQModel's quantize_config.json calls it `format`.
+    checkpoint_format = q.get("checkpoint_format", q.get("format", "gptq"))
+    if checkpoint_format not in gptq.ZERO_OFFSET:
+        raise FormatError(
+            f"not supported: GPTQ checkpoint_format {checkpoint_format} "
+            "(quantization_config.checkpoint_format)"
+        )
+    bits = _int(q, "bits")
+    if bits not in gptq.BITS:
+        raise FormatError(f"not supported: GPTQ {bits}-bit (quantization_config.bits)")
+    group_size = _int(q, "group_size")
+    if group_size < 1 and group_size != -1:
+        raise FormatError(f"quantization_config.group_size: {group_size}, expected -1 or >= 1")
+    skipped = q.get("modules_to_not_convert") or []
+    if any(s in module for s in skipped):
+        raise FormatError(f"{module}: not quantized (quantization_config.modules_to_not_convert)")
+    for name in _TENSORS:
+        if f"{module}.{name}" not in ck.store:
+            raise FormatError(
+                f"{module}.{name}: missing (a GPTQ linear needs {', '.join(_TENSORS)}[, g_idx])"
+            )
+    qweight, qzeros, scales = (ck.store.get(f"{module}.{name}") for name in _TENSORS)
+    g_idx = ck.store.get(f"{module}.g_idx") if f"{module}.g_idx" in ck.store else None
+    fmt, out_features, in_features, bufs = gptq.repack(
+        qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format, module
+    )
+    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
+
+
+register_family(Family("gptq", matches_config, _gptq_linear))

@@ -1,0 +1,92 @@
+"""Shared checks for the integer-code formats (AWQ, GPTQ, compressed-tensors int): fixture
+blocks on the reference and host backends against the goldens, and one qlinear host == reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+import qir
+from qir.builder import Builder
+from qir.codegen.gemv import GemvSpec, gemv_kernel
+from qir.codegen.kernel import Kernel
+from qir.dtypes import F16, F32, DType
+from qir.formats import parse_format
+from qir.formats.base import WeightFormat
+from qir.models import load
+from qir.models.blocks import build
+from qir.runtime.toolkit import cuda_include_dirs
+from qir.types import QWeight
+from tests.conftest import DATA, max_rel, rel_err
+
+GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
+PROJ = ("q", "k", "v", "o", "gate", "up", "down")
+# Host and reference differ only in fp32 summation order, then both round to f16.
+HOST_TOL_F16 = 2e-3
+
+needs_host = pytest.mark.skipif(
+    shutil.which("g++") is None or not cuda_include_dirs(),
+    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
+)
+
+
+def golden(case: str) -> Mapping[str, np.ndarray]:
+    return dict(np.load(DATA / case / "golden.npz"))
+
+
+def check_fixture_block(case: str, block: str, backends: tuple[str, ...]) -> None:
+    """Block outputs within 1e-2 of the golden on every backend, and host == reference."""
+    gold = golden(case)
+    b = build(load(DATA / case), block, 0, F16)
+    compiled = {be: qir.compile(b.graph, b.weights, backend=be) for be in backends}
+    for m in (1, 5, 40):
+        x = gold[f"x.M{m}"]
+        outs = {be: c({"x": x}) for be, c in compiled.items()}
+        for name, ref in outs["reference"].items():
+            for be, out in outs.items():
+                assert out[name].dtype == np.float16
+                assert rel_err(out[name], gold[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2, (be, m)
+                assert max_rel(out[name], ref) <= HOST_TOL_F16, (be, name, m)
+
+
+def check_qlinear_host(
+    qw: QWeight, bufs: Mapping[str, np.ndarray], m: int, rng: np.random.Generator, act: DType
+) -> None:
+    b = Builder()
+    x = b.input("x", ("M", qw.in_features), act)
+    b.output("y", b.qlinear(x, b.weight("w", qw)))
+    xa = rng.standard_normal((m, qw.in_features), dtype=np.float32).astype(act.np)
+    weights = {"w": dict(bufs)}
+    ours = qir.compile(b.graph, weights, backend="host")({"x": xa})["y"]
+    ref = qir.compile(b.graph, weights, backend="reference")({"x": xa})["y"]
+    assert ours.shape == (m, qw.out_features)
+    ref32 = ref.astype(np.float32)
+    tol = 1e-4 if act.itemsize == 4 else HOST_TOL_F16
+    np.testing.assert_allclose(
+        ours.astype(np.float32), ref32, rtol=tol, atol=tol * float(np.abs(ref32).max())
+    )
+
+
+def fixture_kernels(case: str) -> list[Kernel]:
+    """The unfused GEMV kernel of every linear of layer 0, in f16 and f32 activations."""
+    ck = load(DATA / case)
+    seen: dict[str, Kernel] = {}
+    for p in PROJ:
+        w = ck.linear(ck.layer_module(0, p)).weight
+        for act in (F16, F32):
+            k = gemv_kernel(GemvSpec((w,), act, 8))
+            seen[k.name] = k
+    return list(seen.values())
+
+
+def check_spell(fmt: WeightFormat) -> None:
+    assert parse_format(fmt.spell()) == fmt
+
+
+def use_cache(monkeypatch: pytest.MonkeyPatch, factory: pytest.TempPathFactory) -> None:
+    """Compiled kernels go to a fresh per-session folder, not the user's cache."""
+    monkeypatch.setenv("QIR_CACHE_DIR", str(factory.getbasetemp() / "qir-cache"))
