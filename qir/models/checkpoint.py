@@ -156,6 +156,16 @@ def _unsupported(config: Mapping[str, Any]) -> str:
     for key in ("quantization_config", "quantization"):
         q = config.get(key)
         if isinstance(q, Mapping):
+            if q.get("quant_method") == "compressed-tensors":
+                groups = q.get("config_groups")
+                formats = {
+                    str(g.get("format") or q.get("format"))
+                    for g in (groups.values() if isinstance(groups, Mapping) else ())
+                    if isinstance(g, Mapping)
+                } or {str(q.get("format"))}
+                return (
+                    f"not supported: compressed-tensors format {', '.join(sorted(formats))} ({key})"
+                )
             if "quant_method" in q:
                 return f"not supported: quantization {q['quant_method']} ({key}.quant_method)"
             if "mode" in q:
@@ -179,6 +189,14 @@ def load(path: str | Path) -> Checkpoint:
         raise FormatError(f"{cfg_path}: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise FormatError(f"{cfg_path}: not a JSON object")
+    # ModelOpt exports describe the quantization in hf_quant_config.json beside config.json
+    # (older ones only there); matchers see it as config["hf_quant_config"].
+    hf_quant = path / "hf_quant_config.json"
+    if hf_quant.is_file():
+        try:
+            config.setdefault("hf_quant_config", json.loads(hf_quant.read_text()))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(f"{hf_quant}: not JSON ({e})") from None
     load_all()
     for family in FAMILIES:
         if family.matches(config):

@@ -1,0 +1,250 @@
+"""NVFP4 checkpoints from ModelOpt, compressed-tensors (`nvfp4-pack-quantized`) and mlx-lm
+(`mode: nvfp4`), all read into the one `Nvfp4` kernel layout (see qir/formats/nvfp4.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from qir.formats import mlx
+from qir.formats.base import FormatError
+from qir.formats.nvfp4 import GROUP_SIZE, MLX_GLOBAL_DIVISOR, Nvfp4
+from qir.models.checkpoint import Checkpoint, Linear
+from qir.models.families import Family, register_family
+from qir.types import QWeight
+
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+CT_FORMAT = "nvfp4-pack-quantized"
+# Kernel-layout buffer -> checkpoint tensor, per producer (for error messages).
+_MODELOPT_NAMES = {"block_scale": "weight_scale", "global_scale": "weight_scale_2"}
+_CT_NAMES = {
+    "weight": "weight_packed",
+    "block_scale": "weight_scale",
+    "global_scale": "weight_global_scale",
+    "input_scale": "input_global_scale",
+}
+_MLX_NAMES = {"block_scale": "scales"}
+
+
+def _qconfig(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    q = config.get("quantization_config")
+    return q if isinstance(q, Mapping) else {}
+
+
+def _get(ck: Checkpoint, name: str, what: str) -> np.ndarray:
+    if name not in ck.store:
+        raise FormatError(f"{name}: missing ({what})")
+    return ck.store.get(name)
+
+
+def _scalar(ck: Checkpoint, name: str, what: str) -> np.ndarray:
+    """A float32 per-tensor scale ([] or [1]) as the kernel layout's f32 [1]."""
+    a = _get(ck, name, what)
+    if a.dtype != np.float32 or a.size != 1:
+        raise FormatError(f"{name}: {a.dtype} {list(a.shape)}, expected one float32 ({what})")
+    return a.reshape(1)
+
+
+def _e4m3_scales(ck: Checkpoint, name: str) -> np.ndarray:
+    a = _get(ck, name, "the E4M3 block scales, one per 16 inputs")
+    if a.dtype != _E4M3 or a.ndim != 2:
+        raise FormatError(f"{name}: {a.dtype} {list(a.shape)}, expected float8_e4m3fn [out, in/16]")
+    return a.view(np.uint8)
+
+
+def _read(
+    ck: Checkpoint,
+    module: str,
+    fmt: Nvfp4,
+    packed: np.ndarray,
+    block_scale: np.ndarray,
+    global_scale: np.ndarray,
+    input_scale: np.ndarray | None,
+    names: dict[str, str],
+) -> Linear:
+    """Linear of checkpoint tensors; `names` maps kernel-layout buffers to checkpoint names so
+    that an error names the tensor as the checkpoint spells it."""
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    try:
+        fmt.check_shape(out_features, in_features)
+    except FormatError as e:
+        raise FormatError(f"{module}.weight: {e}") from None
+    bufs = {"weight": packed, "block_scale": block_scale, "global_scale": global_scale}
+    if input_scale is not None:
+        bufs["input_scale"] = input_scale
+    try:
+        fmt.check_buffers(bufs, out_features, in_features, where=module)
+    except FormatError as e:
+        msg = str(e)
+        for buffer, name in names.items():
+            msg = msg.replace(f"{module}.{buffer}:", f"{module}.{name}:")
+        raise FormatError(msg) from None
+    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
+
+
+def _packed_u8(ck: Checkpoint, name: str) -> np.ndarray:
+    a = _get(ck, name, "the packed E2M1 codes, two per byte")
+    if a.dtype != np.uint8 or a.ndim != 2:
+        raise FormatError(f"{name}: {a.dtype} {list(a.shape)}, expected uint8 [out, in/2]")
+    return a
+
+
+def _check_group_size(value: Any, where: str) -> None:
+    if value is not None and value != GROUP_SIZE:
+        raise FormatError(f"{where}: group_size {value!r}, NVFP4 needs {GROUP_SIZE}")
+
+
+def _excluded(module: str, patterns: Any) -> bool:
+    # ModelOpt/CT ignore lists hold module paths or prefixes ("lm_head", "model.embed_tokens").
+    return isinstance(patterns, list) and any(
+        isinstance(p, str) and (module == p or module.startswith(p + ".")) for p in patterns
+    )
+
+
+# --- ModelOpt --------------------------------------------------------------------------------
+
+
+def _modelopt_quant(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """ModelOpt's quantization facts: config.json's quantization_config, or the `quantization`
+    section of hf_quant_config.json (which checkpoint.load folds in as `hf_quant_config`)."""
+    q = _qconfig(config)
+    if q.get("quant_method") == "modelopt":
+        return q
+    hf = config.get("hf_quant_config")
+    if isinstance(hf, Mapping) and isinstance(hf.get("quantization"), Mapping):
+        return hf["quantization"]
+    return None
+
+
+def _modelopt_matches(config: Mapping[str, Any]) -> bool:
+    q = _modelopt_quant(config)
+    return q is not None and q.get("quant_algo") == "NVFP4"
+
+
+def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
+    q = _modelopt_quant(ck.config)
+    assert q is not None  # the family matched on it
+    if _excluded(module, q.get("ignore", q.get("exclude_modules"))):
+        raise FormatError(f"{module}: not quantized (listed in the ModelOpt ignore list)")
+    _check_group_size(q.get("group_size"), "quantization.group_size")
+    act_bits = 4  # ModelOpt's quant_algo NVFP4 is W4A4 (its weight-only variant has another name)
+    for name, group in (q.get("config_groups") or {}).items():
+        _check_group_size(group.get("weights", {}).get("group_size"), f"config_groups.{name}")
+        if not group.get("input_activations"):
+            act_bits = 16
+    fmt = Nvfp4("mul", act_bits)
+    input_scale = None
+    if act_bits == 4:
+        input_scale = _scalar(ck, f"{module}.input_scale", "ModelOpt W4A4 activation scale")
+    return _read(
+        ck,
+        module,
+        fmt,
+        _packed_u8(ck, f"{module}.weight"),
+        _e4m3_scales(ck, f"{module}.weight_scale"),
+        _scalar(ck, f"{module}.weight_scale_2", "ModelOpt per-tensor decode scale"),
+        input_scale,
+        _MODELOPT_NAMES,
+    )
+
+
+# --- compressed-tensors ----------------------------------------------------------------------
+
+
+def _ct_group(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    q = _qconfig(config)
+    if q.get("quant_method") != "compressed-tensors":
+        return None
+    groups = q.get("config_groups")
+    if not isinstance(groups, Mapping):
+        return None
+    for name, group in groups.items():
+        if isinstance(group, Mapping) and group.get("format", q.get("format")) == CT_FORMAT:
+            return name, group
+    return None
+
+
+def _ct_matches(config: Mapping[str, Any]) -> bool:
+    return _ct_group(config) is not None
+
+
+def _ct_linear(ck: Checkpoint, module: str) -> Linear:
+    found = _ct_group(ck.config)
+    assert found is not None  # the family matched on it
+    name, group = found
+    if _excluded(module, _qconfig(ck.config).get("ignore")):
+        raise FormatError(f"{module}: not quantized (listed in quantization_config.ignore)")
+    where = f"quantization_config.config_groups.{name}"
+    _check_group_size((group.get("weights") or {}).get("group_size"), f"{where}.weights")
+    acts = group.get("input_activations")
+    if acts:
+        _check_group_size(acts.get("group_size"), f"{where}.input_activations")
+        if acts.get("num_bits") != 4:
+            raise FormatError(
+                f"{where}.input_activations: num_bits {acts.get('num_bits')!r}, NVFP4 W4A4 needs 4"
+            )
+    fmt = Nvfp4("div", 4 if acts else 16)
+    input_scale = None
+    if acts:
+        input_scale = _scalar(ck, f"{module}.input_global_scale", "CT W4A4 activation scale")
+    return _read(
+        ck,
+        module,
+        fmt,
+        _packed_u8(ck, f"{module}.weight_packed"),
+        _e4m3_scales(ck, f"{module}.weight_scale"),
+        _scalar(ck, f"{module}.weight_global_scale", "CT per-tensor encode scale"),
+        input_scale,
+        _CT_NAMES,
+    )
+
+
+# --- MLX -------------------------------------------------------------------------------------
+
+
+def _mlx_matches(config: Mapping[str, Any]) -> bool:
+    q = mlx.quantization_dict(config)
+    return q is not None and q.get("mode") == "nvfp4"
+
+
+def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
+    qcfg = mlx.quantization_dict(ck.config)
+    assert qcfg is not None  # the family matched on it
+    override = qcfg.get(module, True)
+    if override is False:
+        raise FormatError(f"{module}: not quantized (quantization[{module!r}] is false)")
+    params = override if isinstance(override, Mapping) else qcfg
+    where = f"quantization[{module!r}]" if isinstance(override, Mapping) else "quantization"
+    if params.get("mode") != "nvfp4":
+        raise FormatError(
+            f"not supported: MLX mode {params.get('mode')} in an nvfp4 checkpoint ({where})"
+        )
+    if params.get("bits") not in (None, 4):
+        raise FormatError(f"{where}.bits: {params.get('bits')!r}, MLX nvfp4 needs 4")
+    _check_group_size(params.get("group_size"), where)
+    words = _get(ck, f"{module}.weight", "the packed E2M1 codes, eight per uint32")
+    if words.dtype != np.uint32 or words.ndim != 2:
+        raise FormatError(
+            f"{module}.weight: {words.dtype} {list(words.shape)}, expected uint32 [out, in/8]"
+        )
+    scales = _get(ck, f"{module}.scales", "the E4M3 block scales as uint8")
+    if scales.dtype != np.uint8:
+        raise FormatError(f"{module}.scales: dtype {scales.dtype}, expected uint8 (E4M3 bits)")
+    # mlx's `global_scale` is the tensor amax; dense layers usually have none (decode factor 1).
+    if f"{module}.global_scale" in ck.store:
+        amax = _scalar(ck, f"{module}.global_scale", "MLX nvfp4 tensor amax")
+        global_scale = (amax / MLX_GLOBAL_DIVISOR).astype(np.float32)
+    else:
+        global_scale = np.ones(1, np.float32)
+    # Little-endian words are the bytes in element order: byte k holds elements 2k, 2k+1.
+    packed = np.ascontiguousarray(words).astype("<u4", copy=False).view(np.uint8)
+    global_scale.flags.writeable = False  # like every buffer read from the checkpoint
+    return _read(ck, module, Nvfp4("mul", 16), packed, scales, global_scale, None, _MLX_NAMES)
+
+
+register_family(Family("nvfp4_modelopt", _modelopt_matches, _modelopt_linear))
+register_family(Family("nvfp4_compressed_tensors", _ct_matches, _ct_linear))
+register_family(Family("nvfp4_mlx", _mlx_matches, _mlx_linear))

@@ -1,0 +1,112 @@
+"""NVFP4 kernels: host backend against the numpy reference and the tools' goldens for all three
+conventions, random shapes, and NVRTC builds for sm_80/sm_90 without spills."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qir
+from qir.builder import Builder
+from qir.codegen.lower import lower
+from qir.dtypes import BF16, F16, F32
+from qir.formats.nvfp4 import Nvfp4
+from qir.models import load
+from qir.models.blocks import build
+from qir.passes.manager import run_pipeline
+from qir.runtime.nvrtc import check_no_spills
+from qir.types import QWeight
+from tests.conftest import DATA, max_rel, rel_err
+
+FIXTURES = ("modelopt_nvfp4_S", "ct_nvfp4a16_S", "ct_nvfp4_w4a4_S", "mlx_nvfp4_S")
+GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
+
+
+@pytest.fixture(scope="module")
+def host_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("host-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, host_cache):
+    monkeypatch.setenv("QIR_CACHE_DIR", str(host_cache))
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+@pytest.mark.parametrize("block", ["mlp", "qkv"])
+def test_host_matches_reference_and_w4a16_golden(fixture, block):
+    """The plain keys: NVFP4 weights, unquantized activations (W4A4 routing is a pass's job)."""
+    golden = np.load(DATA / fixture / "golden.npz")
+    b = build(load(DATA / fixture), block, 0, F16)
+    host = qir.compile(b.graph, b.weights, backend="host")
+    ref = qir.compile(b.graph, b.weights, backend="reference")
+    for m in (1, 5, 40):
+        x = golden[f"x.M{m}"]
+        ours, theirs = host({"x": x}), ref({"x": x})
+        for name, value in ours.items():
+            assert max_rel(value, theirs[name]) <= 2e-3, (name, m)
+            assert rel_err(value, golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2, (name, m)
+            assert rel_err(theirs[name], golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    mode=st.sampled_from(["mul", "div"]),
+    act_bits=st.sampled_from([4, 16]),
+    n=st.integers(1, 37),
+    blocks=st.integers(1, 9),
+    m=st.integers(1, 9),
+    act=st.sampled_from([F16, BF16, F32]),
+    seed=st.integers(0, 2**16),
+)
+def test_host_qlinear_equals_reference(mode, act_bits, n, blocks, m, act, seed):
+    """Odd block counts take the 16-element chunk path; n spans partial 4-row blocks."""
+    rng = np.random.default_rng(seed)
+    k = 16 * blocks
+    fmt = Nvfp4(mode, act_bits)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+    bufs = fmt.quantize(w, input_amax=3.0)
+    b = Builder()
+    x = b.input("x", ("M", k), act)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(fmt, n, k))))
+    xa = rng.standard_normal((m, k), dtype=np.float32).astype(act.np)
+    ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
+    ref = qir.compile(b.graph, {"w": bufs}, backend="reference")({"x": xa})["y"]
+    assert ours.shape == (m, n)
+    if act == F32:
+        # Dequant is bit-exact on both sides; only the summation order differs.
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    else:
+        assert max_rel(ours, ref) <= {F16: 2e-3, BF16: 1.6e-2}[act]
+
+
+def _rendered_kernels():
+    seen = {}
+    for fixture in ("modelopt_nvfp4_S", "ct_nvfp4a16_S"):  # both scale modes
+        ck = load(DATA / fixture)
+        for block in ("mlp", "qkv"):
+            for act in (F16, BF16, F32):
+                for passes in ("default", "none"):
+                    g, _ = run_pipeline(build(ck, block, 0, act).graph, passes)
+                    for launch in lower(g).launches:
+                        if launch.kernel.name.startswith("qgemv_nvfp4"):
+                            seen[launch.kernel.name] = launch.kernel
+    # in_features an odd multiple of 16: the 64-bit-load chunk path.
+    b = Builder()
+    x = b.input("x", ("M", 48), F16)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(Nvfp4("div", 16), 40, 48))))
+    for launch in lower(run_pipeline(b.graph)[0]).launches:
+        seen[launch.kernel.name] = launch.kernel
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("kernel", _rendered_kernels(), ids=lambda k: k.name)
+def test_nvfp4_kernels_build_with_nvrtc_for_sm80_and_sm90_without_spills(kernel):
+    results = check_no_spills(kernel, archs=("sm_80", "sm_90"))
+    assert [r.arch for r in results] == ["sm_80", "sm_90"]
+    for r in results:
+        assert r.cubin[:4] == b"\x7fELF"
