@@ -34,7 +34,7 @@ from typing import ClassVar
 import numpy as np
 
 from qir.dtypes import F32, U8
-from qir.formats import register
+from qir.formats import register, register_act_quantizer
 from qir.formats.base import FormatError, WeightFormat
 from qir.formats.fp_codes import (
     E2M1_MAX,
@@ -195,6 +195,21 @@ class Nvfp4(WeightFormat):
             return quantize_activation_nvfp4(x, input_scale=scale)
         return quantize_activation_nvfp4(x, scale)
 
+    def act_quant_scheme(self) -> str | None:
+        return "nvfp4"
+
+    def declared_act_bits(self) -> int:
+        return self.act_bits
+
+    def act_quant_rule(self, bufs: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """The calibrated input scale as stored, named by its convention: ModelOpt's decode
+        factor (`input_scale`) or CT's encode factor (`input_global_scale`); inverting one into
+        the other is not exact (see the module docstring)."""
+        if self.act_bits != 4:
+            return {}
+        scale = float(np.asarray(bufs["input_scale"]).reshape(-1)[0])
+        return {"input_scale" if self.scale_mode == "mul" else "input_global_scale": scale}
+
     def bytes_per_weight(self) -> float:
         return 0.5 + 1 / GROUP_SIZE
 
@@ -240,3 +255,6 @@ def quantize_activation_nvfp4(
         factor = np.where(s == 0, _f32(1), s).astype(np.float32) / gs
     q = e2m1_decode(e2m1_encode_rne(xb / factor))
     return (q * factor).reshape(x.shape)
+
+
+register_act_quantizer("nvfp4", quantize_activation_nvfp4)
