@@ -31,6 +31,10 @@ class GemvSpec:
     m_tile: int
     prologue: bool = False  # input = silu(g) * u
     epilogue: bool = False  # y = r + x W^T
+    # W4A4: the input is NVFP4 codes + factors from quantize_act, or (with the prologue)
+    # silu(g) * u quantized in registers with a per-row ("dynamic") or calibrated scale.
+    a4: bool = False
+    a4_mode: str = "dynamic"  # dynamic | mul | div (prologue only)
 
     def __post_init__(self) -> None:
         formats = {(w.format, w.in_features) for w in self.weights}
@@ -38,12 +42,16 @@ class GemvSpec:
             raise ValueError(f"one GEMV launch needs one format and in_features, got {formats}")
         if self.epilogue and len(self.weights) != 1:
             raise ValueError("the residual epilogue takes exactly one weight")
+        if self.a4 and self.weights[0].format.act_quant_scheme() != "nvfp4":
+            raise ValueError(f"W4A4 needs NVFP4 weights, got {self.weights[0].format.spell()}")
 
     @property
     def name(self) -> str:
         w0 = self.weights[0]
         outs = "_".join(str(w.out_features) for w in self.weights)
         fused = ("_silu" if self.prologue else "") + ("_res" if self.epilogue else "")
+        if self.a4:
+            fused += "_a4" + (self.a4_mode if self.prologue else "")
         return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
 
     def blocks(self, w: QWeight) -> int:
@@ -73,10 +81,16 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         weights=weights,
         prologue=spec.prologue,
         epilogue=spec.epilogue,
+        a4=spec.a4,
+        a4_mode=spec.a4_mode,
+        row_bytes=w0.in_features // 2 + 4 * (w0.in_features // 16),
         act_t=act_t,
         K=w0.in_features,
         m_tile=spec.m_tile,
-        m_unroll=min(spec.m_tile, M_UNROLL),
+        # Quantizing the prologue's blocks in registers spills when rows or blocks are unrolled
+        # (216 bytes on sm_80/sm_90 with 2 blocks); one block of one row at a time does not.
+        m_unroll=1 if spec.a4 and spec.prologue else min(spec.m_tile, M_UNROLL),
+        block_unroll=1 if spec.prologue else 2,
         min_blocks=MIN_BLOCKS_PER_SM,
         rows_per_block=WARPS_PER_BLOCK,
         threads=32 * WARPS_PER_BLOCK,
@@ -84,12 +98,16 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         **frag.context,
     )
     act_in = f"const {act_t}* __restrict__"
+    inputs: tuple[KernelParam, ...]
+    if spec.prologue:
+        inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
+    elif spec.a4:
+        inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
+    else:
+        inputs = (KernelParam("x", act_in, "buffer"),)
+    scale = spec.a4 and spec.prologue and spec.a4_mode != "dynamic"
     params = [
-        *(
-            (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
-            if spec.prologue
-            else (KernelParam("x", act_in, "buffer"),)
-        ),
+        *inputs,
         *(
             KernelParam(f"w{j}_{p['suffix']}", p["c_type"], "buffer")
             for j in range(len(spec.weights))
@@ -100,6 +118,7 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
             for j in range(len(spec.weights))
         ),
         *((KernelParam("r", act_in, "buffer"),) if spec.epilogue else ()),
+        *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
         KernelParam("M", "int", "int"),
     ]
     return Kernel(

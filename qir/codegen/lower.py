@@ -1,10 +1,13 @@
 """Lowering: one kernel launch per compute node of a (passed) graph.
 
-The plan names, for each launch, the rendered kernel, how its grid grows with M and where each
-argument comes from (a value, a weight buffer, or M itself), so an executor only binds memory."""
+The plan names, for each launch, the rendered kernel, how its grid grows with M, which batch
+sizes it serves (W4A4 launches take M <= 64, a 16-bit twin the rest) and where each argument
+comes from (a value, a weight buffer, a constant, or M itself), so an executor only binds
+memory."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,19 +15,24 @@ from qir.codegen.elementwise import elementwise_grid_x, elementwise_kernel
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import GemvSpec, gemv_kernel
 from qir.codegen.kernel import Kernel
-from qir.graph import Graph
-from qir.ops import qlinear_layout, spec
-from qir.types import QWeight, TensorType, TupleType
+from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode, quantize_act_kernel
+from qir.graph import AttrValue, Graph
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
+from qir.types import QActType, QWeight, TensorType, TupleType
 
 # Rows of x one GEMV launch handles; grid.y covers the rest.
 DEFAULT_M_TILE = 8
 
 
+ALL_M = (1, 2**31 - 1)
+
+
 @dataclass(frozen=True)
 class Arg:
-    kind: Literal["value", "weight", "M"]
+    kind: Literal["value", "weight", "const", "M"]
     ref: str = ""  # value name, or the weight node's name
     buffer: str = ""  # for weights: which of the format's buffers
+    value: float = 0.0  # for const: passed as a one-element float32 buffer
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,10 @@ class Launch:
     args: tuple[Arg, ...]
     outputs: tuple[str, ...]  # the values this launch writes
     nodes: tuple[str, ...]  # IR nodes it covers
+    when: tuple[int, int] = ALL_M  # the batch sizes M (inclusive) this launch runs for
+
+    def runs_for(self, m: int) -> bool:
+        return self.when[0] <= m <= self.when[1]
 
     def grid(self, m: int) -> tuple[int, int, int]:
         return (self.grid_x, -(-m // self.m_tile), 1)
@@ -46,10 +58,12 @@ class Plan:
     launches: tuple[Launch, ...]
 
 
-def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> Launch:
+def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
+    """One GEMV launch; a W4A4 node also gets its 16-bit twin for batches above W4A4_MAX_M."""
     node = graph.node(name)
+    attrs = dict(node.attrs)
     operands = graph.operands(name)
-    ins, ws, extras = qlinear_layout(len(operands), dict(node.attrs))
+    ins, ws, extras = qlinear_layout(len(operands), attrs)
     weights = tuple(t for w in operands[ws] if isinstance(t := graph.node(w).type, QWeight))
     if isinstance(node.type, TupleType):
         by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
@@ -62,23 +76,62 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> Launch:
     else:
         assert isinstance(node.type, TensorType)
         outputs, act = (name,), node.type.dtype
-    gemv = GemvSpec(
-        weights,
-        act,
-        m_tile,
-        prologue=node.attr("prologue") == "silu_mul",
-        epilogue=node.attr("epilogue") == "residual",
-    )
+    prologue = node.attr("prologue") == "silu_mul"
+    epilogue = node.attr("epilogue") == "residual"
+    inputs = list(operands[ins])
+    pre_quantized = isinstance(graph.node(inputs[0]).type, QActType)
+    a4 = pre_quantized or node.attr("act_quant") is not None
     frag = fragment_for(weights[0].format, weights[0].out_features, weights[0].in_features)
-    args = (
-        *(Arg("value", v) for v in operands[ins]),
-        *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
-        *(Arg("value", o) for o in outputs),
-        *(Arg("value", v) for v in operands[extras]),
-        Arg("M"),
-    )
     covers = (name, *node.attr("fused", ()))
-    return Launch(gemv_kernel(gemv), gemv.grid_x, m_tile, args, outputs, covers)
+
+    def launch(
+        spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
+    ) -> Launch:
+        args = (
+            *ins_args,
+            *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
+            *(Arg("value", o) for o in outputs),
+            *(Arg("value", v) for v in operands[extras]),
+            *extra,
+            Arg("M"),
+        )
+        return Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, when)
+
+    # The 16-bit path reads what quantize_act would have quantized.
+    x16 = [graph.operands(inputs[0])[0]] if pre_quantized else inputs
+    plain = GemvSpec(weights, act, m_tile, prologue=prologue, epilogue=epilogue)
+    if not a4:
+        return [launch(plain, [Arg("value", v) for v in x16], [], ALL_M)]
+    mode = act_quant_mode(attrs) if prologue else "dynamic"
+    quant = GemvSpec(weights, act, m_tile, prologue, epilogue, a4=True, a4_mode=mode)
+    scale = _scale_args(attrs)
+    return [
+        launch(
+            quant, [Arg("value", v) for v in inputs], scale if prologue else [], (1, W4A4_MAX_M)
+        ),
+        launch(plain, [Arg("value", v) for v in x16], [], (W4A4_MAX_M + 1, ALL_M[1])),
+    ]
+
+
+def _scale_args(attrs: Mapping[str, AttrValue]) -> list[Arg]:
+    """The calibrated activation scale of a rule, if any, as a constant kernel argument."""
+    args = []
+    for key in ACT_SCALE_ATTRS & attrs.keys():
+        value = attrs[key]
+        assert isinstance(value, float)
+        args.append(Arg("const", value=value))
+    return args
+
+
+def _lower_quantize_act(graph: Graph, name: str) -> Launch:
+    node = graph.node(name)
+    assert isinstance(node.type, QActType)
+    attrs = dict(node.attrs)
+    spec = QuantizeActSpec(node.type, act_quant_mode(attrs))
+    scale = _scale_args(attrs)
+    (x,) = graph.operands(name)
+    args = (Arg("value", x), Arg("value", name), *scale, Arg("M"))
+    return Launch(quantize_act_kernel(spec), 1, 1, args, (name,), (name,), (1, W4A4_MAX_M))
 
 
 def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
@@ -88,7 +141,9 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
             continue  # leaves, and projections of a multi-output launch's results
         operands = graph.operands(name)
         if node.op == "qlinear":
-            launches.append(_lower_qlinear(graph, name, m_tile))
+            launches.extend(_lower_qlinear(graph, name, m_tile))
+        elif node.op == "quantize_act":
+            launches.append(_lower_quantize_act(graph, name))
         elif spec(node.op).elementwise:
             out = node.type
             assert isinstance(out, TensorType)
