@@ -83,10 +83,12 @@ class WeightFormat(ABC):
 
     def describe(self) -> dict[str, Any]:
         """Facts for `qir inspect`: `bits` per weight element, `group` (inputs per scale; None
-        for one scale per row or tensor) and `w4a4` (activations run 4-bit). The default reads
-        the usual parameter names; formats whose parameters say it otherwise override this."""
+        for one scale per row or tensor) and `w4a4` (calibrated for 4-bit activations). The
+        default reads the usual parameter names; formats whose parameters say it otherwise
+        override this."""
         p = self.params()
-        return {"bits": p.get("bits"), "group": p.get("group_size"), "w4a4": p.get("act_bits") == 4}
+        w4a4 = self.declared_act_bits() == 4
+        return {"bits": p.get("bits"), "group": p.get("group_size"), "w4a4": w4a4}
 
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str

@@ -182,9 +182,11 @@ def test_config_shape_mismatch(tmp_path: Path) -> None:
 
 
 def test_unquantized_override(tmp_path: Path) -> None:
-    ck = load(_write(tmp_path / "ck", _q_proj(), {**QCFG, Q_PROJ: False}))
-    with pytest.raises(FormatError, match=rf"{Q_PROJ}: not quantized"):
-        ck.linear(Q_PROJ)
+    w = np.random.default_rng(0).standard_normal((HIDDEN, HIDDEN)).astype(np.float16)
+    ck = load(_write(tmp_path / "ck", {f"{Q_PROJ}.weight": w}, {**QCFG, Q_PROJ: False}))
+    lin = ck.linear(Q_PROJ)
+    assert lin.weight.format.spell() == "dense<dtype=f16>"
+    np.testing.assert_array_equal(lin.buffers["weight"], w)
 
 
 def test_unsupported_module_mode(tmp_path: Path) -> None:
@@ -197,9 +199,12 @@ def test_unsupported_module_mode(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"quantization": {"bits": 4, "group_size": 32, "mode": "nvfp4"}}, "MLX mode nvfp4"),
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization awq"),
-        ({}, "quantization none"),
+        ({"quantization": {"bits": 4, "group_size": 32, "mode": "nf4"}}, "MLX mode nf4"),
+        ({"quantization_config": {"quant_method": "hqq", "bits": 4}}, "quantization hqq"),
+        (
+            {"quantization_config": {"quant_method": "compressed-tensors", "format": "marlin-24"}},
+            "compressed-tensors format marlin-24",
+        ),
     ],
 )
 def test_unsupported_quantization(tmp_path: Path, config: dict[str, Any], message: str) -> None:

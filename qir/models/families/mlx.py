@@ -9,6 +9,7 @@ from qir.formats import mlx
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.dense import read_dense
 from qir.types import QWeight
 
 
@@ -24,14 +25,15 @@ def _scale_dtype(ck: Checkpoint, scales: str) -> DType:
 def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
     assert qcfg is not None  # the family matched on it
+    if qcfg.get(module) is False:  # mlx-lm left this module unquantized
+        return read_dense(ck, module)
     scales = f"{module}.scales"
     if f"{module}.weight" not in ck.store:
         raise FormatError(f"{module}.weight: missing from {ck.path}")
     if scales not in ck.store:
         raise FormatError(f"{scales}: missing (an MLX affine weight needs .weight/.scales/.biases)")
     fmt = mlx.from_config(qcfg, module, _scale_dtype(ck, scales))
-    if fmt is None:
-        raise FormatError(f"{module}: not quantized (quantization[{module!r}] is false)")
+    assert fmt is not None  # only a false entry leaves a module unquantized, read above
     words = ck.store.get(f"{module}.weight")
     if words.ndim != 2 or words.dtype != np.uint32 or words.shape[1] * 32 % fmt.bits:
         raise FormatError(

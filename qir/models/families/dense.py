@@ -1,0 +1,76 @@
+"""Unquantized linears: `<module>.weight` as stored in f16/bf16/f32.
+
+Quantized families call `read_dense` for the modules their checkpoint leaves unquantized
+(compressed-tensors `ignore`, HF `modules_to_not_convert`, ModelOpt `exclude_modules`, mlx-lm's
+per-module `false`); `is_excluded` matches those lists. A checkpoint with no quantization config
+at all is a family of its own, read entirely as dense.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from qir.formats.base import FormatError
+from qir.formats.dense import DTYPES, Dense
+from qir.models.checkpoint import Checkpoint, Linear
+from qir.models.families import Family, register_family
+from qir.types import QWeight
+
+# checkpoint.load folds a ModelOpt hf_quant_config.json in as "hf_quant_config".
+_QUANT_KEYS = ("quantization_config", "quantization", "hf_quant_config")
+
+
+def is_excluded(module: str, patterns: Iterable[Any] | None) -> bool:
+    """Whether an exclusion list names `module`. Producers spell entries three ways:
+    - `re:<regex>` (compressed-tensors): the regex matches at the start of the module path;
+    - globs with `*` (ModelOpt `exclude_modules`, gpt-oss `modules_to_not_convert`): the pattern
+      matches the path or one of its parents (`model.layers.*.self_attn` covers its q_proj);
+    - plain names: a run of whole path components (`lm_head`, `model.embed_tokens`,
+      `self_attn.o_proj`), like transformers' substring test but never splitting a name.
+    """
+    for p in patterns or ():
+        if not isinstance(p, str) or not p:
+            continue
+        if p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif "*" in p or "?" in p:
+            parts = module.split(".")
+            if any(fnmatch.fnmatchcase(".".join(parts[:n]), p) for n in range(1, len(parts) + 1)):
+                return True
+        elif f".{p}." in f".{module}.":
+            return True
+    return False
+
+
+def read_dense(ck: Checkpoint, module: str) -> Linear:
+    """The unquantized linear `module`: its `.weight` [out, in] as stored, no copy."""
+    name = f"{module}.weight"
+    if name not in ck.store:
+        raise FormatError(f"{name}: missing from {ck.path} (expected an unquantized linear)")
+    w = ck.store.get(name)
+    dtype = next((d for d in DTYPES if d.np == w.dtype), None)
+    if dtype is None or w.ndim != 2:
+        raise FormatError(
+            f"{name}: {w.dtype} {list(w.shape)}, expected an unquantized "
+            f"{'/'.join(d.name for d in DTYPES)} [out, in] weight"
+        )
+    fmt = Dense(dtype)
+    out_features, in_features = w.shape
+    try:
+        fmt.check_shape(out_features, in_features)
+    except FormatError as e:
+        raise FormatError(f"{name}: {e}") from None
+    fmt.check_buffers({"weight": w}, out_features, in_features, where=module)
+    return Linear(module, QWeight(fmt, out_features, in_features), {"weight": w})
+
+
+def matches_config(config: Mapping[str, Any]) -> bool:
+    """A checkpoint with no quantization config at all (plain HF / mlx-lm float weights)."""
+    return all(config.get(key) is None for key in _QUANT_KEYS)
+
+
+register_family(Family("dense", matches_config, read_dense))

@@ -1,0 +1,90 @@
+"""FP8 E4M3 linears (`<module>.weight` e4m3 + `.weight_scale`), shared by compressed-tensors
+`float-quantized` (see ct_float) and ModelOpt `quant_algo: FP8`, whose family is here.
+
+ModelOpt's FP8 is per-tensor: `weight_scale` and `input_scale` are float32 scalars (amax/448).
+The input scale is not read: qir runs FP8 weight-only (see qir.formats.fp8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from qir.formats.base import FormatError
+from qir.formats.fp8 import Fp8
+from qir.models.checkpoint import Checkpoint, Linear
+from qir.models.families import Family, register_family
+from qir.models.families.dense import is_excluded, read_dense
+from qir.types import QWeight
+
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def read_fp8(ck: Checkpoint, module: str, granularity: str) -> Linear:
+    """`<module>.weight` e4m3 [O, I] and `.weight_scale` ([O, 1] or [O] per channel; [1] or []
+    per tensor) in f32/f16/bf16, widened to float32 (exact)."""
+    fmt = Fp8(granularity)
+    name, scale_name = f"{module}.weight", f"{module}.weight_scale"
+    for n in (name, scale_name):
+        if n not in ck.store:
+            raise FormatError(f"{n}: missing (an FP8 linear needs .weight and .weight_scale)")
+    w = ck.store.get(name)
+    if w.dtype != _E4M3 or w.ndim != 2:
+        raise FormatError(f"{name}: {w.dtype} {list(w.shape)}, expected float8_e4m3fn [out, in]")
+    out_features, in_features = w.shape
+    try:
+        fmt.check_shape(out_features, in_features)
+    except FormatError as e:
+        raise FormatError(f"{name}: {e}") from None
+    s = ck.store.get(scale_name)
+    rows = out_features if granularity == "channel" else 1
+    if s.dtype not in _SCALE_DTYPES or s.size != rows or (s.ndim == 2 and s.shape[1] != 1):
+        want = f"[{out_features}, 1]" if granularity == "channel" else "[1] or []"
+        raise FormatError(
+            f"{scale_name}: {s.dtype} {list(s.shape)}, expected a float {want} per-{granularity} "
+            f"scale for a [{out_features}, {in_features}] weight"
+        )
+    scale = s.astype(np.float32).reshape(rows)
+    scale.flags.writeable = False  # like every buffer read from the checkpoint
+    bufs = {"weight": w, "scale": scale}
+    try:
+        fmt.check_buffers(bufs, out_features, in_features, where=module)
+    except FormatError as e:
+        raise FormatError(str(e).replace(f"{module}.scale:", f"{scale_name}:")) from None
+    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
+
+
+def _modelopt_quant(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    q = config.get("quantization_config")
+    if isinstance(q, Mapping) and q.get("quant_method") == "modelopt":
+        return q
+    hf = config.get("hf_quant_config")
+    if isinstance(hf, Mapping) and isinstance(hf.get("quantization"), Mapping):
+        return hf["quantization"]
+    return None
+
+
+def modelopt_matches(config: Mapping[str, Any]) -> bool:
+    q = _modelopt_quant(config)
+    algo = q.get("quant_algo") if q is not None else None
+    if not isinstance(algo, str) or not algo.startswith("FP8"):
+        return False
+    if algo != "FP8":
+        # FP8_PB_WO (block scales), FP8_PER_CHANNEL_PER_TOKEN, ...: no checkpoint to verify.
+        raise FormatError(f"not supported: ModelOpt quant_algo {algo} (only FP8, per-tensor)")
+    return True
+
+
+def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
+    q = _modelopt_quant(ck.config)
+    assert q is not None  # the family matched on it
+    if is_excluded(module, q.get("ignore", q.get("exclude_modules"))):
+        return read_dense(ck, module)
+    return read_fp8(ck, module, "tensor")
+
+
+register_family(Family("fp8_modelopt", modelopt_matches, _modelopt_linear))
