@@ -339,15 +339,36 @@ def _q_tensors() -> dict[str, np.ndarray]:
         (lambda t: None, {"version": "gemv_fast"}, "not supported: AWQ version gemv_fast"),
         (lambda t: None, {"zero_point": False}, "not supported: AWQ zero_point false"),
         (lambda t: None, {"group_size": 48}, rf"{Q}: awq: group_size=48 not supported"),
-        (lambda t: None, {"modules_to_not_convert": ["q_proj"]}, rf"{Q}: not quantized"),
+        (
+            lambda t: None,
+            {"modules_to_not_convert": ["q_proj"]},
+            rf"{Q}\.weight: missing from .*\(expected an unquantized linear\)",
+        ),
+        (
+            lambda t: t.update({f"{Q}.weight": t[f"{Q}.qweight"]}),
+            {"modules_to_not_convert": ["q_proj"]},
+            rf"{Q}\.weight: int32 \[256, 32\], expected an unquantized f16/bf16/f32",
+        ),
     ],
 )
 def test_refusals_name_the_tensor(tmp_path: Path, edit: Any, qcfg: dict[str, Any], message: str):
     tensors = {k: v.copy() for k, v in _q_tensors().items()}
     edit(tensors)
     ck = load(_write(tmp_path / "ck", tensors, **qcfg))
-    with pytest.raises(FormatError, match=message):
+    with pytest.raises(FormatError, match=message) as info:
         ck.linear(Q)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("skipped", [["q_proj"], ["self_attn"], None])
+def test_unquantized_modules_read_dense(tmp_path: Path, skipped: list[str] | None) -> None:
+    """modules_to_not_convert (a substring test, as AutoAWQ does), or no list at all: a module
+    stored as a 16-bit `.weight` without `.qweight` (AutoAWQ never quantizes lm_head)."""
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float16)
+    ck = load(_write(tmp_path / "ck", {f"{Q}.weight": w}, modules_to_not_convert=skipped))
+    lin = ck.linear(Q)
+    assert lin.weight.format.spell() == "dense<dtype=f16>"
+    np.testing.assert_array_equal(lin.buffers["weight"], w)
 
 
 def test_transformers5_format_key_selects_gemv(tmp_path: Path) -> None:

@@ -257,8 +257,18 @@ def test_channel_strategy_is_one_group_per_row(tmp_path: Path) -> None:
             {},
             rf"{Q}\.weight_shape: \[256, 250\]",
         ),
-        (lambda t: None, {}, {"ignore": ["lm_head", Q]}, rf"{Q}: not quantized .*ignore"),
-        (lambda t: None, {}, {"ignore": ["re:.*q_proj$"]}, rf"{Q}: not quantized .*ignore"),
+        (
+            lambda t: None,
+            {},
+            {"ignore": ["lm_head", Q]},
+            rf"{Q}\.weight: missing from .*\(expected an unquantized linear\)",
+        ),
+        (
+            lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight_packed"]}),
+            {},
+            {"ignore": ["re:.*q_proj$"]},
+            rf"{Q}\.weight: int32 \[256, 32\], expected an unquantized f16/bf16/f32",
+        ),
         (lambda t: None, {"symmetric": False}, {}, "not supported: compressed-tensors asym"),
         (lambda t: None, {"actorder": "group"}, {}, "not supported: .*actorder group"),
         (lambda t: None, {"strategy": "tensor"}, {}, "not supported: .*strategy tensor"),
@@ -270,8 +280,25 @@ def test_refusals_name_the_tensor(
     tensors = _q_tensors()
     edit(tensors)
     ck = load(_write(tmp_path / "ck", tensors, weights, **qcfg))
-    with pytest.raises(FormatError, match=message):
+    with pytest.raises(FormatError, match=message) as info:
         ck.linear(Q)
+    assert "\n" not in str(info.value)
+
+
+def _dense_q(tmp: Path, **qcfg: Any) -> tuple[Path, np.ndarray]:
+    """A checkpoint whose q_proj is stored unquantized: a bf16 `.weight`, no weight_packed."""
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(ml_dtypes.bfloat16)
+    return _write(tmp, {f"{Q}.weight": w}, {}, **qcfg), w
+
+
+@pytest.mark.parametrize(
+    "ignore", [["lm_head", Q], ["re:.*q_proj$"], ["self_attn.q_proj"], ["lm_head"]]
+)
+def test_ignored_modules_read_dense(tmp_path: Path, ignore: list[str]) -> None:
+    path, w = _dense_q(tmp_path / "ck", ignore=ignore)
+    lin = load(path).linear(Q)
+    assert lin.weight.format.spell() == "dense<dtype=bf16>"
+    np.testing.assert_array_equal(lin.buffers["weight"], w)
 
 
 def test_group_targets_select_modules(tmp_path: Path) -> None:
@@ -279,10 +306,17 @@ def test_group_targets_select_modules(tmp_path: Path) -> None:
     ck = load(_write(tmp_path / "ck", tensors, {}))
     cfg = ck.config["quantization_config"]["config_groups"]["group_0"]
     cfg["targets"] = ["re:.*mlp.*"]
-    with pytest.raises(FormatError, match=rf"{Q}: not quantized \(no config group targets it\)"):
+    # Targeted by no group: an unquantized linear, so `.weight` (absent here) is what it needs.
+    with pytest.raises(FormatError, match=rf"{Q}\.weight: missing .*expected an unquantized"):
         ck.linear(Q)
     cfg["targets"] = ["re:.*self_attn.q_proj"]
     assert ck.linear(Q).weight.format == CtInt(4, 128, BF16)
+    path, w = _dense_q(tmp_path / "dense")
+    ck = load(path)
+    ck.config["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*mlp.*"]
+    lin = ck.linear(Q)
+    assert lin.weight.format.spell() == "dense<dtype=bf16>"
+    np.testing.assert_array_equal(lin.buffers["weight"], w)
 
 
 # ---- end to end and kernels ------------------------------------------------------------------

@@ -300,7 +300,16 @@ def _edit(tensors: dict[str, np.ndarray], name: str, value: np.ndarray) -> None:
         ),
         (lambda t: None, {"checkpoint_format": "marlin"}, "not supported: GPTQ checkpoint_format"),
         (lambda t: None, {"bits": 5}, "not supported: GPTQ 5-bit"),
-        (lambda t: None, {"modules_to_not_convert": ["up_proj"]}, rf"{UP}: not quantized"),
+        (
+            lambda t: None,
+            {"modules_to_not_convert": ["up_proj"]},
+            rf"{UP}\.weight: missing from .*\(expected an unquantized linear\)",
+        ),
+        (
+            lambda t: _edit(t, "weight", t[f"{UP}.qweight"]),
+            {"modules_to_not_convert": ["up_proj"]},
+            rf"{UP}\.weight: int32 \[16, 256\], expected an unquantized f16/bf16/f32",
+        ),
     ],
 )
 def test_refusals_name_the_tensor(tmp_path: Path, edit: Any, qcfg: dict[str, Any], message: str):
@@ -311,8 +320,25 @@ def test_refusals_name_the_tensor(tmp_path: Path, edit: Any, qcfg: dict[str, Any
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"].update(qcfg)
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(FormatError, match=message):
+    with pytest.raises(FormatError, match=message) as info:
         load(path).linear(UP)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("skipped", [["up_proj"], ["mlp"], None])
+def test_unquantized_modules_read_dense(tmp_path: Path, skipped: list[str] | None) -> None:
+    """modules_to_not_convert (a substring test), or no list at all: a module stored as a 16-bit
+    `.weight` without `.qweight` (GPTQ quantizes only the decoder blocks' linears)."""
+    path, tensors, _ = _write_mlp(tmp_path / "ck", 4, "gptq", shuffle=False)
+    w = np.random.default_rng(1).standard_normal(MLP["up"]).astype(BF16.np)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(UP + ".")}
+    save_file({**tensors, f"{UP}.weight": w}, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = skipped
+    (path / "config.json").write_text(json.dumps(cfg))
+    lin = load(path).linear(UP)
+    assert lin.weight.format.spell() == "dense<dtype=bf16>"
+    np.testing.assert_array_equal(lin.buffers["weight"], w)
 
 
 # ---- end to end and kernels ------------------------------------------------------------------

@@ -56,6 +56,29 @@ def test_inspect_ct_lists_ignored_lm_head_as_dense(capsys):
     assert rows["lm_head"][6] == str(256 * 256 * 2)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ct_nvfp4_w4a4_S",  # compressed-tensors NVFP4: ignore ["lm_head"]
+        "modelopt_nvfp4_S",  # ModelOpt: exclude_modules ["lm_head", "model.embed_tokens"]
+        "ct_nvfp4a16_S",
+        "ct_w4a16_int4_S",
+        "awq_gemm_g64_S",  # AutoAWQ never quantizes lm_head and does not list it
+    ],
+)
+def test_inspect_lists_unquantized_lm_head_as_dense(capsys, case):
+    assert main(["-q", "inspect", str(DATA / case)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:-1]}
+    dtype = "f16" if case.startswith("awq") else "bf16"
+    for module in ("lm_head", "model.embed_tokens"):
+        assert rows[module][1:4] == [f"dense<dtype={dtype}>", "16", "-"], module
+        assert rows[module][4:7] == ["[256,", "256]", str(256 * 256 * 2)], module
+    assert len(rows) == 9 and out.splitlines()[-1].startswith("9 linears, ")
+    assert not rows["model.layers.0.self_attn.q_proj"][1].startswith("dense")
+
+
 def test_inspect_progress_when_slow(capsys, monkeypatch):
     clock = iter(range(0, 1000, 2))  # every module "takes" 2 s
     monkeypatch.setattr(cli.time, "monotonic", lambda: float(next(clock)))

@@ -201,12 +201,24 @@ def _nan_scale(name: str) -> Callable[[dict[str, np.ndarray]], None]:
             lambda c: c["quantization"].update({Q: {"mode": "affine", "bits": 4}}),
             "not supported: MLX mode affine in an nvfp4 checkpoint",
         ),
-        ("mlx_nvfp4_S", None, lambda c: c["quantization"].update({Q: False}), "not quantized"),
+        # Excluded, but stored quantized: the dense read names the tensor it cannot use.
+        (
+            "mlx_nvfp4_S",
+            None,
+            lambda c: c["quantization"].update({Q: False}),
+            rf"{Q}\.weight: uint32 \[256, 32\], expected an unquantized f16/bf16/f32",
+        ),
         (
             "ct_nvfp4a16_S",
             None,
             lambda c: c["quantization_config"]["ignore"].append(Q),
-            rf"{Q}: not quantized",
+            rf"{Q}\.weight: missing from .*\(expected an unquantized linear\)",
+        ),
+        (
+            "modelopt_nvfp4_S",
+            None,
+            lambda c: c["quantization_config"]["ignore"].append("model.layers.*.self_attn"),
+            rf"{Q}\.weight: uint8 \[256, 128\], expected an unquantized f16/bf16/f32",
         ),
     ],
 )
@@ -221,6 +233,38 @@ def test_refusals_name_the_tensor(
     with pytest.raises(FormatError, match=message) as info:
         ck.linear(Q)
     assert "\n" not in str(info.value)
+
+
+def _ignore(pattern: str) -> Callable[[dict[str, Any]], None]:
+    def qedit(c: dict[str, Any]) -> None:
+        c["quantization_config"]["ignore"].append(pattern)
+
+    return qedit
+
+
+@pytest.mark.parametrize(
+    ("case", "qedit"),
+    [
+        ("mlx_nvfp4_S", lambda c: c["quantization"].update({Q: False})),
+        ("ct_nvfp4a16_S", _ignore(Q)),
+        ("ct_nvfp4_w4a4_S", _ignore("re:.*self_attn\\.q_proj$")),
+        ("ct_nvfp4_w4a4_S", None),  # no weight_packed: a module no group quantized
+        ("modelopt_nvfp4_S", _ignore("model.layers.*.self_attn")),
+        ("modelopt_nvfp4_S", _ignore("q_proj")),
+    ],
+)
+def test_excluded_modules_read_dense(
+    tmp_path: Path, case: str, qedit: Callable[[dict[str, Any]], None] | None
+) -> None:
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(ml_dtypes.bfloat16)
+
+    def edit(t: dict[str, np.ndarray]) -> None:
+        t.clear()
+        t[f"{Q}.weight"] = w
+
+    lin = load(_copy(case, tmp_path, edit, qedit)).linear(Q)
+    assert lin.weight.format.spell() == "dense<dtype=bf16>"
+    np.testing.assert_array_equal(lin.buffers["weight"], w)
 
 
 def test_mlx_global_scale_is_the_tensor_amax(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from qir.formats import awq
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
 
 _TENSORS = ("qweight", "qzeros", "scales")
@@ -43,10 +44,13 @@ def _awq_linear(ck: Checkpoint, module: str) -> Linear:
     bits = _int(q, "bits")
     if bits != 4:
         raise FormatError(f"not supported: AWQ {bits}-bit (quantization_config.bits)")
-    # AutoAWQ leaves a module unquantized when its name contains any of these.
+    # AutoAWQ and transformers leave a module unquantized when its path contains any of these as
+    # a substring (not is_excluded's whole-component match: that is what the producers do).
     skipped = q.get("modules_to_not_convert") or []
-    if any(s in module for s in skipped):
-        raise FormatError(f"{module}: not quantized (quantization_config.modules_to_not_convert)")
+    if any(isinstance(s, str) and s in module for s in skipped) or stored_dense(
+        ck, module, "qweight"
+    ):
+        return read_dense(ck, module)
     for name in _TENSORS:
         if f"{module}.{name}" not in ck.store:
             raise FormatError(

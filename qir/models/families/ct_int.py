@@ -17,6 +17,7 @@ from qir.formats import ct_int
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.types import QWeight
 
 
@@ -64,22 +65,28 @@ def _targets(module: str, targets: Any) -> bool:
     return False
 
 
-def _group_of(q: Mapping[str, Any], module: str) -> tuple[Mapping[str, Any], str]:
-    """The `weights` scheme of the config group that quantizes `module`, and where it is."""
-    if _targets(module, q.get("ignore")):
-        raise FormatError(f"{module}: not quantized (quantization_config.ignore)")
+def _group_of(q: Mapping[str, Any], module: str) -> tuple[Mapping[str, Any], str] | None:
+    """The `weights` scheme of the config group that quantizes `module`, and where it is; None
+    for a module the config leaves unquantized (ignored, or targeted by no group)."""
+    if is_excluded(module, q.get("ignore")):
+        return None
     for name, group in _groups(q).items():
         if _targets(module, group.get("targets")):
             weights = group["weights"]
             assert isinstance(weights, Mapping)  # matches_config checked it
             return weights, f"quantization_config.config_groups.{name}.weights"
-    raise FormatError(f"{module}: not quantized (no config group targets it)")
+    return None
 
 
 def _ct_linear(ck: Checkpoint, module: str) -> Linear:
     q = _qcfg(ck.config)
     assert q is not None  # the family matched on it
-    w, where = _group_of(q, module)
+    found = _group_of(q, module)
+    # Ignored and untargeted modules are stored unquantized, and so are 16/32-bit `.weight`s the
+    # "Linear" target seems to cover but that are not Linears (embeddings).
+    if found is None or stored_dense(ck, module, "weight_packed"):
+        return read_dense(ck, module)
+    w, where = found
     if w.get("symmetric") is False:
         raise FormatError(f"not supported: compressed-tensors asymmetric int ({where}.symmetric)")
     if w.get("actorder") == "group":

@@ -2,7 +2,8 @@
 
 Quantized families call `read_dense` for the modules their checkpoint leaves unquantized
 (compressed-tensors `ignore`, HF `modules_to_not_convert`, ModelOpt `exclude_modules`, mlx-lm's
-per-module `false`); `is_excluded` matches those lists. A checkpoint with no quantization config
+per-module `false`); `is_excluded` matches those lists, and `stored_dense` recognises the modules
+a tool leaves unquantized without listing them. A checkpoint with no quantization config
 at all is a family of its own, read entirely as dense.
 """
 
@@ -44,6 +45,19 @@ def is_excluded(module: str, patterns: Iterable[Any] | None) -> bool:
         elif f".{p}." in f".{module}.":
             return True
     return False
+
+
+def stored_dense(ck: Checkpoint, module: str, quantized: str) -> bool:
+    """Whether `module` is stored unquantized although no exclusion list names it: no
+    `<module>.<quantized>` (a tensor every quantized linear of the family has) and a 16/32-bit
+    `.weight`. Tools leave modules they never quantize off their lists (AutoAWQ and GPTQ skip
+    lm_head; compressed-tensors' "Linear" target does not cover embeddings)."""
+    name = f"{module}.weight"
+    return (
+        f"{module}.{quantized}" not in ck.store
+        and name in ck.store
+        and ck.store.dtype(name) in [d.np for d in DTYPES]
+    )
 
 
 def read_dense(ck: Checkpoint, module: str) -> Linear:

@@ -10,6 +10,7 @@ from qir.formats import gptq
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
 
 _TENSORS = ("qweight", "qzeros", "scales")
@@ -47,9 +48,12 @@ def _gptq_linear(ck: Checkpoint, module: str) -> Linear:
     group_size = _int(q, "group_size")
     if group_size < 1 and group_size != -1:
         raise FormatError(f"quantization_config.group_size: {group_size}, expected -1 or >= 1")
+    # A substring test, as transformers does (not is_excluded's whole-component match).
     skipped = q.get("modules_to_not_convert") or []
-    if any(s in module for s in skipped):
-        raise FormatError(f"{module}: not quantized (quantization_config.modules_to_not_convert)")
+    if any(isinstance(s, str) and s in module for s in skipped) or stored_dense(
+        ck, module, "qweight"
+    ):
+        return read_dense(ck, module)
     for name in _TENSORS:
         if f"{module}.{name}" not in ck.store:
             raise FormatError(

@@ -14,6 +14,7 @@ from qir.formats.base import FormatError
 from qir.formats.nvfp4 import GROUP_SIZE, MLX_GLOBAL_DIVISOR, Nvfp4
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.types import QWeight
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -97,13 +98,6 @@ def _check_group_size(value: Any, where: str) -> None:
         raise FormatError(f"{where}: group_size {value!r}, NVFP4 needs {GROUP_SIZE}")
 
 
-def _excluded(module: str, patterns: Any) -> bool:
-    # ModelOpt/CT ignore lists hold module paths or prefixes ("lm_head", "model.embed_tokens").
-    return isinstance(patterns, list) and any(
-        isinstance(p, str) and (module == p or module.startswith(p + ".")) for p in patterns
-    )
-
-
 # --- ModelOpt --------------------------------------------------------------------------------
 
 
@@ -127,8 +121,12 @@ def _modelopt_matches(config: Mapping[str, Any]) -> bool:
 def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
     q = _modelopt_quant(ck.config)
     assert q is not None  # the family matched on it
-    if _excluded(module, q.get("ignore", q.get("exclude_modules"))):
-        raise FormatError(f"{module}: not quantized (listed in the ModelOpt ignore list)")
+    # ModelOpt lists paths and globs ("lm_head", "model.layers.*.self_attn*"); an unlisted
+    # module with a 16/32-bit `.weight` and no block scales is unquantized all the same.
+    if is_excluded(module, q.get("ignore", q.get("exclude_modules"))) or stored_dense(
+        ck, module, "weight_scale"
+    ):
+        return read_dense(ck, module)
     _check_group_size(q.get("group_size"), "quantization.group_size")
     act_bits = 4  # ModelOpt's quant_algo NVFP4 is W4A4 (its weight-only variant has another name)
     for name, group in (q.get("config_groups") or {}).items():
@@ -175,8 +173,12 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
     found = _ct_group(ck.config)
     assert found is not None  # the family matched on it
     name, group = found
-    if _excluded(module, _qconfig(ck.config).get("ignore")):
-        raise FormatError(f"{module}: not quantized (listed in quantization_config.ignore)")
+    # `ignore` holds paths and `re:` regexes; modules stored at 16/32 bits without weight_packed
+    # are the ones no group targets (or not Linears: embeddings).
+    if is_excluded(module, _qconfig(ck.config).get("ignore")) or stored_dense(
+        ck, module, "weight_packed"
+    ):
+        return read_dense(ck, module)
     where = f"quantization_config.config_groups.{name}"
     _check_group_size((group.get("weights") or {}).get("group_size"), f"{where}.weights")
     acts = group.get("input_activations")
@@ -214,8 +216,8 @@ def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
     assert qcfg is not None  # the family matched on it
     override = qcfg.get(module, True)
-    if override is False:
-        raise FormatError(f"{module}: not quantized (quantization[{module!r}] is false)")
+    if override is False:  # mlx-lm left this module unquantized
+        return read_dense(ck, module)
     params = override if isinstance(override, Mapping) else qcfg
     where = f"quantization[{module!r}]" if isinstance(override, Mapping) else "quantization"
     if params.get("mode") != "nvfp4":
