@@ -36,7 +36,16 @@ def test_kernel_name_spells_the_specialisation():
     down = QWeight(MlxAffine(4, 128, BF16), 256, 512)
     fused = gemv_kernel(GemvSpec((down,), F16, 8, prologue=True, epilogue=True))
     assert fused.name == "qgemv_mlx4g128bf16_f16_n256_k512_m8_silu_res"
-    assert [p.name for p in fused.params] == ["g", "u", "w0_weight", "w0_scales", "w0_biases", "y0", "r", "M"]
+    assert [p.name for p in fused.params] == [
+        "g",
+        "u",
+        "w0_weight",
+        "w0_scales",
+        "w0_biases",
+        "y0",
+        "r",
+        "M",
+    ]
 
 
 def test_one_launch_rejects_mixed_formats():
