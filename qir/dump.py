@@ -32,16 +32,23 @@ def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = Non
 
 
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
-    """One entry per launch: kernel name, block, grid (for a given M, or as a formula), nodes."""
+    """One entry per launch: kernel name, block, grid, the IR nodes it covers; for a given M only
+    the launches that run at that M, with the bytes each moves, else every launch with the
+    range of M it serves."""
     kernels = []
     for launch in plan.launches:
         grid: object = list(launch.grid(m)) if m else [launch.grid_x, f"ceil(M/{launch.m_tile})", 1]
-        kernels.append(
-            {
-                "name": launch.kernel.name,
-                "grid": grid,
-                "block": list(launch.kernel.block),
-                "nodes": list(launch.nodes),
-            }
-        )
+        if m and not launch.runs_for(m):
+            continue
+        entry: dict[str, object] = {
+            "name": launch.kernel.name,
+            "grid": grid,
+            "block": list(launch.kernel.block),
+            "nodes": list(launch.nodes),
+        }
+        if m:
+            entry["bytes"] = plan.bytes_moved(launch, m)
+        else:
+            entry["m_range"] = list(launch.when)
+        kernels.append(entry)
     return {"graph": plan.graph.name, "kernels": kernels}

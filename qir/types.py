@@ -75,6 +75,9 @@ class QActType:
     def __str__(self) -> str:
         return f"qact<{self.scheme}, {self.source}>"
 
+    def concrete_rows(self, sizes: dict[str, int]) -> int:
+        return self.source.concrete(sizes)[0]
+
     @property
     def row_bytes(self) -> int:
         k = self.source.shape[1]

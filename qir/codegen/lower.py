@@ -57,6 +57,33 @@ class Plan:
     graph: Graph
     launches: tuple[Launch, ...]
 
+    def bytes_moved(self, launch: Launch, m: int) -> int:
+        """Bytes a launch reads and writes in DRAM for a batch of m rows, counting each buffer
+        once: the roofline of a memory-bound GEMV, and what fusion saves."""
+        sizes = {"M": m}
+        total = 0
+        for a in launch.args:
+            if a.kind == "value":
+                total += value_bytes(self.graph.node(a.ref).type, sizes)
+            elif a.kind == "weight":
+                w = self.graph.node(a.ref).type
+                assert isinstance(w, QWeight)
+                t = w.format.buffers(w.out_features, w.in_features)[a.buffer]
+                total += value_bytes(t, sizes)
+            elif a.kind == "const":
+                total += 4
+        return total
+
+
+def value_bytes(t: object, sizes: dict[str, int]) -> int:
+    if isinstance(t, QActType):
+        return t.concrete_rows(sizes) * t.row_bytes
+    assert isinstance(t, TensorType)
+    n = 1
+    for d in t.concrete(sizes):
+        n *= d
+    return n * t.dtype.itemsize
+
 
 def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
     """One GEMV launch; a W4A4 node also gets its 16-bit twin for batches above W4A4_MAX_M."""
