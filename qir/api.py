@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import Any
 
 from qir.codegen.lower import DEFAULT_M_TILE, Plan, lower
 from qir.errors import UsageError
 from qir.graph import Graph
 from qir.interpret import Weights, interpret
-from qir.passes.manager import PassRecord, run_pipeline
+from qir.passes.manager import PassOptions, PassRecord, run_pipeline
 from qir.runtime.backend import BACKENDS, get_backend
-from qir.runtime.executor import CompiledBlock
+from qir.runtime.executor import CapturedBlock, CompiledBlock
 
 
 @dataclass
@@ -29,10 +28,27 @@ class Compiled:
     plan: Plan | None = None
     _exec: CompiledBlock | None = None
 
-    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
+        """Run once. Kernel backends take numpy, CuPy or DLPack inputs and launch on `stream`
+        (cuda); see qir.runtime.executor for what comes back."""
         if self._exec is None:
             return interpret(self.graph, inputs, self.weights)
-        return self._exec.run(inputs)
+        return self._exec.run(inputs, stream)
+
+    def capture(self, m: int, stream: Any = None) -> CapturedBlock:
+        """The block bound to fixed buffers for M=`m`, replayed by calling it (a CUDA graph on
+        the cuda backend): the decode path."""
+        return self._executor("capture").capture(m, stream)
+
+    def peak_bytes(self, m: int) -> int:
+        """Bytes a run at M=`m` allocates besides inputs and weights (intermediates share an
+        arena planned from liveness, plus the outputs)."""
+        return self._executor("peak_bytes").memory_plan(m).peak_bytes
+
+    def _executor(self, what: str) -> CompiledBlock:
+        if self._exec is None:
+            raise UsageError(f"{what} needs a kernel backend (host or cuda), not {self.backend}")
+        return self._exec
 
     @property
     def kernel_count(self) -> int:
@@ -45,10 +61,16 @@ def compile(
     backend: str = "host",
     passes: str | Sequence[str] = "default",
     m_tile: int = DEFAULT_M_TILE,
+    weight_quantization: str = "declared",
 ) -> Compiled:
+    """Run the pass pipeline on a copy of `graph` and prepare it for `backend`.
+
+    weight_quantization: which NVFP4 weights take 4-bit activations (`declared`: those whose
+    checkpoint calibrated them, `w4a4`: all, `w4a16`: none)."""
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    passed, records = run_pipeline(graph, passes)
+    options = PassOptions(weight_quantization=weight_quantization)
+    passed, records = run_pipeline(graph, passes, options=options)
     c = Compiled(graph, passed, backend, weights, records)
     if backend != "reference":
         c.plan = lower(passed, m_tile)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
+import time
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -21,6 +23,7 @@ from qir.errors import QirError, UsageError
 from qir.models import load
 from qir.models.blocks import BLOCKS, Block, build
 from qir.passes.manager import run_pipeline
+from qir.runtime import cache as kernel_cache
 from qir.runtime.backend import BACKENDS, best_backend
 
 EXIT_USAGE = 2
@@ -125,6 +128,87 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed")
+
+
+def _natural(name: str) -> list[Any]:
+    # model.layers.2 before model.layers.10
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ck = load(args.checkpoint)
+    tensors = ck.store.keys()
+    modules = sorted(
+        {
+            name[: -len(suffix)]
+            for name in tensors
+            for suffix in _WEIGHT_SUFFIXES
+            # 1-D .weight tensors are norms, not linears
+            if name.endswith(suffix) and (suffix != ".weight" or len(ck.store.shape(name)) == 2)
+        },
+        key=_natural,
+    )
+    tty = sys.stderr.isatty()
+    start = shown = time.monotonic()
+    rows, total = [], 0
+    for i, module in enumerate(modules, 1):
+        lin = ck.linear(module)
+        w, facts = lin.weight, lin.weight.format.describe()
+        nbytes = sum(a.nbytes for a in lin.buffers.values())
+        total += nbytes
+        rows.append(
+            (
+                module,
+                w.format.spell(),
+                str(facts["bits"] or "-"),
+                str(facts["group"] or "-"),
+                f"[{w.out_features}, {w.in_features}]",
+                str(nbytes),
+                "yes" if facts["w4a4"] else "no",
+            )
+        )
+        # Progress only where someone watches (a TTY) or the load is slow, at most 2 lines/s.
+        now = time.monotonic()
+        if not args.quiet and (tty or now - start > 1) and (now - shown > 0.5 or i == len(modules)):
+            print(
+                f"qir: loading {i}/{len(modules)} modules",
+                file=sys.stderr,
+                end="\r" if tty else "\n",
+            )
+            shown = now
+    if tty and not args.quiet:
+        print(file=sys.stderr)
+    header = ("module", "format", "bits", "group", "shape [out, in]", "bytes", "W4A4")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    print(f"{len(rows)} linears, {total} bytes")
+    return 0
+
+
+def cmd_dequant(args: argparse.Namespace) -> int:
+    module = args.module
+    for suffix in _WEIGHT_SUFFIXES:
+        module = module.removesuffix(suffix)
+    lin = load(args.checkpoint).linear(module)
+    w = lin.weight.format.dequantize(lin.buffers, lin.weight.out_features, lin.weight.in_features)
+    np.save(args.out, w)
+    print(f"wrote {args.out}: float32 {list(w.shape)} from {lin.weight.format.spell()}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    root = kernel_cache.default_root()
+    if args.action == "clear":
+        print(f"removed {kernel_cache.clear(root)} entries from {root}")
+        return 0
+    print(f"cache {root} (set QIR_CACHE_DIR to move it)")
+    for ns in kernel_cache.info(root):
+        print(f"  {ns.name:6} {ns.entries:5d} entries {ns.bytes / 2**20:9.2f} MiB")
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--block", required=True, help=f"one of {', '.join(BLOCKS)}")
@@ -165,6 +249,20 @@ def parser() -> argparse.ArgumentParser:
         "--backend", choices=BACKENDS, help="default: cuda if a GPU is present, else host"
     )
     demo.set_defaults(func=cmd_demo)
+
+    ins = sub.add_parser("inspect", help="list a checkpoint's linears: format, bits, shape, bytes")
+    ins.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    ins.set_defaults(func=cmd_inspect)
+
+    deq = sub.add_parser("dequant", help="write one linear's weight as a float32 [out, in] .npy")
+    deq.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    deq.add_argument("module", help="module path, e.g. model.layers.0.mlp.down_proj")
+    deq.add_argument("-o", "--out", type=Path, required=True, help="output W.npy")
+    deq.set_defaults(func=cmd_dequant)
+
+    cch = sub.add_parser("cache", help="show or clear the compiled-kernel cache")
+    cch.add_argument("action", choices=("info", "clear"))
+    cch.set_defaults(func=cmd_cache)
     return ap
 
 

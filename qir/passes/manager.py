@@ -13,7 +13,7 @@ from qir.passes.base import Pass
 from qir.passes.dce import DCE
 from qir.passes.merge_parallel import MergeParallel
 from qir.passes.residual_epilogue import ResidualEpilogue
-from qir.passes.route_w4a4 import RouteW4A4
+from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
 from qir.passes.share_act_quant import ShareActQuant
 from qir.passes.silu_prologue import SiluPrologue
@@ -38,6 +38,8 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
 }
 PIPELINES: dict[str, tuple[str, ...]] = {
     "default": (
+        # first, so nothing dead is merged into a multi-output node
+        "dce",
         "merge_parallel",
         "silu_prologue",
         "residual_epilogue",
@@ -68,6 +70,11 @@ def resolve(pipeline: str | Sequence[str], options: PassOptions | None = None) -
     else:
         names = tuple(pipeline)
     unknown = [n for n in names if n not in PASSES]
+    if (options or PassOptions()).weight_quantization not in TIERS:
+        raise UsageError(
+            f"unknown --weight-quantization {(options or PassOptions()).weight_quantization!r}; "
+            f"choose one of {', '.join(TIERS)}"
+        )
     if unknown:
         raise UsageError(
             f"unknown pass {', '.join(unknown)}; passes: {', '.join(PASSES)}; "

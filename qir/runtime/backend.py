@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -12,19 +13,45 @@ from qir.errors import UsageError
 
 BACKENDS = ("reference", "host", "cuda")
 
+# (loaded kernel, grid, arguments): one launch with its memory bound.
+BoundLaunch = tuple[Any, tuple[int, int, int], Sequence[Any]]
+
 
 class Backend(Protocol):
     name: str
 
     def load(self, kernel: Kernel) -> Any: ...
 
-    def launch(self, loaded: Any, grid: tuple[int, int, int], args: Sequence[Any]) -> None: ...
+    def launch(
+        self, loaded: Any, grid: tuple[int, int, int], args: Sequence[Any], stream: Any = None
+    ) -> None: ...
+
+    def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
+        """Launches bound once, replayed by calling the result with a stream (the cuda backend
+        captures a CUDA graph)."""
+        ...
+
+    def accept(self, a: Any) -> tuple[Any, bool]:
+        """An input as a backend array, and whether results should stay on the device."""
+        ...
 
     def to_device(self, a: np.ndarray) -> Any: ...
 
     def from_device(self, a: Any) -> np.ndarray: ...
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any: ...
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any: ...
+
+    def view(self, arena: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        """`shape` x `dtype` at byte `offset` of a uint8 arena from `empty`."""
+        ...
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        """Copy a numpy array or an accepted backend array into `dst`, on the current stream."""
+        ...
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        """Makes `stream` current for allocations and copies; yields the backend's stream."""
+        ...
 
     def synchronize(self) -> None: ...
 

@@ -1,22 +1,32 @@
-"""The `cuda` backend: kernels compiled by CuPy's NVRTC and launched on a CUDA GPU.
+"""The `cuda` backend: kernels compiled to cubin by NVRTC and launched on a CUDA GPU through CuPy.
 
 CuPy is an optional extra (`qir[cuda]`), so it is imported only when a backend is built.
+
+Compiling: the cubin comes from `nvrtc.compile_cubin` (cuda.core, `qir[compile]`) for the
+device's arch, through qir's compile cache, and is loaded with `cupy.cuda.function.Module.load`
+(cuModuleLoadData, from memory). CuPy's own kernel cache (`RawModule`) is not used: its key has
+no notion of qir's codegen version, it needs a driver to compile, and sharing the compile-only
+path means a CI machine without a GPU warms exactly the entries a GPU machine loads. What CuPy
+does provide: module loading, launches, its stream-ordered memory pool (a run's arena is reused
+from the pool, so repeated runs do not grow it) and graph capture (`Stream.begin_capture`).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from qir.codegen.kernel import Kernel
-from qir.runtime.errors import BackendUnavailable, CompileError
-from qir.runtime.nvrtc import kernel_include_dir
-from qir.runtime.toolkit import cuda_include_dirs
+from qir.interpret import BindError
+from qir.runtime.backend import BoundLaunch
+from qir.runtime.cache import KernelCache
+from qir.runtime.errors import BackendUnavailable
+from qir.runtime.nvrtc import compile_cubin
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -33,13 +43,13 @@ def available() -> bool:
 @dataclass(frozen=True)
 class CudaKernel:
     kernel: Kernel
-    function: Any  # cupy.RawKernel, compiled and loaded on the backend's device
+    function: Any  # cupy.cuda.function.Function, loaded on the backend's device
 
 
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, cache_dir: Any = None) -> None:
         try:
             import cupy
         except ImportError as e:
@@ -50,39 +60,33 @@ class CudaBackend:
             raise BackendUnavailable(
                 "no CUDA GPU available (cupy.cuda.is_available() is false); use --backend host"
             )
+        try:
+            import cuda.core  # noqa: F401
+        except ImportError as e:
+            raise BackendUnavailable(
+                "the cuda backend compiles with NVRTC through cuda-core: "
+                "pip install 'qir[compile]', or use --backend host"
+            ) from e
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device < count:
             raise BackendUnavailable(f"no CUDA device {device}: this machine has {count}")
         self._cp = cupy
         self.device = cupy.cuda.Device(device)
         self.arch = f"sm_{self.device.compute_capability}"
-        self._kernels: dict[tuple[str, str], CudaKernel] = {}
+        self.cache = KernelCache.at(cache_dir)
 
     def load(self, kernel: Kernel) -> CudaKernel:
-        digest = hashlib.sha256(kernel.source.encode())
-        for name, text in kernel.headers:
-            digest.update(f"\0{name}\0{text}".encode())
-        key = (kernel.name, digest.hexdigest())
-        if key not in self._kernels:
-            self._kernels[key] = CudaKernel(kernel, self._compile(kernel))
-        return self._kernels[key]
+        spec = (self.name, self.device.id, kernel)
+        return self.cache.loaded(spec, lambda: self._load(kernel))
 
-    def _compile(self, kernel: Kernel) -> Any:
-        cp = self._cp
-        with self.device, kernel_include_dir(kernel) as inc:
-            # CuPy may append its own -arch for the current device; NVRTC keeps the last one.
-            options = (
-                "-std=c++17",
-                f"-arch={self.arch}",
-                f"-I{inc}",
-                *(f"-I{d}" for d in cuda_include_dirs()),
-            )
-            module = cp.RawModule(code=kernel.source, options=options)
-            try:
-                # get_function compiles, and must do so while the include dir still exists.
-                return module.get_function(kernel.name)
-            except cp.cuda.compiler.CompileException as e:
-                raise CompileError(kernel.name, "nvrtc", str(e), kernel.source) from e
+    def _load(self, kernel: Kernel) -> CudaKernel:
+        cubin = compile_cubin(kernel, self.arch, self.cache).cubin
+        with self.device:
+            module = self._cp.cuda.function.Module()
+            module.load(cubin)
+            return CudaKernel(kernel, module.get_function(kernel.name))
+
+    # -- launch --------------------------------------------------------------------------------
 
     def launch(
         self,
@@ -93,6 +97,28 @@ class CudaBackend:
     ) -> None:
         """Launch `k` with `k.kernel.block` threads per block; `args` follow `k.kernel.params`:
         a C-contiguous device array for each buffer, a Python or NumPy int for each int."""
+        converted = self._check(k, args)
+        with self.device:
+            k.function(tuple(grid), tuple(k.kernel.block), converted, stream=self._stream(stream))
+
+    def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
+        """Capture the launches into a CUDA graph; the result replays it on a stream."""
+        bound = [(k, tuple(grid), self._check(k, args)) for k, grid, args in launches]
+        capture = self._cp.cuda.Stream(non_blocking=True)  # capture needs a non-default stream
+        with self.device, capture:
+            capture.begin_capture()
+            try:
+                for k, grid, args in bound:
+                    k.function(grid, tuple(k.kernel.block), args, stream=capture)
+            finally:
+                graph = capture.end_capture()
+        # The graph holds raw pointers into the arrays in `bound`: the partial keeps them alive.
+        return partial(self._replay, graph, bound)
+
+    def _replay(self, graph: Any, _alive: object, stream: Any = None) -> None:
+        graph.launch(self._stream(stream))
+
+    def _check(self, k: CudaKernel, args: Sequence[Any]) -> tuple[Any, ...]:
         params = k.kernel.params
         if len(args) != len(params):
             names = ", ".join(p.name for p in params)
@@ -119,20 +145,78 @@ class CudaBackend:
                         f"{where}: array is on device {arg.device.id}, not {self.device.id}"
                     )
                 converted.append(arg)
-        with self.device, stream if stream is not None else nullcontext():
-            k.function(tuple(grid), tuple(k.kernel.block), tuple(converted))
+        return tuple(converted)
+
+    def _stream(self, stream: Any) -> Any:
+        """A CuPy stream for `stream`: None (the current stream), a CuPy stream, or a foreign one
+        (e.g. torch.cuda.Stream, via its `cuda_stream` handle)."""
+        if stream is None or isinstance(
+            stream, (self._cp.cuda.Stream, self._cp.cuda.ExternalStream)
+        ):
+            return stream
+        handle = getattr(stream, "cuda_stream", stream)
+        if not isinstance(handle, int):
+            raise BindError(f"stream must be a CuPy or torch CUDA stream, got {type(stream)}")
+        return self._cp.cuda.ExternalStream(handle, self.device.id)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def accept(self, a: Any) -> tuple[Any, bool]:
+        """numpy arrays are uploaded (results come back as numpy); CuPy arrays and anything with
+        `__dlpack__` (a torch CUDA tensor) are used in place when C-contiguous and on this
+        device (results stay on the device, as CuPy arrays)."""
+        cp = self._cp
+        if isinstance(a, np.ndarray):
+            return self.to_device(a), False
+        if not isinstance(a, cp.ndarray):
+            if not hasattr(a, "__dlpack__"):
+                raise BindError(f"expected an array or a DLPack tensor, got {type(a).__name__}")
+            try:
+                a = cp.from_dlpack(a)
+            except (BufferError, RuntimeError, TypeError, ValueError) as e:
+                raise BindError(f"cannot import a {type(a).__name__} via DLPack: {e}") from None
+        if a.device.id != self.device.id:
+            raise BindError(f"input is on device {a.device.id}, the block on {self.device.id}")
+        with self.device:
+            return cp.ascontiguousarray(a), True
 
     def to_device(self, a: np.ndarray) -> Any:
         with self.device:
             return self._cp.asarray(_storable(a))
 
     def from_device(self, a: Any) -> np.ndarray:
+        # asnumpy copies on the current stream and waits for it.
         with self.device:
             return np.asarray(self._cp.asnumpy(a))
 
     def empty(self, shape: int | tuple[int, ...], dtype: Any) -> Any:
         with self.device:
             return self._cp.empty(shape, dtype=_storable_dtype(np.dtype(dtype)))
+
+    def view(self, arena: Any, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        dt = _storable_dtype(np.dtype(dtype))
+        n = int(np.prod(shape)) * dt.itemsize
+        return arena[offset : offset + n].view(dt).reshape(shape)
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        with self.device:
+            if isinstance(src, np.ndarray):
+                dst.set(_storable(src), stream=self._cp.cuda.get_current_stream())
+            else:
+                self._cp.copyto(dst, src.view(dst.dtype), casting="no")
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        return self._on(stream)
+
+    @contextmanager
+    def _on(self, stream: Any) -> Iterator[Any]:
+        s = self._stream(stream)
+        if s is None:
+            with self.device:
+                yield self._cp.cuda.get_current_stream()
+        else:
+            with self.device, s:
+                yield s
 
     def synchronize(self) -> None:
         self.device.synchronize()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from qir.errors import QirError
 
 
@@ -9,26 +11,27 @@ class CompileError(QirError, RuntimeError):
     """A kernel failed to compile: names the kernel, gives the compiler's message and the
     generated source lines it points at (with line numbers)."""
 
-    def __init__(self, kernel: str, compiler: str, message: str, source: str) -> None:
+    def __init__(
+        self, kernel: str, compiler: str, message: str, source: str, filename: str = ""
+    ) -> None:
         self.kernel = kernel
         self.compiler = compiler
         self.message = message
-        super().__init__(
-            f"{compiler} failed to compile kernel {kernel}:\n{message}\n{_excerpt(message, source)}"
-        )
+        excerpt = _excerpt(message, source, filename or f"{kernel}.cu")
+        super().__init__(f"{compiler} failed to compile kernel {kernel}:\n{message}\n{excerpt}")
 
 
 class BackendUnavailable(QirError, RuntimeError):
     """The requested backend cannot run on this machine."""
 
 
-def _excerpt(message: str, source: str, context: int = 2) -> str:
-    import re
-
+def _excerpt(message: str, source: str, filename: str, context: int = 2) -> str:
     lines = source.splitlines()
     wanted: set[int] = set()
-    # g++: "file.cu:12:5: error", NVRTC: "default_program(12): error"
-    for m in re.finditer(r"(?::(\d+):\d+:|\((\d+)\):)", message):
+    # g++: "kernel.cu:12:5: error", NVRTC: "kernel.cu(12): error". Only positions in the kernel's
+    # own file: a note pointing into a header would show unrelated lines of the kernel.
+    pattern = re.escape(filename) + r"(?::(\d+):\d+:|\((\d+)\):)"
+    for m in re.finditer(pattern, message):
         n = int(m.group(1) or m.group(2))
         wanted.update(range(max(1, n - context), min(len(lines), n + context) + 1))
     if not wanted:

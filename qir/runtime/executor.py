@@ -1,17 +1,150 @@
-"""Runs a lowered plan on a backend: weights are uploaded once, each run binds inputs,
-allocates intermediates and launches the kernels in order."""
+"""Runs a lowered plan on a backend.
+
+Weights are uploaded once, when the block is built. Each run binds the inputs (see
+`Backend.accept`), allocates one arena for the intermediates, laid out from liveness
+(`plan_memory`: a value's bytes are reused once its last reader has run; graph outputs are never
+in the arena), allocates fresh outputs, and launches the kernels in order on the given stream.
+The arena is allocated per run, not kept on the block, so two runs (or two streams) never share
+it; on the cuda backend it comes from CuPy's stream-ordered pool, which hands the same block back
+each run, so repeated runs do not grow the pool.
+
+`capture(M)` binds every launch to fixed buffers once and records them for replay (a CUDA graph
+on the cuda backend, prebuilt ctypes calls on the host): the decode path.
+
+Results: numpy on the host backend. On the cuda backend, CuPy arrays (no copy back, still on the
+run's stream) when an input was already on the device (CuPy, or DLPack such as a torch CUDA
+tensor), else numpy. Device results of bf16/fp8 values are same-width uints (CuPy has no such
+dtypes); `.view(ml_dtypes.bfloat16)` after `.get()` restores them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from qir.codegen.lower import Plan
-from qir.interpret import Weights, bind_inputs
+from qir.codegen.lower import Launch, Plan
+from qir.interpret import BindError, Weights, bind_inputs
 from qir.runtime.backend import Backend
-from qir.types import QWeight, TensorType
+from qir.types import QActType, QWeight, TensorType
+
+# Every arena slot starts on a 256-byte boundary, as cudaMalloc's own allocations do: kernels
+# issue 128-bit loads, and this keeps any view's dtype aligned.
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    m: int
+    active: tuple[int, ...]  # the launches that run at this M (see Launch.when)
+    offsets: Mapping[str, int]  # intermediate value -> byte offset in the arena
+    arena_bytes: int
+    output_bytes: int
+    unshared_bytes: int  # what the intermediates would take with no reuse
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes one run allocates besides its inputs and the weights."""
+        return self.arena_bytes + self.output_bytes
+
+
+def _tensor(plan: Plan, value: str) -> TensorType:
+    t = plan.graph.node(value).type
+    assert isinstance(t, TensorType)
+    return t
+
+
+def _storage(plan: Plan, value: str, sizes: dict[str, int]) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of a value's buffer: a tensor as declared; a quantized activation as its
+    packed bytes, one row of `row_bytes` per row of its source."""
+    t = plan.graph.node(value).type
+    if isinstance(t, QActType):
+        return (t.source.concrete(sizes)[0], t.row_bytes), np.dtype(np.uint8)
+    assert isinstance(t, TensorType)
+    return t.concrete(sizes), t.dtype.np
+
+
+def _nbytes(plan: Plan, value: str, sizes: dict[str, int]) -> int:
+    shape, dtype = _storage(plan, value, sizes)
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def plan_memory(plan: Plan, m: int) -> MemoryPlan:
+    """Arena offsets for the intermediates of `plan` at M=`m`: best fit into the holes left by
+    values whose last reader has run. A launch's outputs are placed before its dying inputs are
+    freed, so no kernel writes over what it reads."""
+    sizes = {"M": m}
+    outputs = {v for _, v in plan.graph.outputs}
+    active = tuple(i for i, launch in enumerate(plan.launches) if launch.runs_for(m))
+    launches = [plan.launches[i] for i in active]
+    last_read: dict[str, int] = {}
+    for i, launch in enumerate(launches):
+        for a in launch.args:
+            if a.kind == "value":
+                last_read[a.ref] = i
+    holes: list[list[int]] = []  # [offset, size], sorted by offset, never adjacent
+    live: dict[str, tuple[int, int]] = {}
+    offsets: dict[str, int] = {}
+    top = unshared = output_bytes = 0
+    for i, launch in enumerate(launches):
+        for v in launch.outputs:
+            nbytes = _nbytes(plan, v, sizes)
+            if v in outputs:
+                output_bytes += nbytes
+                continue
+            size = -(-nbytes // ALIGN) * ALIGN
+            unshared += size
+            offsets[v], top = _take(holes, size, top)
+            live[v] = (offsets[v], size)
+        for v in [v for v in live if last_read.get(v, i) <= i]:
+            _give(holes, *live.pop(v))
+    return MemoryPlan(m, active, offsets, top, output_bytes, unshared)
+
+
+def _take(holes: list[list[int]], size: int, top: int) -> tuple[int, int]:
+    """An offset for `size` bytes and the new arena end: the smallest hole that fits, else the
+    end of the arena (extending a hole that touches it)."""
+    fits = [h for h in holes if h[1] >= size]
+    if fits:
+        h = min(fits, key=lambda h: h[1])
+        offset = h[0]
+        h[0] += size
+        h[1] -= size
+        if h[1] == 0:
+            holes.remove(h)
+        return offset, top
+    if holes and holes[-1][0] + holes[-1][1] == top:
+        offset = holes.pop()[0]
+        return offset, offset + size
+    return top, top + size
+
+
+def _give(holes: list[list[int]], offset: int, size: int) -> None:
+    bisect.insort(holes, [offset, size])
+    merged: list[list[int]] = []
+    for h in holes:
+        if merged and merged[-1][0] + merged[-1][1] == h[0]:
+            merged[-1][1] += h[1]
+        else:
+            merged.append(h)
+    holes[:] = merged
+
+
+def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype an input counts as: a device array of same-width uints stands for a bf16/fp8
+    input (how CuPy holds them); numpy inputs are taken at their word."""
+    dt = np.dtype(array.dtype)
+    if (
+        not isinstance(raw, np.ndarray)
+        and declared.kind == "V"
+        and dt == np.dtype(f"u{declared.itemsize}")
+    ):
+        return declared
+    return dt
 
 
 class CompiledBlock:
@@ -34,33 +167,143 @@ class CompiledBlock:
                 for b in w.format.buffers(w.out_features, w.in_features)
             }
         self._loaded = [backend.load(launch.kernel) for launch in plan.launches]
-
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        graph = self.plan.graph
-        sizes = bind_inputs(graph, inputs)
-        m = sizes.get("M", 1)
-        env: dict[str, Any] = {
-            n: self.backend.to_device(np.ascontiguousarray(inputs[n])) for n in graph.inputs
+        # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.
+        self._consts = {
+            a.value: backend.to_device(np.array([a.value], np.float32))
+            for launch in plan.launches
+            for a in launch.args
+            if a.kind == "const"
         }
-        for launch, loaded in zip(self.plan.launches, self._loaded, strict=True):
-            for out in launch.outputs:
-                t = graph.node(out).type
-                assert isinstance(t, TensorType)
-                env[out] = self.backend.empty(t.concrete(sizes), t.dtype.np)
-            args: list[Any] = []
-            for a in launch.args:
-                if a.kind == "value":
-                    args.append(env[a.ref])
-                elif a.kind == "weight":
-                    args.append(self._weights[a.ref][a.buffer])
+        self._memory: dict[int, MemoryPlan] = {}
+
+    def memory_plan(self, m: int) -> MemoryPlan:
+        if m not in self._memory:
+            self._memory[m] = plan_memory(self.plan, m)
+        return self._memory[m]
+
+    def run(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
+        """Run the block once on `stream` (cuda: a CuPy or torch stream; None: the current one).
+        See the module docstring for what comes back."""
+        be = self.backend
+        with be.on(stream) as s:
+            env, sizes, on_device = self._bind(inputs)
+            m = sizes.get("M", 1)
+            mem = self.memory_plan(m)
+            self._allocate(env, mem, sizes)
+            for i in mem.active:
+                launch = self.plan.launches[i]
+                be.launch(self._loaded[i], launch.grid(m), self._args(launch, env, m), s)
+            results = {}
+            for name, v in self.plan.graph.outputs:
+                dtype = _tensor(self.plan, v).dtype.np
+                results[name] = env[v] if on_device else be.from_device(env[v]).view(dtype)
+            return results
+
+    def capture(self, m: int, stream: Any = None) -> CapturedBlock:
+        """Bind every launch for M=`m` to fixed buffers and record them for replay."""
+        if m < 1:
+            raise BindError(f"M must be at least 1, got {m}")
+        be, graph, sizes = self.backend, self.plan.graph, {"M": m}
+        with be.on(stream):
+            env: dict[str, Any] = {}
+            for n in graph.inputs:
+                t = _tensor(self.plan, n)
+                env[n] = be.empty(t.concrete(sizes), t.dtype.np)
+            mem = self.memory_plan(m)
+            self._allocate(env, mem, sizes)
+            launches = [(self.plan.launches[i], self._loaded[i]) for i in mem.active]
+            bound = [(k, launch.grid(m), self._args(launch, env, m)) for launch, k in launches]
+            replay = be.record(bound)
+        return CapturedBlock(
+            self,
+            m,
+            {n: env[n] for n in graph.inputs},
+            {o: env[v] for o, v in graph.outputs},
+            replay,
+        )
+
+    def _bind(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, int], bool]:
+        graph = self.plan.graph
+        env: dict[str, Any] = {}
+        stand_ins: dict[str, np.ndarray] = {}
+        on_device = False
+        for name, raw in inputs.items():
+            env[name], device = self.backend.accept(raw)
+            on_device |= device
+            declared = (
+                np.dtype(_tensor(self.plan, name).dtype.np)
+                if name in graph.inputs
+                else np.dtype(env[name].dtype)
+            )
+            # bind_inputs checks shapes and dtypes; a zero-stride numpy stand-in carries both
+            # without touching (or copying) a device array.
+            dtype = _logical_dtype(raw, env[name], declared)
+            stand_ins[name] = np.broadcast_to(np.empty((), dtype), env[name].shape)
+        return env, bind_inputs(graph, stand_ins), on_device
+
+    def _allocate(self, env: dict[str, Any], mem: MemoryPlan, sizes: dict[str, int]) -> None:
+        be = self.backend
+        arena = be.empty((max(mem.arena_bytes, 1),), np.uint8)
+        for i in mem.active:
+            for v in self.plan.launches[i].outputs:
+                shape, dtype = _storage(self.plan, v, sizes)
+                if v in mem.offsets:
+                    env[v] = be.view(arena, mem.offsets[v], shape, dtype)
                 else:
-                    args.append(m)
-            self.backend.launch(loaded, launch.grid(m), args)
-        self.backend.synchronize()
-        results = {}
-        for out, v in graph.outputs:
-            t = graph.node(v).type
-            assert isinstance(t, TensorType)
-            # CuPy has no bf16/fp8 dtypes and hands back same-width raw integers.
-            results[out] = self.backend.from_device(env[v]).view(t.dtype.np)
-        return results
+                    env[v] = be.empty(shape, dtype)
+
+    def _args(self, launch: Launch, env: dict[str, Any], m: int) -> list[Any]:
+        args: list[Any] = []
+        for a in launch.args:
+            if a.kind == "value":
+                args.append(env[a.ref])
+            elif a.kind == "weight":
+                args.append(self._weights[a.ref][a.buffer])
+            elif a.kind == "const":
+                args.append(self._consts[a.value])
+            else:
+                args.append(m)
+        return args
+
+
+class CapturedBlock:
+    """A block bound to fixed buffers for one M. Calling it copies the given inputs into
+    `inputs` (or write them there yourself and call it with none), replays every launch and
+    returns `outputs`: the same arrays each time, overwritten by the next replay (copy what you
+    keep). cuda: device arrays, and the replay is one CUDA graph launch on `stream`."""
+
+    def __init__(
+        self,
+        block: CompiledBlock,
+        m: int,
+        inputs: dict[str, Any],
+        outputs: dict[str, Any],
+        replay: Callable[[Any], None],
+    ) -> None:
+        self.block = block
+        self.m = m
+        self.inputs = inputs
+        self.outputs = outputs
+        self._replay = replay
+
+    def __call__(
+        self, inputs: Mapping[str, Any] | None = None, stream: Any = None
+    ) -> dict[str, Any]:
+        be = self.block.backend
+        with be.on(stream) as s:
+            for name, value in (inputs or {}).items():
+                if name not in self.inputs:
+                    raise BindError(f"unknown input {name!r}; the block takes {list(self.inputs)}")
+                dst = self.inputs[name]
+                src = value if isinstance(value, np.ndarray) else be.accept(value)[0]
+                declared = np.dtype(_tensor(self.block.plan, name).dtype.np)
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise BindError(
+                        f"input %{name}: shape {list(src.shape)}, captured for "
+                        f"{list(dst.shape)} (M={self.m})"
+                    )
+                if _logical_dtype(value, src, declared) != declared:
+                    raise BindError(f"input %{name}: dtype {src.dtype}, expected {declared}")
+                be.copy_into(dst, src)
+            self._replay(s)
+        return dict(self.outputs)

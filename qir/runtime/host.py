@@ -8,26 +8,25 @@ host memory and copies are ordinary copies.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import logging
 import os
 import subprocess
 import tempfile
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from qir.codegen.kernel import Kernel
+from qir.interpret import BindError
+from qir.runtime.backend import BoundLaunch
+from qir.runtime.cache import HOST, KernelCache, key
 from qir.runtime.errors import CompileError
-from qir.runtime.toolkit import cuda_include_dirs
-
-log = logging.getLogger("qir.runtime")
+from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 HEADER = Path(__file__).parent / "include" / "qir_host.h"
 CXX = "g++"
@@ -54,22 +53,16 @@ def _compiler_version() -> str:
     return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def _default_cache_dir() -> Path:
-    root = os.environ.get("QIR_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "qir") / "host"
-
-
-def _write_atomic(path: Path, data: str | bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+def host_source(kernel: Kernel) -> str:
+    """What g++ compiles: the kernel plus one exported, generic trampoline (qir_host.h does the
+    argument unpacking). Appended, so line numbers in compiler messages stay the kernel's."""
+    return f"{kernel.source.rstrip()}\n\nQIR_HOST_EXPORT({kernel.name})\n"
 
 
 @dataclass(frozen=True)
 class HostKernel:
     kernel: Kernel
-    path: Path  # the shared object, or the executable in sanitize mode
+    path: Path  # the cache entry: a shared object, or an executable in sanitize mode
     lib: ctypes.CDLL | None  # None in sanitize mode: the kernel runs in a child process
 
 
@@ -77,9 +70,8 @@ class HostBackend:
     name = "host"
 
     def __init__(self, cache_dir: Path | None = None, sanitize: bool = False) -> None:
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+        self.cache = KernelCache.at(cache_dir)
         self.sanitize = sanitize
-        self._loaded: dict[str, HostKernel] = {}
 
     # -- compile -------------------------------------------------------------------------------
 
@@ -92,75 +84,85 @@ class HostBackend:
         includes = [f"-I{d}" for d in (build, *cuda_include_dirs())]
         return [*BASE_FLAGS, *mode, "-include", str(HEADER), *includes]
 
-    def _key(self, kernel: Kernel, source: str) -> str:
-        h = hashlib.sha256()
-        # Include dirs depend on the build dir, which depends on the key: hash the mode instead.
-        for part in (
-            source,
-            repr(kernel.headers),
-            HEADER.read_text(),
-            repr(self.sanitize),
-            repr((BASE_FLAGS, SO_FLAGS, SANITIZE_FLAGS)),
-            _compiler_version(),
-            repr(cuda_include_dirs()),
-        ):
-            h.update(part.encode())
-            h.update(b"\0")
-        return h.hexdigest()
+    def key_parts(self, kernel: Kernel, source: str) -> dict[str, str]:
+        """What a compiled kernel depends on, besides qir's codegen (see cache.key)."""
+        # The include dirs hold the temporary build dir: hash the flags of the mode instead.
+        flags = (BASE_FLAGS, SANITIZE_FLAGS if self.sanitize else SO_FLAGS)
+        return {
+            "source": source,
+            "headers": repr(kernel.headers),
+            "runtime_header": HEADER.read_text(),
+            "options": repr(flags),
+            "compiler": _compiler_version(),
+            "toolkit": toolkit_fingerprint(),
+        }
 
     def load(self, kernel: Kernel) -> HostKernel:
-        # One exported, generic trampoline per kernel; qir_host.h does the argument unpacking.
-        source = f"{kernel.source.rstrip()}\n\nQIR_HOST_EXPORT({kernel.name})\n"
-        key = self._key(kernel, source)
-        if key in self._loaded:
-            return self._loaded[key]
-        build = self.cache_dir / f"{kernel.name}-{key[:16]}"
-        build.mkdir(parents=True, exist_ok=True)
-        out = build / (f"{kernel.name}.exe" if self.sanitize else f"{kernel.name}.so")
-        # The lock keeps concurrent processes from compiling the same kernel twice.
-        with open(build / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            hk = self._open(kernel, out) if out.exists() else None
-            if hk is None:
-                self._compile(kernel, source, build, out)
-                hk = self._open(kernel, out)
-                if hk is None:
-                    raise RuntimeError(f"cannot load freshly compiled {out}")
-        self._loaded[key] = hk
-        return hk
+        return self.cache.loaded((self.name, self.sanitize, kernel), lambda: self._load(kernel))
 
-    def _open(self, kernel: Kernel, out: Path) -> HostKernel | None:
-        """The cached artifact, or None if it is unusable (a corrupt entry is a miss)."""
+    def _load(self, kernel: Kernel) -> HostKernel:
+        source = host_source(kernel)
+        entry = self.cache.fetch(
+            HOST,
+            kernel.name,
+            key(self.key_parts(kernel, source)),
+            ".exe" if self.sanitize else ".so",
+            lambda: self._compile(kernel, source),
+            what="host g++",
+            executable=self.sanitize,
+        )
         if self.sanitize:
-            return HostKernel(kernel, out, None) if os.access(out, os.X_OK) else None
+            return HostKernel(kernel, entry.path, None)
         try:
-            lib = ctypes.CDLL(str(out))
+            lib = ctypes.CDLL(str(entry.path))
             getattr(lib, f"qir_launch_{kernel.name}")
-        except (OSError, AttributeError):
-            return None
-        return HostKernel(kernel, out, lib)
+        except (OSError, AttributeError) as e:
+            # The checksum matched, so this is what g++ produced: not a cache problem.
+            raise RuntimeError(f"{kernel.name}: cannot load {entry.path}: {e}") from e
+        return HostKernel(kernel, entry.path, lib)
 
-    def _compile(self, kernel: Kernel, source: str, build: Path, out: Path) -> None:
-        for name, text in kernel.headers:
-            _write_atomic(build / name, text)
-        cu = build / f"{kernel.name}.cu"
-        _write_atomic(cu, source)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        cmd = [CXX, *self._flags(kernel, build), str(cu), "-o", str(tmp)]
-        log.info("compiling %s (host g++) ...", kernel.name)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise CompileError(kernel.name, "g++", proc.stderr.strip(), source)
-        os.replace(tmp, out)
-        log.info("compiled %s (host g++) in %.2f s", kernel.name, time.perf_counter() - t0)
+    def _compile(self, kernel: Kernel, source: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:
+            build = Path(tmp)
+            for name, text in kernel.headers:
+                (build / name).parent.mkdir(parents=True, exist_ok=True)
+                (build / name).write_text(text)
+            cu, out = build / f"{kernel.name}.cu", build / "kernel.out"
+            cu.write_text(source)
+            cmd = [CXX, *self._flags(kernel, build), str(cu), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise CompileError(
+                    kernel.name, "g++", proc.stderr.strip(), source, filename=cu.name
+                )
+            return out.read_bytes()
 
     # -- launch --------------------------------------------------------------------------------
 
     def launch(
-        self, k: HostKernel, grid: tuple[int, int, int], args: Sequence[np.ndarray | int]
+        self,
+        k: HostKernel,
+        grid: tuple[int, int, int],
+        args: Sequence[np.ndarray | int],
+        stream: Any = None,
     ) -> None:
+        """Run `k` to completion; `stream` is accepted for the executor and ignored (host
+        launches are synchronous)."""
+        self._bind(k, grid, args)()
+
+    def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
+        """Bind every launch once (argument checks, ctypes marshalling) for cheap replays."""
+        calls = [self._bind(k, grid, args) for k, grid, args in launches]
+
+        def replay(stream: Any = None) -> None:
+            for call in calls:
+                call()
+
+        return replay
+
+    def _bind(
+        self, k: HostKernel, grid: tuple[int, int, int], args: Sequence[np.ndarray | int]
+    ) -> Callable[[], None]:
         kernel = k.kernel
         if len(grid) != 3 or any(not isinstance(g, int) or g < 1 for g in grid):
             raise ValueError(f"{kernel.name}: grid must be three positive ints, got {grid}")
@@ -186,8 +188,7 @@ class HostBackend:
                 if not _INT32[0] <= int(a) <= _INT32[1]:
                     raise ValueError(f"{kernel.name}: param {p.name}={a} does not fit in int32")
         if k.lib is None:
-            self._run_sanitized(k, grid, args)
-            return
+            return lambda: self._run_sanitized(k, grid, args)
         # kernelParams convention: params[i] points at the value of argument i.
         values: list[ctypes.c_void_p | ctypes.c_int] = [
             ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else ctypes.c_int(int(a))
@@ -198,11 +199,9 @@ class HostBackend:
         )
         fn = getattr(k.lib, f"qir_launch_{kernel.name}")
         fn.restype = ctypes.c_int
-        rc = fn((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*kernel.block), params)
-        if rc != 0:
-            err = k.lib.qir_host_error
-            err.restype = ctypes.c_char_p
-            raise RuntimeError(f"{kernel.name}: {err().decode()}")
+        grid_c, block_c = (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*kernel.block)
+        # `params` holds raw pointers into `values` and the arrays: the partial keeps them alive.
+        return partial(_call, k, fn, grid_c, block_c, params, (values, args))
 
     def _run_sanitized(
         self, k: HostKernel, grid: tuple[int, int, int], args: Sequence[np.ndarray | int]
@@ -244,16 +243,54 @@ class HostBackend:
                     )
                 offset += a.nbytes
 
-    # -- memory --------------------------------------------------------------------------------
+    # -- memory: "device" arrays are numpy arrays -----------------------------------------------
+
+    def accept(self, a: Any) -> tuple[np.ndarray, bool]:
+        """A numpy view of an input (no copy when it is already C-contiguous) and False: the
+        results of a host run are numpy, whatever came in. Anything with `__dlpack__` on the CPU
+        is taken through `np.from_dlpack` (zero-copy)."""
+        if not isinstance(a, np.ndarray):
+            if not hasattr(a, "__dlpack__"):
+                raise BindError(
+                    f"expected a numpy array or a DLPack tensor, got {type(a).__name__}"
+                )
+            try:
+                a = np.from_dlpack(a)
+            except (BufferError, RuntimeError, TypeError) as e:
+                raise BindError(
+                    f"cannot read a {type(a).__name__} on the host backend ({e}); "
+                    "pass a CPU tensor, or use --backend cuda for device tensors"
+                ) from None
+        return np.ascontiguousarray(a), False
 
     def to_device(self, a: np.ndarray) -> np.ndarray:
         return np.array(a, copy=True, order="C")
 
     def from_device(self, a: np.ndarray) -> np.ndarray:
-        return np.array(a, copy=True, order="C")
+        return np.asarray(a)
 
     def empty(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
 
+    def view(
+        self, arena: np.ndarray, offset: int, shape: tuple[int, ...], dtype: Any
+    ) -> np.ndarray:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return arena[offset : offset + n].view(dtype).reshape(shape)
+
+    def copy_into(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src, casting="no")
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        return nullcontext(stream)
+
     def synchronize(self) -> None:
         """Launches are synchronous on the host."""
+
+
+def _call(k: HostKernel, fn: Any, grid: Any, block: Any, params: Any, _alive: object) -> None:
+    if fn(grid, block, params) != 0:
+        assert k.lib is not None
+        err = k.lib.qir_host_error
+        err.restype = ctypes.c_char_p
+        raise RuntimeError(f"{k.kernel.name}: {err().decode()}")

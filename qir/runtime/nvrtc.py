@@ -6,7 +6,9 @@ Needs neither a GPU nor the driver, so CI can check every kernel for every targe
 from __future__ import annotations
 
 import io
+import json
 import re
+import struct
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -15,8 +17,9 @@ from functools import cache
 from pathlib import Path
 
 from qir.codegen.kernel import Kernel
+from qir.runtime.cache import CUBIN, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
-from qir.runtime.toolkit import cuda_include_dirs
+from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 # NVRTC ships no C library headers, yet kernels include <stdint.h> so that g++ (host backend) and
 # NVRTC read the same source. The widths match glibc on LP64 (int64_t is long, not long long) so
@@ -90,13 +93,58 @@ def kernel_include_dir(kernel: Kernel) -> Iterator[Path]:
         yield root
 
 
-def compile_cubin(kernel: Kernel, arch: str = "sm_90") -> CubinResult:
-    """Compile `kernel` to a cubin for `arch` (e.g. "sm_80", "sm_90a") with NVRTC."""
-    try:
-        from cuda.core import Program, ProgramOptions
+# Everything but the include path, which holds a temporary directory (its content is keyed).
+_OPTIONS = {"std": "c++17", "ptxas_options": "-v"}
+_PAYLOAD_HEAD = struct.Struct("<I")  # length of the JSON metadata that precedes the cubin
 
-        # cuda.core 1.2.2 exports no public exception type for NVRTC failures.
-        from cuda.core._utils.cuda_utils import NVRTCError
+
+def key_parts(kernel: Kernel, arch: str) -> dict[str, str]:
+    """What a cubin depends on, besides qir's codegen (see cache.key)."""
+    return {
+        "source": kernel.source,
+        "headers": repr(kernel.headers) + _STDINT_SHIM,
+        "options": repr(sorted(_OPTIONS.items())),
+        "arch": arch,
+        "compiler": f"nvrtc {nvrtc_version()}",
+        "toolkit": toolkit_fingerprint(),
+    }
+
+
+def compile_cubin(
+    kernel: Kernel, arch: str = "sm_90", cache: KernelCache | None = None
+) -> CubinResult:
+    """Compile `kernel` to a cubin for `arch` (e.g. "sm_80", "sm_90a") with NVRTC, through the
+    compile cache (default: the one at $QIR_CACHE_DIR). The cuda backend loads these same
+    entries, so a machine without a GPU can warm a GPU machine's cache."""
+    store = cache if cache is not None else KernelCache.at()
+    return store.loaded((CUBIN, arch, kernel), lambda: _cached_cubin(store, kernel, arch))
+
+
+def _cached_cubin(store: KernelCache, kernel: Kernel, arch: str) -> CubinResult:
+    toolkit = _toolchain()
+    entry = store.fetch(
+        CUBIN,
+        kernel.name,
+        key(key_parts(kernel, arch)),
+        f".{arch}.cubin",
+        lambda: _pack(_compile(kernel, arch, toolkit)),
+        what=f"nvrtc {arch}",
+    )
+    (n,) = _PAYLOAD_HEAD.unpack_from(entry.payload)
+    meta = json.loads(entry.payload[_PAYLOAD_HEAD.size : _PAYLOAD_HEAD.size + n])
+    cubin = entry.payload[_PAYLOAD_HEAD.size + n :]
+    return CubinResult(cubin, arch, meta["registers"], meta["spill_bytes"], meta["log"])
+
+
+def _pack(result: CubinResult) -> bytes:
+    meta = {"registers": result.registers, "spill_bytes": result.spill_bytes, "log": result.log}
+    head = json.dumps(meta).encode()
+    return _PAYLOAD_HEAD.pack(len(head)) + head + result.cubin
+
+
+def _toolchain() -> tuple[Path, ...]:
+    try:
+        import cuda.core  # noqa: F401
     except ImportError as e:
         raise BackendUnavailable(
             "compiling with NVRTC needs cuda-core: pip install 'qir[compile]'"
@@ -106,13 +154,21 @@ def compile_cubin(kernel: Kernel, arch: str = "sm_90") -> CubinResult:
         raise BackendUnavailable(
             "CUDA headers (cuda_fp16.h) not found: pip install 'qir[compile]' or set CUDA_HOME"
         )
+    return toolkit
+
+
+def _compile(kernel: Kernel, arch: str, toolkit: tuple[Path, ...]) -> CubinResult:
+    from cuda.core import Program, ProgramOptions
+
+    # cuda.core 1.2.2 exports no public exception type for NVRTC failures.
+    from cuda.core._utils.cuda_utils import NVRTCError
+
     with kernel_include_dir(kernel) as inc:
         options = ProgramOptions(
             name=f"{kernel.name}.cu",  # NVRTC prefixes diagnostics with this
             arch=arch,
-            std="c++17",
             include_path=[str(inc), *map(str, toolkit)],
-            ptxas_options="-v",
+            **_OPTIONS,
         )
         log = io.StringIO()
         try:

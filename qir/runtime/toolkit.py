@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from functools import cache
@@ -33,3 +34,14 @@ def cuda_include_dirs() -> tuple[Path, ...]:
             extra = [inc / "cccl"] if (inc / "cccl").is_dir() else []
             return (inc, *extra)
     return ()
+
+
+@cache
+def toolkit_fingerprint() -> str:
+    """sha256 of the CUDA headers kernels include (the low-precision types), for cache keys: a
+    toolkit upgrade changes it, a toolkit at another path does not."""
+    h = hashlib.sha256()
+    for inc in cuda_include_dirs():
+        for name in sorted(p.name for p in inc.glob("cuda_[bf]*.h*")):
+            h.update(name.encode() + b"\0" + (inc / name).read_bytes() + b"\0")
+    return h.hexdigest()

@@ -3,7 +3,6 @@ NumPy."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.runtime.errors import CompileError
-from qir.runtime.host import HostBackend, HostKernel
+from qir.runtime.host import HostBackend
 from qir.runtime.toolkit import cuda_include_dirs
 
 pytestmark = pytest.mark.skipif(
@@ -271,33 +270,6 @@ def test_argument_checks(be: HostBackend) -> None:
         be.launch(k, (1, 1, 1), [w, x, y, 8, 32.0])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"param n=.*int32"):
         be.launch(k, (1, 1, 1), [w, x, y, 2**31, 32])
-
-
-def test_disk_cache_skips_recompile(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="qir.runtime")
-    first = HostBackend(cache_dir=tmp_path)
-    assert first.load(GEMV) is first.load(GEMV)  # in-process cache
-    assert sum("compiling gemv_warp (host g++)" in r.message for r in caplog.records) == 1
-    caplog.clear()
-    k = HostBackend(cache_dir=tmp_path).load(GEMV)
-    assert not any("compiling" in r.message for r in caplog.records)
-    y = np.zeros(8, np.float32)
-    HostBackend(cache_dir=tmp_path).launch(
-        k, (1, 1, 1), [np.ones((8, 32), np.float32), np.ones(32, np.float32), y, 8, 32]
-    )
-    np.testing.assert_array_equal(y, 32)
-
-
-def test_corrupt_cache_entry_is_a_miss(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    HostBackend(cache_dir=tmp_path / "a").load(GEMV)
-    # A copy under another path: the loader would hand back the already-open library by name.
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    (so,) = (tmp_path / "b").glob("gemv_warp-*/gemv_warp.so")
-    so.write_bytes(b"not an ELF file")
-    caplog.set_level(logging.INFO, logger="qir.runtime")
-    k = HostBackend(cache_dir=tmp_path / "b").load(GEMV)
-    assert any("compiling gemv_warp" in r.message for r in caplog.records)
-    assert isinstance(k, HostKernel)
 
 
 def test_gemv_speed(be: HostBackend) -> None:

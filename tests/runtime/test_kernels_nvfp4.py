@@ -37,11 +37,11 @@ def _cache(monkeypatch, host_cache):
 @pytest.mark.parametrize("fixture", FIXTURES)
 @pytest.mark.parametrize("block", ["mlp", "qkv"])
 def test_host_matches_reference_and_w4a16_golden(fixture, block):
-    """The plain keys: NVFP4 weights, unquantized activations (W4A4 routing is a pass's job)."""
+    """The plain keys: NVFP4 weights, unquantized activations (--weight-quantization w4a16)."""
     golden = np.load(DATA / fixture / "golden.npz")
     b = build(load(DATA / fixture), block, 0, F16)
-    host = qir.compile(b.graph, b.weights, backend="host")
-    ref = qir.compile(b.graph, b.weights, backend="reference")
+    host = qir.compile(b.graph, b.weights, backend="host", weight_quantization="w4a16")
+    ref = qir.compile(b.graph, b.weights, backend="reference", weight_quantization="w4a16")
     for m in (1, 5, 40):
         x = golden[f"x.M{m}"]
         ours, theirs = host({"x": x}), ref({"x": x})
@@ -49,6 +49,55 @@ def test_host_matches_reference_and_w4a16_golden(fixture, block):
             assert max_rel(value, theirs[name]) <= 2e-3, (name, m)
             assert rel_err(value, golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2, (name, m)
             assert rel_err(theirs[name], golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2
+
+
+W4A4_FIXTURES = ("ct_nvfp4_w4a4_S", "modelopt_nvfp4_S")
+# Launches per block under W4A4 (declared): quantize_act + one GEMV, and for the MLP a second
+# GEMV that quantizes silu(gate) * up in its prologue.
+W4A4_LAUNCHES = {"mlp": 3, "qkv": 2}
+
+
+@pytest.mark.parametrize("passes", ["default", "none"])
+@pytest.mark.parametrize("fixture", W4A4_FIXTURES)
+@pytest.mark.parametrize("block", ["mlp", "qkv"])
+def test_host_w4a4_matches_reference_and_the_tools_fake_quantized_golden(fixture, block, passes):
+    golden = np.load(DATA / fixture / "golden.npz")
+    b = build(load(DATA / fixture), block, 0, F16)
+    host = qir.compile(b.graph, b.weights, backend="host", passes=passes)
+    ref = qir.compile(b.graph, b.weights, backend="reference")
+    if passes == "default":
+        assert host.kernel_count == 2 * W4A4_LAUNCHES[block] - 1  # + 16-bit twins for M > 64
+    suffix = "_a4" if passes == "default" else ""  # the unfused pipeline does not route
+    for m in (1, 5, 40):
+        x = golden[f"x.M{m}"]
+        ours = host({"x": x})
+        for name, value in ours.items():
+            if passes == "default":
+                assert max_rel(value, ref({"x": x})[name]) <= 2e-3, (name, m)
+            assert rel_err(value, golden[f"{GOLDEN_KEY[name]}{suffix}.0.M{m}"]) <= 1e-2, (name, m)
+
+
+def test_host_w4a4_runs_the_16_bit_twins_above_64_rows():
+    b = build(load(DATA / "ct_nvfp4_w4a4_S"), "mlp", 0, F16)
+    host = qir.compile(b.graph, b.weights, backend="host")
+    w4a16 = qir.compile(b.graph, b.weights, backend="reference", weight_quantization="w4a16")
+    x = {"x": np.random.default_rng(0).standard_normal((65, 256)).astype(np.float16)}
+    assert max_rel(host(x)["y"], w4a16(x)["y"]) <= 2e-3
+
+
+@pytest.mark.parametrize("tier", ["w4a4"])
+@pytest.mark.parametrize("fixture", ["ct_nvfp4a16_S", "mlx_nvfp4_S"])
+def test_host_forced_w4a4_with_per_row_scales_matches_reference(fixture, tier):
+    """W4A16 checkpoints forced to 4-bit activations: no calibrated scale, so each row gets its
+    own global scale at run time, in quantize_act and in down_proj's prologue."""
+    golden = np.load(DATA / fixture / "golden.npz")
+    b = build(load(DATA / fixture), "mlp", 0, F16)
+    host = qir.compile(b.graph, b.weights, backend="host", weight_quantization=tier)
+    ref = qir.compile(b.graph, b.weights, backend="reference", weight_quantization=tier)
+    assert any("_a4dynamic" in k.kernel.name for k in host.plan.launches)
+    for m in (1, 5):
+        x = {"x": golden[f"x.M{m}"]}
+        assert max_rel(host(x)["y"], ref(x)["y"]) <= 2e-3
 
 
 @settings(

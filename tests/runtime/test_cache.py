@@ -1,0 +1,340 @@
+"""The compile cache, with no GPU: the host backend (g++) and compile-only NVRTC."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Sibling test modules: pytest puts this directory on sys.path (no __init__.py here).
+from test_host import GEMV
+from test_nvrtc import HALF_SUM, _has_cuda_core
+
+from qir.codegen.kernel import Kernel
+from qir.runtime import cache as cache_mod
+from qir.runtime import host as host_mod
+from qir.runtime import nvrtc as nvrtc_mod
+from qir.runtime.cache import KernelCache, key, read_entry
+from qir.runtime.host import HostBackend, HostKernel
+from qir.runtime.toolkit import cuda_include_dirs
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None or not cuda_include_dirs(),
+    reason="needs g++ and the CUDA headers",
+)
+needs_nvrtc = pytest.mark.skipif(not _has_cuda_core(), reason="needs cuda-core (qir[compile])")
+
+
+def run_gemv(k: HostKernel) -> np.ndarray:
+    y = np.zeros(8, np.float32)
+    args = [np.ones((8, 32), np.float32), np.ones(32, np.float32), y, 8, 32]
+    HostBackend().launch(k, (1, 1, 1), args)
+    return y
+
+
+def entry(root: Path, name: str) -> Path:
+    (path,) = (p for p in (root / "host").glob(f"{name}-*.so"))
+    return path
+
+
+def lock_path(root: Path) -> Path:
+    parts = HostBackend().key_parts(GEMV, host_mod.host_source(GEMV))
+    return root / "host" / f"gemv_warp-{key(parts)[:32]}.so.lock"
+
+
+# -- the key ---------------------------------------------------------------------------------
+
+HOST_PARTS = ("source", "headers", "runtime_header", "options", "compiler", "toolkit")
+
+
+@needs_gxx
+def test_host_key_covers_every_input() -> None:
+    be = HostBackend()
+    parts = be.key_parts(GEMV, GEMV.source)
+    assert set(parts) == set(HOST_PARTS)
+    assert "g++" in parts["compiler"] or "GCC" in parts["compiler"]
+    assert parts["options"] != HostBackend(sanitize=True).key_parts(GEMV, GEMV.source)["options"]
+    with_header = Kernel(GEMV.name, GEMV.source, GEMV.params, GEMV.block, (("a.h", "//"),))
+    assert be.key_parts(with_header, GEMV.source)["headers"] != parts["headers"]
+
+
+@needs_nvrtc
+def test_nvrtc_key_covers_every_input() -> None:
+    parts = nvrtc_mod.key_parts(HALF_SUM, "sm_90")
+    assert set(parts) == {*HOST_PARTS, "arch"} - {"runtime_header"}
+    assert parts["compiler"].startswith("nvrtc ")
+    assert nvrtc_mod.key_parts(HALF_SUM, "sm_80")["arch"] == "sm_80"
+
+
+@pytest.mark.parametrize("part", [*HOST_PARTS, "arch"])
+def test_changing_any_part_changes_the_key(part: str) -> None:
+    parts = {p: f"value of {p}" for p in (*HOST_PARTS, "arch")}
+    assert key({**parts, part: parts[part] + "!"}) != key(parts)
+
+
+def test_codegen_hash_and_payload_version_are_in_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = {"source": "x"}
+    before = key(parts)
+    monkeypatch.setattr(cache_mod, "PAYLOAD_VERSION", cache_mod.PAYLOAD_VERSION + 1)
+    after_payload = key(parts)
+    monkeypatch.setattr(cache_mod, "codegen_hash", lambda: "another codegen")
+    assert len({before, after_payload, key(parts)}) == 3
+
+
+def test_codegen_hash_covers_sources_and_templates() -> None:
+    assert cache_mod.codegen_hash() == cache_mod.codegen_hash()
+    files = {p.suffix for p in cache_mod._CODEGEN.rglob("*") if p.is_file()}
+    assert {".py", ".j2"} <= files  # both kinds exist, and rglob walks into templates/
+
+
+# -- hits and misses ---------------------------------------------------------------------------
+
+
+@needs_gxx
+def test_miss_then_process_hit_then_disk_hit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="qir.runtime")
+    be = HostBackend(cache_dir=tmp_path)
+    k = be.load(GEMV)
+    assert be.cache.compiles == 1
+    assert be.load(GEMV) is k  # in-process
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("compiling gemv_warp (host g++)" in m for m in messages) == 1
+    assert any(m.startswith("compiled gemv_warp (host g++) in ") for m in messages)
+    be.cache.forget()
+    k2 = HostBackend(cache_dir=tmp_path).load(GEMV)
+    assert k2 is not k and be.cache.compiles == 1  # read back from disk
+    np.testing.assert_array_equal(run_gemv(k2), 32)
+
+
+@needs_gxx
+def test_new_compiler_version_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    be = HostBackend(cache_dir=tmp_path)
+    be.load(GEMV)
+    be.cache.forget()
+    monkeypatch.setattr(host_mod, "_compiler_version", lambda: "g++ (imaginary) 99.0")
+    be.load(GEMV)
+    assert be.cache.compiles == 2
+    assert len(list((tmp_path / "host").glob("gemv_warp-*.so"))) == 2
+
+
+@needs_gxx
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "empty", "trailer only"])
+def test_damaged_entry_is_a_miss_and_is_rewritten(tmp_path: Path, damage: str) -> None:
+    be = HostBackend(cache_dir=tmp_path)
+    be.load(GEMV)
+    path = entry(tmp_path, "gemv_warp")
+    data = path.read_bytes()
+    damaged = {
+        "corrupt": data[:100] + bytes([data[100] ^ 1]) + data[101:],
+        "truncated": data[: len(data) // 2],
+        "empty": b"",
+        "trailer only": data[-cache_mod._TRAILER.size :],
+    }[damage]
+    path.write_bytes(damaged)
+    assert read_entry(path) is None
+    # A fresh root holding the damaged copy: the loader would otherwise hand back the library
+    # this process already opened from `path`.
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "host", other / "host")
+    be2 = HostBackend(cache_dir=other)
+    np.testing.assert_array_equal(run_gemv(be2.load(GEMV)), 32)
+    assert be2.cache.compiles == 1
+    assert read_entry(entry(other, "gemv_warp")) is not None
+
+
+# -- unwritable roots --------------------------------------------------------------------------
+
+
+def _readonly(monkeypatch: pytest.MonkeyPatch, root: Path, err: int) -> None:
+    """Make `root` unwritable. Tests run as root here, which ignores chmod, so creating files or
+    directories under it fails the way a read-only mount or a full disk does."""
+    if os.geteuid() != 0:
+        root.chmod(0o555)
+        return
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def guarded_open(path: str | os.PathLike[str], flags: int, *a: object, **kw: object) -> int:
+        if Path(path).is_relative_to(root) and flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            raise OSError(err, os.strerror(err), str(path))
+        return real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
+
+    def guarded_mkdir(path: str | os.PathLike[str], *a: object, **kw: object) -> None:
+        if Path(path).is_relative_to(root):
+            raise OSError(err, os.strerror(err), str(path))
+        real_mkdir(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", guarded_open)
+    monkeypatch.setattr(os, "mkdir", guarded_mkdir)
+
+
+@needs_gxx
+@pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC], ids=["read-only", "full"])
+def test_unwritable_root_degrades_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, err: int
+) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    _readonly(monkeypatch, root, err)
+    caplog.set_level(logging.WARNING, logger="qir.runtime")
+    be = HostBackend(cache_dir=root)
+    np.testing.assert_array_equal(run_gemv(be.load(GEMV)), 32)
+    be.load(Kernel("gemv2", GEMV.source.replace("gemv_warp", "gemv2"), GEMV.params, GEMV.block))
+    assert be.cache.degraded and be.cache.compiles == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not writable" in warnings[0]
+    assert not any(root.rglob("*.so"))
+
+
+@needs_gxx
+def test_read_only_root_still_serves_its_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    HostBackend(cache_dir=tmp_path).load(GEMV)
+    ro = tmp_path / "ro"
+    shutil.copytree(tmp_path / "host", ro / "host")
+    _readonly(monkeypatch, ro, errno.EROFS)
+    caplog.set_level(logging.WARNING, logger="qir.runtime")
+    be = HostBackend(cache_dir=ro)
+    np.testing.assert_array_equal(run_gemv(be.load(GEMV)), 32)
+    assert be.cache.compiles == 0 and not be.cache.degraded and not caplog.records
+
+
+# -- locking -----------------------------------------------------------------------------------
+
+CHILD = """
+import logging, sys, time
+sys.path.insert(0, {tests!r})
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+import numpy as np
+from test_host import GEMV
+from qir.runtime.host import HostBackend
+time.sleep(max(0.0, {start} - time.time()))  # all four reach the cache together
+be = HostBackend()
+y = np.zeros(8, np.float32)
+be.launch(be.load(GEMV), (1, 1, 1), [np.ones((8, 32), np.float32), np.ones(32, np.float32), y, 8, 32])
+print(y.sum())
+"""
+
+
+@needs_gxx
+def test_four_processes_compile_once(tmp_path: Path) -> None:
+    script = CHILD.format(tests=str(Path(__file__).parent), start=time.time() + 3.0)
+    env = {**os.environ, "QIR_CACHE_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err.decode() for _, err in outs]
+    assert [float(out) for out, _ in outs] == [256.0] * 4
+    logs = b"".join(err for _, err in outs).decode()
+    assert logs.count("compiling gemv_warp") == 1, logs
+    assert "Traceback" not in logs
+
+
+@needs_gxx
+def test_lock_of_a_killed_process_is_not_stale(tmp_path: Path) -> None:
+    """flock dies with its holder: a compile killed mid-way blocks nobody."""
+    lock = lock_path(tmp_path)
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+    holder.kill()
+    holder.wait()
+    be = HostBackend(cache_dir=tmp_path)
+    be.cache.lock_timeout = 60
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(run_gemv(be.load(GEMV)), 32)
+    assert time.monotonic() - t0 < 30 and be.cache.compiles == 1
+
+
+@needs_gxx
+def test_lock_held_past_the_timeout_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    be = HostBackend(cache_dir=tmp_path)
+    be.cache.lock_timeout = 0.2
+    lock = lock_path(tmp_path)
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a second open file description: conflicts with ours
+    try:
+        caplog.set_level(logging.WARNING, logger="qir.runtime")
+        np.testing.assert_array_equal(run_gemv(be.load(GEMV)), 32)
+    finally:
+        os.close(fd)
+    assert any("compiling anyway" in r.getMessage() for r in caplog.records)
+
+
+# -- NVRTC, compile-only -----------------------------------------------------------------------
+
+
+@needs_nvrtc
+def test_nvrtc_cubins_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = KernelCache(tmp_path)
+    first = nvrtc_mod.compile_cubin(HALF_SUM, "sm_80", store)
+    assert store.compiles == 1
+    assert nvrtc_mod.compile_cubin(HALF_SUM, "sm_80", store) is first
+    store.forget()
+    again = nvrtc_mod.compile_cubin(HALF_SUM, "sm_80", store)
+    assert store.compiles == 1 and again == first  # cubin, registers, spills and log
+    nvrtc_mod.compile_cubin(HALF_SUM, "sm_90", store)
+    assert store.compiles == 2  # arch
+    store.forget()
+    monkeypatch.setattr(nvrtc_mod, "nvrtc_version", lambda: "99.9.0 imaginary")
+    nvrtc_mod.compile_cubin(HALF_SUM, "sm_90", store)
+    assert store.compiles == 3  # compiler version
+
+
+@needs_nvrtc
+def test_nvrtc_damaged_entry_is_rewritten(tmp_path: Path) -> None:
+    store = KernelCache(tmp_path)
+    good = nvrtc_mod.compile_cubin(HALF_SUM, "sm_80", store)
+    (path,) = (tmp_path / "cubin").glob("half_sum8-*.sm_80.cubin")
+    path.write_bytes(path.read_bytes()[:-10])
+    store.forget()
+    again = nvrtc_mod.compile_cubin(HALF_SUM, "sm_80", store)
+    assert (again.cubin, again.registers) == (good.cubin, good.registers)
+    assert store.compiles == 2 and read_entry(path) is not None
+
+
+def test_info_and_clear(tmp_path: Path) -> None:
+    store = KernelCache(tmp_path)
+    store.fetch("host", "k", "0" * 64, ".so", lambda: b"payload", what="test")
+    (tmp_path / "unrelated.txt").write_text("not ours")
+    (ns_host, ns_cubin) = cache_mod.info(tmp_path)
+    assert (ns_host.name, ns_host.entries) == ("host", 1) and ns_host.bytes > len(b"payload")
+    assert (ns_cubin.name, ns_cubin.entries, ns_cubin.bytes) == ("cubin", 0, 0)
+    assert cache_mod.clear(tmp_path) == 1
+    assert [ns.entries for ns in cache_mod.info(tmp_path)] == [0, 0]
+    assert (tmp_path / "unrelated.txt").exists()  # the root may be shared: only our namespaces go
+
+
+def test_default_root_is_outside_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QIR_CACHE_DIR", "/somewhere/qir")
+    assert cache_mod.default_root() == Path("/somewhere/qir")
+    monkeypatch.delenv("QIR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert cache_mod.default_root() == Path("/xdg/qir")
