@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ def compile(
     passes: str | Sequence[str] = "default",
     m_tile: int = DEFAULT_M_TILE,
     weight_quantization: str = "declared",
+    after_each: Callable[[str, Graph], None] | None = None,
 ) -> Compiled:
     """Run the pass pipeline on a copy of `graph` and prepare it for `backend`.
 
@@ -70,7 +71,7 @@ def compile(
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     options = PassOptions(weight_quantization=weight_quantization)
-    passed, records = run_pipeline(graph, passes, options=options)
+    passed, records = run_pipeline(graph, passes, after_each=after_each, options=options)
     c = Compiled(graph, passed, backend, weights, records)
     if backend != "reference":
         c.plan = lower(passed, m_tile)

@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,12 +17,16 @@ import numpy as np
 
 from qir import dtypes
 from qir.api import Compiled, compile
+from qir.audit import audit
 from qir.codegen.lower import lower
 from qir.dump import dump, plan_json
 from qir.errors import QirError, UsageError
+from qir.graph import Graph
 from qir.models import load
 from qir.models.blocks import BLOCKS, Block, build
-from qir.passes.manager import run_pipeline
+from qir.passes.manager import PASSES, PIPELINES, PassOptions, PassRecord, run_pipeline
+from qir.passes.route_w4a4 import TIERS
+from qir.printer import print_graph
 from qir.runtime import cache as kernel_cache
 from qir.runtime.backend import BACKENDS, best_backend
 
@@ -57,20 +61,53 @@ def _read_input(path: Path, block: Block) -> np.ndarray:
     return x.astype(x_type.dtype.np)  # type: ignore[union-attr]
 
 
+def _print_ir(args: argparse.Namespace) -> Callable[[str, Graph], None] | None:
+    if args.print_ir != "after-all":
+        return None
+
+    def show(pass_name: str, graph: Graph) -> None:
+        print(f"// after {pass_name}\n{print_graph(graph)}", file=sys.stderr)
+
+    return show
+
+
+def _pipeline(args: argparse.Namespace, block: Block) -> tuple[Graph, list[PassRecord]]:
+    options = PassOptions(weight_quantization=args.weight_quantization)
+    return run_pipeline(block.graph, args.passes, after_each=_print_ir(args), options=options)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     block = _block(args)
     x = _read_input(args.input, block)
-    c = compile(block.graph, block.weights, backend=args.backend, passes=args.passes)
+    c = compile(
+        block.graph,
+        block.weights,
+        backend=args.backend,
+        passes=args.passes,
+        weight_quantization=args.weight_quantization,
+        after_each=_print_ir(args),
+    )
     out = c({"x": x})
-    arrays: dict[str, Any] = {k: v.astype(np.float32) for k, v in out.items()}
+    arrays: dict[str, Any] = {k: np.asarray(v).astype(np.float32) for k, v in out.items()}
     np.savez(args.out, **arrays)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in out.items()))
+    if args.audit:
+        rows = audit(block.graph, block.weights, {"x": x}, args.weight_quantization)
+        if not rows:
+            print(
+                f"audit: no projection runs W4A4 (--weight-quantization {args.weight_quantization}, M={len(x)})"
+            )
+        print(f"{'node':8} {'w4a4 vs w4a16':>14} {'w4a4 vs f32':>12} {'w4a16 vs f32':>13}")
+        for r in rows:
+            print(
+                f"{r.node:8} {r.w4a4_vs_w4a16:>14.3e} {r.w4a4_vs_f32:>12.3e} {r.w4a16_vs_f32:>13.3e}"
+            )
     return 0
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
     block = _block(args)
-    after, records = run_pipeline(block.graph, args.passes)
+    after, records = _pipeline(args, block)
     plan = lower(after)
     files = dump(block.graph, after, plan, args.out)
     for r in records:
@@ -81,7 +118,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     block = _block(args)
-    after, _ = run_pipeline(block.graph, args.passes)
+    after, _ = _pipeline(args, block)
     text = json.dumps(plan_json(lower(after), args.m), indent=2) + "\n"
     if args.json:
         args.json.write_text(text)
@@ -216,7 +253,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--act-dtype", choices=ACT_DTYPES, help="activation dtype (default: the checkpoint's)"
     )
-    p.add_argument("--passes", default="default", help="pipeline name or comma-separated passes")
+    p.add_argument(
+        "--passes",
+        default="default",
+        help=f"pipeline ({', '.join(PIPELINES)}) or comma-separated passes ({', '.join(PASSES)})",
+    )
+    p.add_argument(
+        "--weight-quantization",
+        default="declared",
+        choices=TIERS,
+        help="NVFP4 weights taking 4-bit activations: declared by the checkpoint (default), "
+        "all, or none",
+    )
+    p.add_argument("--print-ir", choices=("after-all",), help="print the IR after every pass")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -229,6 +278,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--input", type=Path, required=True, help="X.npy, [M, hidden] float16/float32")
     run.add_argument("--out", type=Path, required=True, help="OUT.npz (float32 y, or q/k/v)")
     run.add_argument("--backend", choices=BACKENDS, default="reference")
+    run.add_argument(
+        "--audit",
+        action="store_true",
+        help="per W4A4 projection: error vs its W4A16 twin and vs a float32 reference",
+    )
     run.set_defaults(func=cmd_run)
 
     dmp = sub.add_parser("dump", help="write the IR and the generated CUDA of a block")

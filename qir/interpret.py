@@ -111,9 +111,8 @@ def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarra
     return tuple(outs) if isinstance(node.type, TupleType) else outs[0]
 
 
-def interpret(
-    graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights
-) -> dict[str, np.ndarray]:
+def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights) -> dict[str, Any]:
+    """Every value of the graph (weights dequantized, tuples as tuples), by value name."""
     bind_inputs(graph, inputs)
     env: dict[str, Any] = {}
     for name, node in graph.items():
@@ -138,4 +137,12 @@ def interpret(
             assert isinstance(node.type, TensorType)
             result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
             env[name] = result.astype(node.type.dtype.np)
+    return env
+
+
+def interpret(
+    graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights
+) -> dict[str, np.ndarray]:
+    """The block's outputs, by output name."""
+    env = evaluate(graph, inputs, weights)
     return {out: env[value] for out, value in graph.outputs}

@@ -164,3 +164,62 @@ def test_demo_prints_a_table_on_the_host_backend(tmp_path, capsys, monkeypatch):
         kernels = 1 if (r[0], r[1]) == ("mlx_affine4_g64_S", "qkv") else 2
         assert int(r[3]) == kernels and r[4] == "host"
         assert float(r[5]) <= 2e-2
+
+
+def _plan(tmp_path, ckpt, block, *extra):
+    plan = tmp_path / f"{block}.json"
+    assert (
+        main(
+            ["-q", "compile", str(ckpt), "--block", block, "--m", "5", "--json", str(plan), *extra]
+        )
+        == 0
+    )
+    return [k["name"] for k in json.loads(plan.read_text())["kernels"]]
+
+
+@pytest.mark.parametrize("fixture", ["mlx_affine4_g64_S", "ct_nvfp4a16_S", "awq_gemm_g64_S"])
+def test_compile_counts_launches_for_w4a16_blocks(tmp_path, fixture):
+    ckpt = DATA / fixture
+    assert len(_plan(tmp_path, ckpt, "mlp")) == 2  # gate/up; down with prologue + residual
+    assert len(_plan(tmp_path, ckpt, "qkv")) == 1
+    assert len(_plan(tmp_path, ckpt, "mlp", "--passes", "none")) == 6
+
+
+@pytest.mark.parametrize("fixture", ["ct_nvfp4_w4a4_S", "modelopt_nvfp4_S"])
+def test_compile_counts_launches_under_w4a4(tmp_path, fixture):
+    ckpt = DATA / fixture
+    mlp = _plan(tmp_path, ckpt, "mlp")
+    qkv = _plan(tmp_path, ckpt, "qkv")
+    # one quantize_act per block input, none for down_proj (quantized in its prologue)
+    assert [k.startswith("quantize_act") for k in mlp] == [True, False, False]
+    assert mlp[2].endswith("_silu_res_a4" + ("div" if fixture.startswith("ct") else "mul"))
+    assert [k.startswith("quantize_act") for k in qkv] == [True, False]
+    assert len(_plan(tmp_path, ckpt, "mlp", "--weight-quantization", "w4a16")) == 2
+
+
+def test_print_ir_after_all_and_weight_quantization(tmp_path):
+    r = run_cli(
+        "compile", str(DATA / "ct_nvfp4_w4a4_S"), "--block", "qkv", "--print-ir", "after-all",
+        "--weight-quantization", "w4a16",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for name in ("merge_parallel", "route_w4a4", "select_kernels"):
+        assert f"// after {name}\ngraph qkv {{" in r.stderr
+    assert "quantize_act" not in r.stderr
+    bad = run_cli("compile", str(CKPT), "--block", "qkv", "--weight-quantization", "w2a2")
+    assert bad.returncode == 2 and "w2a2" in bad.stderr
+
+
+def test_run_audit_reports_each_w4a4_projection(tmp_path):
+    golden = np.load(DATA / "ct_nvfp4_w4a4_S" / "golden.npz")
+    np.save(tmp_path / "x.npy", golden["x.M5"])
+    r = run_cli(
+        "run", str(DATA / "ct_nvfp4_w4a4_S"), "--block", "mlp", "--input", str(tmp_path / "x.npy"),
+        "--out", str(tmp_path / "o.npz"), "--audit",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: [float(v) for v in ln.split()[1:]] for ln in r.stdout.splitlines()[2:]}
+    assert sorted(rows) == ["down", "gate", "up"]
+    for w4a4_vs_w4a16, w4a4_vs_f32, w4a16_vs_f32 in rows.values():
+        # 4-bit activations cost far more than the 16-bit rounding does
+        assert 0.01 < w4a4_vs_w4a16 < 0.5 and w4a16_vs_f32 < 0.01 < w4a4_vs_f32
