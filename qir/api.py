@@ -52,7 +52,12 @@ class Compiled:
 
     @property
     def kernel_count(self) -> int:
+        """Launches in the plan, for every batch size (W4A4 nodes have a 16-bit twin)."""
         return len(self.plan.launches) if self.plan else 0
+
+    def launches_for(self, m: int) -> int:
+        """Launches one run with M=`m` makes."""
+        return sum(la.runs_for(m) for la in self.plan.launches) if self.plan else 0
 
 
 def compile(
