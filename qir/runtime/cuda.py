@@ -9,6 +9,7 @@ no notion of qir's codegen version, it needs a driver to compile, and sharing th
 path means a CI machine without a GPU warms exactly the entries a GPU machine loads. What CuPy
 does provide: module loading, launches, its stream-ordered memory pool (a run's arena is reused
 from the pool, so repeated runs do not grow it) and graph capture (`Stream.begin_capture`).
+Without cuda-core (a machine with only CuPy) kernels compile through `cupy.RawModule` instead.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
 from qir.runtime.backend import BoundLaunch
 from qir.runtime.cache import KernelCache
-from qir.runtime.errors import BackendUnavailable
-from qir.runtime.nvrtc import compile_cubin
+from qir.runtime.errors import BackendUnavailable, CompileError
+from qir.runtime.nvrtc import compile_cubin, kernel_include_dir
+from qir.runtime.toolkit import cuda_include_dirs
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -62,11 +64,12 @@ class CudaBackend:
             )
         try:
             import cuda.core  # noqa: F401
-        except ImportError as e:
-            raise BackendUnavailable(
-                "the cuda backend compiles with NVRTC through cuda-core: "
-                "pip install 'qir[compile]', or use --backend host"
-            ) from e
+
+            self._compile = self._cubin_via_cache
+        except ImportError:
+            # Machines with CuPy but no cuda-core (a bare GPU image) compile through CuPy's
+            # RawModule instead: its own disk cache keys on source, options and NVRTC version.
+            self._compile = self._module_via_cupy
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device < count:
             raise BackendUnavailable(f"no CUDA device {device}: this machine has {count}")
@@ -80,11 +83,24 @@ class CudaBackend:
         return self.cache.loaded(spec, lambda: self._load(kernel))
 
     def _load(self, kernel: Kernel) -> CudaKernel:
-        cubin = compile_cubin(kernel, self.arch, self.cache).cubin
         with self.device:
-            module = self._cp.cuda.function.Module()
-            module.load(cubin)
-            return CudaKernel(kernel, module.get_function(kernel.name))
+            return CudaKernel(kernel, self._compile(kernel))
+
+    def _cubin_via_cache(self, kernel: Kernel) -> Any:
+        cubin = compile_cubin(kernel, self.arch, self.cache).cubin
+        module = self._cp.cuda.function.Module()
+        module.load(cubin)
+        return module.get_function(kernel.name)
+
+    def _module_via_cupy(self, kernel: Kernel) -> Any:
+        with kernel_include_dir(kernel) as headers:
+            includes = [f"-I{d}" for d in (headers, *cuda_include_dirs())]
+            options = ("-std=c++17", *includes)
+            try:
+                module = self._cp.RawModule(code=kernel.source, options=options)
+                return module.get_function(kernel.name)  # compiles here, while headers exist
+            except self._cp.cuda.compiler.CompileException as e:
+                raise CompileError(kernel.name, "nvrtc", str(e), kernel.source) from None
 
     # -- launch --------------------------------------------------------------------------------
 

@@ -33,6 +33,50 @@ def test_without_cupy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) ->
     assert not available()
 
 
+def test_without_cuda_core_compiles_through_cupy_rawmodule(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A GPU image with CuPy but no cuda-core still loads kernels: through CuPy's RawModule,
+    with the kernel's own headers on the include path while it compiles."""
+    seen: dict[str, object] = {}
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple[str, ...]) -> None:
+            seen["code"], seen["options"] = code, options
+
+        def get_function(self, name: str) -> str:
+            include = next(o[2:] for o in seen["options"] if o.startswith("-I"))
+            seen["header"] = (tmp_path.__class__(include) / "ops" / "axpy.h").read_text()
+            return f"function {name}"
+
+    class Device:
+        id = 0
+        compute_capability = "90"
+
+        def __init__(self, index: int) -> None: ...
+
+        def __enter__(self) -> None: ...
+
+        def __exit__(self, *exc: object) -> None: ...
+
+    fake = types.SimpleNamespace(
+        RawModule=RawModule,
+        cuda=types.SimpleNamespace(
+            is_available=lambda: True,
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+            Device=Device,
+            compiler=types.SimpleNamespace(CompileException=RuntimeError),
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cuda.core", None)
+    loaded = CudaBackend(cache_dir=tmp_path).load(HEADER_AXPY)
+    assert loaded.function == f"function {HEADER_AXPY.name}"
+    assert seen["code"] == HEADER_AXPY.source
+    assert "-std=c++17" in seen["options"]
+    assert seen["header"] == dict(HEADER_AXPY.headers)["ops/axpy.h"]
+
+
 def _grid(n: int, block: tuple[int, int, int]) -> tuple[int, int, int]:
     return ((n + block[0] - 1) // block[0], 1, 1)
 
