@@ -64,3 +64,12 @@ def rng() -> np.random.Generator:
 
 
 FMT4 = MlxAffine(4, 64, BF16)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Every test compiles into one per-session cache, never the user's ~/.cache/qir."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QIR_CACHE_DIR", str(tmp_path_factory.mktemp("qir-cache")))
+    yield
+    mp.undo()
