@@ -26,8 +26,8 @@ import numpy as np
 
 from qir.dtypes import F16, U32
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
-from qir.formats.mlx import pack_codes, unpack_codes
+from qir.formats.base import Allowed, FormatError, ParamTable, WeightFormat, check_tensor
+from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.types import TensorType
 
 GROUP_SIZES = (32, 64, 128)
@@ -51,13 +51,10 @@ class Awq(WeightFormat):
     bits: int
     group_size: int
 
-    def __post_init__(self) -> None:
-        if self.bits != 4:
-            raise FormatError(f"awq: bits={self.bits} not supported; AutoAWQ writes 4-bit only")
-        if self.group_size not in GROUP_SIZES:
-            raise FormatError(
-                f"awq: group_size={self.group_size} not supported; expected one of {GROUP_SIZES}"
-            )
+    allowed: ClassVar[ParamTable] = {
+        "bits": Allowed((4,), expected="4 (AutoAWQ writes 4-bit only)"),
+        "group_size": GROUP_SIZES,
+    }
 
     def tag(self) -> str:
         return f"awq{self.bits}g{self.group_size}"
@@ -72,15 +69,6 @@ class Awq(WeightFormat):
             "zeros": TensorType((out_features, zw), U32),
             "scales": TensorType((out_features, 8 * zw), F16),
         }
-
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        if in_features % self.group_size:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} is not a multiple of the group size "
-                f"{self.group_size}"
-            )
 
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
@@ -98,13 +86,8 @@ class Awq(WeightFormat):
 
         AutoAWQ packs with the fp16 scales it stores (`round((w + z*s) / s_fp16)`), so here the
         zero and the codes are derived from the stored fp16 scale too."""
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        w = self._quantize_input(w)
         out_features, in_features = w.shape
-        self.check_shape(out_features, in_features)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
         g = w.reshape(out_features, -1, self.group_size)
         w_max, w_min = g.max(axis=-1, keepdims=True), g.min(axis=-1, keepdims=True)
         s = (np.maximum(w_max - w_min, np.float32(1e-5)) / np.float32(_MAXQ)).astype(np.float16)
@@ -137,22 +120,24 @@ def layout(q: np.ndarray, z: np.ndarray, s: np.ndarray, group_size: int) -> dict
     }
 
 
+def _read_shape(
+    qweight: np.ndarray, group_size: int, where: str, gemm: bool
+) -> tuple[Awq, int, int]:
+    """The format and (out_features, in_features) of a checkpoint's `qweight`: GEMM [I, O/8]
+    or GEMV [O, I/8]."""
+    fmt = Awq(4, group_size)
+    if qweight.ndim != 2:
+        dims = "in, out/8" if gemm else "out, in/8"
+        raise FormatError(f"{where}.qweight: {qweight.ndim}-D, expected int32 [{dims}]")
+    rows, cols = qweight.shape
+    out_features, in_features = (cols * 8, rows) if gemm else (rows, cols * 8)
+    fmt.check_read_shape(out_features, in_features, f"{where}.qweight")
+    return fmt, out_features, in_features
+
+
 def _int32(a: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if a.dtype != np.int32:
-        raise FormatError(f"{name}: dtype {a.dtype}, expected int32")
-    if tuple(a.shape) != shape:
-        raise FormatError(f"{name}: shape {list(a.shape)}, expected {list(shape)}")
+    check_tensor(a, name, shape, np.int32)
     return a.view(np.uint32)
-
-
-def _scales(a: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if a.dtype != np.float16:
-        raise FormatError(f"{name}: dtype {a.dtype}, expected float16")
-    if tuple(a.shape) != shape:
-        raise FormatError(f"{name}: shape {list(a.shape)}, expected {list(shape)}")
-    if not np.all(np.isfinite(a)):
-        raise FormatError(f"{name}: contains NaN or Inf")
-    return a
 
 
 def unpack_gemm(words: np.ndarray) -> np.ndarray:
@@ -168,19 +153,12 @@ def repack_gemm(
 ) -> tuple[Awq, int, int, dict[str, np.ndarray]]:
     """A GEMM checkpoint's `qweight [I, O/8]`, `qzeros [I/g, O/8]`, `scales [I/g, O]` into the
     kernel layout; returns (format, out_features, in_features, buffers)."""
-    fmt = Awq(4, group_size)
-    if qweight.ndim != 2:
-        raise FormatError(f"{where}.qweight: {qweight.ndim}-D, expected int32 [in, out/8]")
-    in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{where}.qweight: {e}") from None
+    fmt, out_features, in_features = _read_shape(qweight, group_size, where, gemm=True)
     n = in_features // group_size
     qw = _int32(qweight, f"{where}.qweight", (in_features, out_features // 8))
     qz = _int32(qzeros, f"{where}.qzeros", (n, out_features // 8))
-    s = _scales(scales, f"{where}.scales", (n, out_features))
-    bufs = layout(unpack_gemm(qw).T, unpack_gemm(qz).T, s.T, group_size)
+    check_tensor(scales, f"{where}.scales", (n, out_features), np.float16)
+    bufs = layout(unpack_gemm(qw).T, unpack_gemm(qz).T, scales.T, group_size)
     return fmt, out_features, in_features, bufs
 
 
@@ -189,18 +167,12 @@ def read_gemv(
 ) -> tuple[Awq, int, int, dict[str, np.ndarray]]:
     """A GEMV checkpoint (`qweight [O, I/8]`, `qzeros [O, Zw]`, `scales [O, 8*Zw]`) is the kernel
     layout already: its tensors are checked and returned as uint32/fp16 views, not copied."""
-    fmt = Awq(4, group_size)
-    if qweight.ndim != 2:
-        raise FormatError(f"{where}.qweight: {qweight.ndim}-D, expected int32 [out, in/8]")
-    out_features, in_features = qweight.shape[0], qweight.shape[1] * 8
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{where}.qweight: {e}") from None
+    fmt, out_features, in_features = _read_shape(qweight, group_size, where, gemm=False)
     zw = zeros_width(in_features, group_size)
     bufs = {
         "weight": _int32(qweight, f"{where}.qweight", (out_features, in_features // 8)),
         "zeros": _int32(qzeros, f"{where}.qzeros", (out_features, zw)),
-        "scales": _scales(scales, f"{where}.scales", (out_features, 8 * zw)),
     }
+    check_tensor(scales, f"{where}.scales", (out_features, 8 * zw), np.float16)
+    bufs["scales"] = scales
     return fmt, out_features, in_features, bufs

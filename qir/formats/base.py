@@ -3,16 +3,22 @@
 A format is data and maths only: it knows its checkpoint tensors, its kernel-layout buffers,
 how to repack one into the other, how to dequantize in numpy, how to quantize a float weight,
 and which device dequant fragment codegen uses for it. It imports only the IR's dtypes/types.
+
+What every format shares lives here: parameter validation from a declarative `allowed` table
+(checked at construction), the weight-shape check (`input_multiple`), the checks of a float weight
+handed to `quantize` and of the kernel-layout buffers, and `check_tensor` / `dtype_among` for
+the checkpoint tensors a format's reader converts.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from qir.dtypes import DType
 from qir.errors import QirError
@@ -24,9 +30,50 @@ class FormatError(QirError, ValueError):
 
 
 @dataclass(frozen=True)
+class Allowed:
+    """The values one format parameter may take: one of `values`, or (given `test`) whatever
+    `test` accepts, `expected` saying what that is. A refused value raises
+    "<kind>: <name>=<value> not supported; expected <expected>", or `refusal` when given (a
+    str.format template of {value} and {expected})."""
+
+    values: tuple[Any, ...] = ()
+    test: Callable[[Any], bool] | None = None
+    expected: str = ""
+    refusal: str = ""
+
+    def admits(self, value: Any) -> bool:
+        return self.test(value) if self.test is not None else value in self.values
+
+    def expectation(self) -> str:
+        if self.expected or self.test is not None:
+            return self.expected
+        spelled = [_spell_value(v) for v in self.values]
+        return spelled[0] if len(spelled) == 1 else f"one of {', '.join(spelled)}"
+
+    def message(self, kind: str, name: str, value: Any) -> str:
+        if self.refusal:
+            return self.refusal.format(value=value, expected=self.expectation())
+        shown = repr(value) if isinstance(value, str) else _spell_value(value)
+        return f"{kind}: {name}={shown} not supported; expected {self.expectation()}"
+
+
+# A format's `allowed` table: parameter name -> Allowed (a plain tuple: one of those values).
+ParamTable = Mapping[str, Allowed | tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
 class WeightFormat(ABC):
     # Registry key and IR spelling, e.g. "mlx_affine".
     kind: ClassVar[str]
+    # The values each parameter may take, checked in this order when the format is constructed.
+    allowed: ClassVar[ParamTable] = {}
+
+    def __post_init__(self) -> None:
+        for name, rule in self.allowed.items():
+            rule = rule if isinstance(rule, Allowed) else Allowed(rule)
+            value = getattr(self, name)
+            if not rule.admits(value):
+                raise FormatError(rule.message(self.kind, name, value))
 
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -44,9 +91,42 @@ class WeightFormat(ABC):
     def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
         """Kernel-layout buffers (name -> type) of one weight of this shape."""
 
-    @abstractmethod
+    def input_multiple(self) -> tuple[int, str]:
+        """What in_features must be a multiple of, and how errors name it ("" for no name).
+        The default: the `group_size` parameter where there is one, else 8, because every GEMV
+        reads weights and activations 8 at a time (16-byte loads)."""
+        group = self.params().get("group_size")
+        return (group, "the group size") if group else (8, "")
+
     def check_shape(self, out_features: int, in_features: int) -> None:
-        """Raise FormatError if a weight of this shape cannot be held in this format."""
+        """Raise FormatError if a weight of this shape cannot be held in this format: an empty
+        weight, or in_features not a multiple of input_multiple()."""
+        if out_features < 1 or in_features < 1:
+            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
+        n, what = self.input_multiple()
+        if in_features % n:
+            raise FormatError(
+                f"{self.spell()}: in_features {in_features} is not a multiple of "
+                f"{f'{what} ' if what else ''}{n}"
+            )
+
+    def check_read_shape(self, out_features: int, in_features: int, tensor: str) -> None:
+        """check_shape of a shape read from the checkpoint tensor `tensor`, which errors name."""
+        try:
+            self.check_shape(out_features, in_features)
+        except FormatError as e:
+            raise FormatError(f"{tensor}: {e}") from None
+
+    def _quantize_input(self, w: np.ndarray, finite: bool = True) -> np.ndarray:
+        """The float32 [out, in] weight handed to quantize(), checked: 2-D, a shape this format
+        holds and (with `finite`) no NaN or Inf."""
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim != 2:
+            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        self.check_shape(*w.shape)
+        if finite and not np.all(np.isfinite(w)):
+            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
+        return w
 
     @abstractmethod
     def dequantize(
@@ -113,6 +193,37 @@ class WeightFormat(ABC):
                 )
             if t.dtype.is_float and not np.all(np.isfinite(np.asarray(a, dtype=np.float32))):
                 raise FormatError(f"{where}.{name}: contains NaN or Inf")
+
+
+def check_tensor(a: np.ndarray, name: str, shape: tuple[int, ...], *dtypes: DTypeLike) -> None:
+    """Refuse a checkpoint tensor `name` unless its dtype is one of `dtypes` (errors name the
+    first), its shape is `shape` and, if it is float, it is finite."""
+    if a.dtype not in [np.dtype(d) for d in dtypes]:
+        raise FormatError(f"{name}: dtype {a.dtype}, expected {np.dtype(dtypes[0])}")
+    if tuple(a.shape) != shape:
+        raise FormatError(f"{name}: shape {list(a.shape)}, expected {list(shape)}")
+    if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+        raise FormatError(f"{name}: contains NaN or Inf")
+
+
+def refuse_codes(a: np.ndarray, codes: Iterable[int], name: str, what: str) -> None:
+    """Refuse buffer `name` if any element of `a` is one of the byte `codes`, naming the first
+    as a `what` code (e.g. "E8M0 NaN") and where it is."""
+    a = np.asarray(a)
+    hit = np.isin(a, list(codes))
+    if hit.any():
+        at = tuple(int(i) for i in np.argwhere(hit)[0])
+        raise FormatError(f"{name}: {what} code 0x{int(a[at]):02X} at [{', '.join(map(str, at))}]")
+
+
+def dtype_among(stored: np.dtype, choices: Iterable[DType], name: str) -> DType:
+    """The DType among `choices` of checkpoint tensor `name`, stored as `stored`."""
+    choices = tuple(choices)
+    found = next((d for d in choices if d.np == stored), None)
+    if found is None:
+        names = ", ".join(d.np.name for d in choices)
+        raise FormatError(f"{name}: dtype {stored}, expected one of {names}")
+    return found
 
 
 def _spell_value(v: Any) -> str:

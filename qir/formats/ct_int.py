@@ -20,8 +20,8 @@ import numpy as np
 
 from qir.dtypes import BF16, F16, F32, U32, DType
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
-from qir.formats.mlx import pack_codes, unpack_codes
+from qir.formats.base import Allowed, ParamTable, WeightFormat
+from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.types import TensorType
 
 BITS = (4, 8)
@@ -39,19 +39,15 @@ class CtInt(WeightFormat):
     group_size: int
     scale_dtype: DType
 
-    def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise FormatError(
-                f"not supported: compressed-tensors pack-quantized {self.bits}-bit int "
-                f"(expected one of {BITS})"
-            )
-        if self.group_size < 8 or self.group_size % 8:
-            raise FormatError(f"ct_int: group_size={self.group_size} must be a multiple of 8")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise FormatError(
-                f"ct_int: scale_dtype={self.scale_dtype} not supported; "
-                f"expected one of {', '.join(d.name for d in SCALE_DTYPES)}"
-            )
+    allowed: ClassVar[ParamTable] = {
+        "bits": Allowed(
+            BITS,
+            refusal="not supported: compressed-tensors pack-quantized {value}-bit int "
+            "(expected {expected})",
+        ),
+        "group_size": Allowed(test=lambda g: g >= 8 and g % 8 == 0, expected="a multiple of 8"),
+        "scale_dtype": SCALE_DTYPES,
+    }
 
     @property
     def offset(self) -> int:
@@ -66,15 +62,6 @@ class CtInt(WeightFormat):
             "scales": TensorType((out_features, in_features // self.group_size), self.scale_dtype),
         }
 
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        if in_features % self.group_size:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} is not a multiple of the group size "
-                f"{self.group_size}"
-            )
-
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
     ) -> np.ndarray:
@@ -88,13 +75,8 @@ class CtInt(WeightFormat):
         """compressed-tensors' symmetric min/max quantizer (calculate_qparams + quantize):
         scale = max(|min|, |max|) / ((2^bits - 1) / 2), q = clamp(round(w / scale), -2^(b-1),
         2^(b-1) - 1), with the scale rounded to the model dtype before the codes are taken."""
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        w = self._quantize_input(w)
         out_features, in_features = w.shape
-        self.check_shape(out_features, in_features)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
         g = w.reshape(out_features, -1, self.group_size)
         amax = np.maximum(-np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0))
         scale = amax / np.float32(((1 << self.bits) - 1) / 2)

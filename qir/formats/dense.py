@@ -15,7 +15,7 @@ import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
+from qir.formats.base import FormatError, ParamTable, WeightFormat
 from qir.types import TensorType
 
 DTYPES = (F16, BF16, F32)
@@ -28,25 +28,13 @@ class Dense(WeightFormat):
 
     dtype: DType
 
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise FormatError(
-                f"dense: dtype={self.dtype} not supported; expected one of "
-                f"{', '.join(d.name for d in DTYPES)}"
-            )
+    allowed: ClassVar[ParamTable] = {"dtype": DTYPES}
 
     def tag(self) -> str:
         return f"dense{self.dtype.name}"
 
     def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
         return {"weight": TensorType((out_features, in_features), self.dtype)}
-
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        # Every GEMV reads weights and activations 8 at a time (16-byte loads).
-        if in_features % 8:
-            raise FormatError(f"{self.spell()}: in_features {in_features} is not a multiple of 8")
 
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
@@ -56,10 +44,7 @@ class Dense(WeightFormat):
 
     def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
         """Rounds to the dtype (nearest even); refuses what would not be finite there."""
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
-        self.check_shape(*w.shape)
+        w = self._quantize_input(w, finite=False)
         with np.errstate(over="ignore"):  # overflow is reported below, naming the format
             out = w.astype(self.dtype.np)
         if not np.all(np.isfinite(out.astype(np.float32))):

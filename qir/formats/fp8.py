@@ -25,7 +25,7 @@ import numpy as np
 
 from qir.dtypes import E4M3, F32
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
+from qir.formats.base import ParamTable, WeightFormat
 from qir.formats.fp_codes import E4M3_MAX, e4m3_decode, e4m3_encode
 from qir.types import TensorType
 
@@ -39,12 +39,7 @@ class Fp8(WeightFormat):
 
     granularity: str  # "channel": one scale per output row; "tensor": one for the weight
 
-    def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise FormatError(
-                f"fp8: granularity={self.granularity!r} not supported; expected one of "
-                f"{', '.join(GRANULARITIES)}"
-            )
+    allowed: ClassVar[ParamTable] = {"granularity": GRANULARITIES}
 
     def tag(self) -> str:
         return "fp8ch" if self.granularity == "channel" else "fp8t"
@@ -55,13 +50,6 @@ class Fp8(WeightFormat):
             "weight": TensorType((out_features, in_features), E4M3),
             "scale": TensorType((rows,), F32),
         }
-
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        # Every GEMV reads activations 8 at a time (16-byte loads).
-        if in_features % 8:
-            raise FormatError(f"{self.spell()}: in_features {in_features} is not a multiple of 8")
 
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
@@ -75,12 +63,7 @@ class Fp8(WeightFormat):
         """scale = amax / 448 per row or tensor (llmcompressor's memoryless min-max observer,
         symmetric), codes = e4m3(w / scale) rounded to nearest even. An all-zero row or tensor
         gets scale 1, which codes it as zeros."""
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
-        self.check_shape(*w.shape)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
+        w = self._quantize_input(w)
         if self.granularity == "channel":
             amax = np.abs(w).max(axis=1)
         else:

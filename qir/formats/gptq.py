@@ -33,8 +33,15 @@ import numpy as np
 
 from qir.dtypes import BF16, F16, F32, I32, U8, U32, DType
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
-from qir.formats.mlx import pack_codes, unpack_codes
+from qir.formats.base import (
+    Allowed,
+    FormatError,
+    ParamTable,
+    WeightFormat,
+    check_tensor,
+    dtype_among,
+)
+from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.types import TensorType
 
 BITS = (2, 3, 4, 8)
@@ -54,23 +61,16 @@ class Gptq(WeightFormat):
     act_order: int  # 1: a g_idx buffer maps input channels to groups
     scale_dtype: DType
 
-    def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise FormatError(f"gptq: bits={self.bits} not supported; expected one of {BITS}")
-        if self.group_size < 1:
-            raise FormatError(f"gptq: group_size={self.group_size} must be >= 1")
-        if self.checkpoint_format not in ZERO_OFFSET:
-            raise FormatError(
-                f"not supported: GPTQ checkpoint_format {self.checkpoint_format} "
-                f"(expected one of {', '.join(ZERO_OFFSET)})"
-            )
-        if self.act_order not in (0, 1):
-            raise FormatError(f"gptq: act_order={self.act_order}, expected 0 or 1")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise FormatError(
-                f"gptq: scale_dtype={self.scale_dtype} not supported; "
-                f"expected one of {', '.join(d.name for d in SCALE_DTYPES)}"
-            )
+    allowed: ClassVar[ParamTable] = {
+        "bits": BITS,
+        "group_size": Allowed(test=lambda g: g >= 1, expected=">= 1"),
+        "checkpoint_format": Allowed(
+            tuple(ZERO_OFFSET),
+            refusal="not supported: GPTQ checkpoint_format {value} (expected {expected})",
+        ),
+        "act_order": (0, 1),
+        "scale_dtype": SCALE_DTYPES,
+    }
 
     @property
     def zero_offset(self) -> int:
@@ -95,15 +95,10 @@ class Gptq(WeightFormat):
             bufs["g_idx"] = TensorType((in_features,), I32)
         return bufs
 
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        # Whole words per row, and the kernel dequantizes at least 8 weights at a time.
-        if in_features * self.bits % 32 or in_features % 8:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} must be a multiple of "
-                f"{max(8, 32 // np.gcd(32, self.bits))}"
-            )
+    def input_multiple(self) -> tuple[int, str]:
+        # Whole words per row, and the kernel dequantizes at least 8 weights at a time (groups
+        # need not divide in_features: the last one may be short).
+        return max(8, 32 // int(np.gcd(32, self.bits))), ""
 
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
@@ -137,22 +132,18 @@ class Gptq(WeightFormat):
     def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
         """Round-to-nearest with GPTQ's asymmetric Quantizer (no Hessian error feedback); with
         act_order=1 the g_idx buffer is the trivial i // group_size."""
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
-        return self.quantize_grouped(w, np.arange(w.shape[1], dtype=np.int32) // self.group_size)
+        return self.quantize_grouped(w)
 
-    def quantize_grouped(self, w: np.ndarray, g_idx: np.ndarray) -> dict[str, np.ndarray]:
+    def quantize_grouped(
+        self, w: np.ndarray, g_idx: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
         """Like quantize, with input channel i in group g_idx[i] (needs act_order=1 unless g_idx
-        is the trivial map)."""
-        w = np.asarray(w, dtype=np.float32)
+        is the trivial map, which None stands for)."""
+        w = self._quantize_input(w)
         out_features, in_features = w.shape
-        self.check_shape(out_features, in_features)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
         n = self.groups(in_features)
-        g_idx = np.asarray(g_idx, dtype=np.int32)
         trivial = np.arange(in_features) // self.group_size
+        g_idx = np.asarray(trivial if g_idx is None else g_idx, dtype=np.int32)
         if not self.act_order and not np.array_equal(g_idx, trivial):
             raise FormatError(f"{self.spell()}: a non-trivial g_idx needs act_order=1")
         maxq = np.float32((1 << self.bits) - 1)
@@ -192,10 +183,7 @@ class Gptq(WeightFormat):
 
 
 def _u32(a: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if a.dtype not in (np.int32, np.uint32):
-        raise FormatError(f"{name}: dtype {a.dtype}, expected int32")
-    if tuple(a.shape) != shape:
-        raise FormatError(f"{name}: shape {list(a.shape)}, expected {list(shape)}")
+    check_tensor(a, name, shape, np.int32, np.uint32)
     return a.view(np.uint32)
 
 
@@ -227,15 +215,9 @@ def repack(
             f"{where}.g_idx: {g_idx.dtype} {list(g_idx.shape)}, expected int32 [{in_features}]"
         )
     act_order = int(g_idx is not None and not np.array_equal(g_idx, trivial))
-    scale_dtype = next((d for d in SCALE_DTYPES if d.np == scales.dtype), None)
-    if scale_dtype is None:
-        names = ", ".join(d.np.name for d in SCALE_DTYPES)
-        raise FormatError(f"{where}.scales: dtype {scales.dtype}, expected one of {names}")
+    scale_dtype = dtype_among(scales.dtype, SCALE_DTYPES, f"{where}.scales")
     fmt = Gptq(bits, g, checkpoint_format, act_order, scale_dtype)
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{where}.qweight: {e}") from None
+    fmt.check_read_shape(out_features, in_features, f"{where}.qweight")
     if out_features * bits % 32:
         raise FormatError(
             f"{where}.qzeros: {out_features} output channels x {bits} bits do not fill whole "

@@ -2,8 +2,12 @@
 
 Each row of a weight [O, I] is cut into groups of `group_size` along I; a group stores one scale
 and one bias, and element j of a row is a `bits`-wide code at bits [j*bits, (j+1)*bits) of the
-row's little-endian uint32 bitstream, so 3/5/6-bit codes straddle bytes and words. Decode is
-`q*scale + bias`. The kernel reads the checkpoint tensors as stored: there is no repack.
+row's little-endian uint32 bitstream (qir.formats.bitstream), so 3/5/6-bit codes straddle bytes
+and words. Decode is `q*scale + bias`. The kernel reads the checkpoint tensors as stored: there
+is no repack.
+
+mlx-lm's `quantization` dict is read here too (`quantization_dict`, `module_quantization`), for
+this format and for the other MLX modes (mxfp4/mxfp8, nvfp4) whose families share it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import numpy as np
 
 from qir.dtypes import BF16, F16, F32, U32, DType
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
+from qir.formats.base import FormatError, ParamTable, WeightFormat
+from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.types import TensorType
 
 BITS = (1, 2, 3, 4, 5, 6, 8)
@@ -39,18 +44,11 @@ class MlxAffine(WeightFormat):
     group_size: int
     scale_dtype: DType
 
-    def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise FormatError(f"mlx_affine: bits={self.bits} not supported; MLX allows {BITS}")
-        if self.group_size not in GROUP_SIZES:
-            raise FormatError(
-                f"mlx_affine: group_size={self.group_size} not supported; MLX allows {GROUP_SIZES}"
-            )
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise FormatError(
-                f"mlx_affine: scale_dtype={self.scale_dtype} not supported; "
-                f"expected one of {', '.join(d.name for d in SCALE_DTYPES)}"
-            )
+    allowed: ClassVar[ParamTable] = {
+        "bits": BITS,
+        "group_size": GROUP_SIZES,
+        "scale_dtype": SCALE_DTYPES,
+    }
 
     def tag(self) -> str:
         return f"mlx{self.bits}g{self.group_size}{self.scale_dtype.name}"
@@ -63,19 +61,8 @@ class MlxAffine(WeightFormat):
             "biases": TensorType((out_features, groups), self.scale_dtype),
         }
 
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        if in_features % self.group_size:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} is not a multiple of the group size "
-                f"{self.group_size}"
-            )
-        if in_features * self.bits % 32:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} x {self.bits} bits does not fill "
-                "whole uint32 words"
-            )
+    # check_shape: in_features a multiple of the group size, itself a multiple of 32, so every
+    # row fills whole uint32 words at any width.
 
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
@@ -92,13 +79,8 @@ class MlxAffine(WeightFormat):
 
     def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
         """MLX's CPU affine quantizer (mlx/backend/cpu/quantized.cpp), same codes on float32 input."""
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        w = self._quantize_input(w)
         out_features, in_features = w.shape
-        self.check_shape(out_features, in_features)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
         g = w.reshape(out_features, in_features // self.group_size, self.group_size)
         w_max = g.max(axis=-1, keepdims=True)
         w_min = g.min(axis=-1, keepdims=True)
@@ -141,31 +123,6 @@ def _edge_scale_bias(
     return scale, bias
 
 
-def unpack_codes(words: np.ndarray, bits: int, in_features: int) -> np.ndarray:
-    """uint32 codes [O, in_features] from rows of little-endian `bits`-wide bitstreams."""
-    words = np.ascontiguousarray(words, dtype="<u4").astype(np.uint64)
-    # A code may straddle two words: read each code from the 64-bit pair (word k, word k+1).
-    padded = np.concatenate([words, np.zeros((words.shape[0], 1), np.uint64)], axis=1)
-    start = np.arange(in_features, dtype=np.uint64) * np.uint64(bits)
-    k = (start // np.uint64(32)).astype(np.intp)
-    pair = padded[:, k] | (padded[:, k + 1] << np.uint64(32))
-    mask = np.uint64((1 << bits) - 1)
-    return ((pair >> (start % np.uint64(32))) & mask).astype(np.uint32)
-
-
-def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of unpack_codes: uint32 words [O, I*bits/32]."""
-    rows = q.shape[0]
-    bit_planes = (q[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
-    packed = np.packbits(bit_planes.astype(np.uint8).reshape(rows, -1), axis=1, bitorder="little")
-    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
-
-
-def _check_mode(mode: Any, where: str) -> None:
-    if mode not in (None, "affine"):
-        raise FormatError(f"not supported: MLX mode {mode} ({where})")
-
-
 def _int_or_default(value: Any, default: int, key: str) -> int:
     if value is None:
         return default
@@ -174,23 +131,37 @@ def _int_or_default(value: Any, default: int, key: str) -> int:
     return value
 
 
-def from_config(qcfg: Mapping[str, Any], module: str, scale_dtype: DType) -> MlxAffine | None:
-    """The format of `module` from mlx-lm's `quantization` dict, or None if it is left unquantized.
+def module_quantization(
+    qcfg: Mapping[str, Any], module: str
+) -> tuple[Mapping[str, Any], str] | None:
+    """The quantization parameters of `module` and where they come from, like mlx-lm's loader
+    resolves them from its `quantization` dict; None if the module is left unquantized.
 
-    Like mlx-lm's loader, an entry keyed by the module path wins: `false` leaves the module
-    unquantized, `true` means the top-level parameters, and a dict replaces them wholesale (its
-    missing or null keys fall back to MLX's mode defaults, not to the top level).
+    An entry keyed by the module path wins: `false` leaves the module unquantized, `true` means
+    the top-level parameters, and a dict replaces them wholesale.
     """
     override = qcfg.get(module, True)
     if override is False:
         return None
     if override is True:
-        params, where = qcfg, "quantization"
-    elif isinstance(override, Mapping):
-        params, where = override, f"quantization[{module!r}]"
-    else:
-        raise FormatError(f"quantization[{module!r}]: expected a dict or a bool, got {override!r}")
-    _check_mode(params.get("mode"), where)
+        return qcfg, "quantization"
+    if isinstance(override, Mapping):
+        return override, f"quantization[{module!r}]"
+    raise FormatError(f"quantization[{module!r}]: expected a dict or a bool, got {override!r}")
+
+
+def from_config(qcfg: Mapping[str, Any], module: str, scale_dtype: DType) -> MlxAffine | None:
+    """The format of `module` from mlx-lm's `quantization` dict, or None if it is left unquantized.
+
+    The module's parameters come from module_quantization; a per-module dict's missing or null
+    keys fall back to MLX's mode defaults, not to the top level.
+    """
+    found = module_quantization(qcfg, module)
+    if found is None:
+        return None
+    params, where = found
+    if params.get("mode") not in (None, "affine"):
+        raise FormatError(f"not supported: MLX mode {params.get('mode')} ({where})")
     return MlxAffine(
         bits=_int_or_default(params.get("bits"), DEFAULT_BITS, f"{where}.bits"),
         group_size=_int_or_default(

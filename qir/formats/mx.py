@@ -27,7 +27,7 @@ import numpy as np
 
 from qir.dtypes import E4M3, U8
 from qir.formats import register
-from qir.formats.base import FormatError, WeightFormat
+from qir.formats.base import WeightFormat, refuse_codes
 from qir.formats.fp_codes import (
     e2m1_decode,
     e2m1_encode_rne,
@@ -75,24 +75,14 @@ class _Mx(WeightFormat):
     def tag(self) -> str:
         return self.kind
 
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        if in_features % GROUP_SIZE:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} is not a multiple of the MX block "
-                f"size {GROUP_SIZE}"
-            )
+    def input_multiple(self) -> tuple[int, str]:
+        return GROUP_SIZE, "the MX block size"
 
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
     ) -> None:
         super().check_buffers(bufs, out_features, in_features, where)
-        scales = np.asarray(bufs["scales"])
-        nan = scales == E8M0_NAN
-        if nan.any():
-            r, c = np.argwhere(nan)[0]
-            raise FormatError(f"{where}.scales: E8M0 NaN code 0xFF at [{r}, {c}]")
+        refuse_codes(bufs["scales"], (E8M0_NAN,), f"{where}.scales", "E8M0 NaN")
 
     def describe(self) -> dict[str, Any]:
         return {"bits": self.elem_bits, "group": GROUP_SIZE, "w4a4": False}
@@ -105,12 +95,7 @@ class _Mx(WeightFormat):
         return self.kind
 
     def _blocks(self, w: np.ndarray) -> np.ndarray:
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
-        self.check_shape(*w.shape)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
+        w = self._quantize_input(w)
         return w.reshape(w.shape[0], -1, GROUP_SIZE)
 
     @abstractmethod

@@ -35,7 +35,7 @@ import numpy as np
 
 from qir.dtypes import F32, U8
 from qir.formats import register, register_act_quantizer
-from qir.formats.base import FormatError, WeightFormat
+from qir.formats.base import FormatError, ParamTable, WeightFormat, refuse_codes
 from qir.formats.fp_codes import (
     E2M1_MAX,
     E4M3_MAX,
@@ -73,14 +73,7 @@ class Nvfp4(WeightFormat):
     # 4 when the checkpoint calibrated 4-bit activations (W4A4), else 16.
     act_bits: int
 
-    def __post_init__(self) -> None:
-        if self.scale_mode not in SCALE_MODES:
-            raise FormatError(
-                f"nvfp4: scale_mode={self.scale_mode!r} not supported; expected one of "
-                f"{', '.join(SCALE_MODES)}"
-            )
-        if self.act_bits not in ACT_BITS:
-            raise FormatError(f"nvfp4: act_bits={self.act_bits} not supported; expected 4 or 16")
+    allowed: ClassVar[ParamTable] = {"scale_mode": SCALE_MODES, "act_bits": ACT_BITS}
 
     def tag(self) -> str:
         return f"nvfp4{self.scale_mode}" + ("a4" if self.act_bits == 4 else "")
@@ -95,26 +88,14 @@ class Nvfp4(WeightFormat):
             bufs["input_scale"] = TensorType((1,), F32)
         return bufs
 
-    def check_shape(self, out_features: int, in_features: int) -> None:
-        if out_features < 1 or in_features < 1:
-            raise FormatError(f"{self.spell()}: empty weight [{out_features}, {in_features}]")
-        if in_features % GROUP_SIZE:
-            raise FormatError(
-                f"{self.spell()}: in_features {in_features} is not a multiple of the NVFP4 "
-                f"block size {GROUP_SIZE}"
-            )
+    def input_multiple(self) -> tuple[int, str]:
+        return GROUP_SIZE, "the NVFP4 block size"
 
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
     ) -> None:
         super().check_buffers(bufs, out_features, in_features, where)
-        codes = np.asarray(bufs["block_scale"])
-        nan = np.isin(codes, E4M3_NAN_CODES)
-        if nan.any():
-            r, c = np.argwhere(nan)[0]
-            raise FormatError(
-                f"{where}.block_scale: E4M3 NaN code 0x{int(codes[r, c]):02X} at [{r}, {c}]"
-            )
+        refuse_codes(bufs["block_scale"], E4M3_NAN_CODES, f"{where}.block_scale", "E4M3 NaN")
         for name in ("global_scale", "input_scale"):
             if name in bufs and name in self.buffers(out_features, in_features):
                 v = float(np.asarray(bufs[name]).reshape(-1)[0])
@@ -149,13 +130,8 @@ class Nvfp4(WeightFormat):
         q/k/v and gate/up (the max amax of the group), so it may exceed amax(w). A W4A4 format
         also needs the calibrated activation amax, `input_amax`.
         """
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise FormatError(f"{self.spell()}: quantize expects a 2-D weight, got {w.shape}")
+        w = self._quantize_input(w)
         out_features, in_features = w.shape
-        self.check_shape(out_features, in_features)
-        if not np.all(np.isfinite(w)):
-            raise FormatError(f"{self.spell()}: quantize input contains NaN or Inf")
         amax = _f32(np.abs(w).max()) if global_amax is None else _f32(global_amax)
         if amax < np.abs(w).max():
             raise FormatError(f"{self.spell()}: global_amax {amax} is below max|w|")

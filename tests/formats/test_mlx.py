@@ -15,16 +15,8 @@ from safetensors.numpy import load_file
 from qir.dtypes import BF16, F16, F32, U32, DType
 from qir.formats import parse_format
 from qir.formats.base import FormatError
-from qir.formats.mlx import (
-    BITS,
-    GROUP_SIZES,
-    SCALE_DTYPES,
-    MlxAffine,
-    from_config,
-    matches_config,
-    pack_codes,
-    unpack_codes,
-)
+from qir.formats.bitstream import pack_codes, unpack_codes
+from qir.formats.mlx import BITS, GROUP_SIZES, SCALE_DTYPES, MlxAffine, from_config, matches_config
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CASES = ["mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S"]

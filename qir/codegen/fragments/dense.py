@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from qir.codegen.fragments import Fragment, register_fragment
-from qir.codegen.kernel import KernelParam
+from qir.codegen.fragments import Fragment, make_fragment, register_fragment
 from qir.formats.base import WeightFormat
 from qir.formats.dense import Dense
 
@@ -18,12 +17,11 @@ def _dense(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     chunk_bytes = next(b for b in _CHUNK_BYTES if in_features * size % b == 0)
     chunk_elems = chunk_bytes // size
     elem_t = fmt.dtype.c_type
-    return Fragment(
-        template="formats/dense.cuh.j2",
-        params=(KernelParam("w_weight", f"const {elem_t}* __restrict__", "buffer"),),
-        buffers=("weight",),
-        chunk_elems=chunk_elems,
-        context={
+    return make_fragment(
+        "formats/dense.cuh.j2",
+        {"weight": elem_t},
+        chunk_elems,
+        {
             "dtype": fmt.dtype.name,
             "elem_t": elem_t,
             "chunk_elems": chunk_elems,

@@ -11,66 +11,37 @@ from __future__ import annotations
 from math import gcd
 from typing import Any
 
-from qir.codegen.fragments import MAX_CHUNK_ELEMS, Fragment, register_fragment
-from qir.codegen.kernel import KernelParam
+from qir.codegen.fragments import (
+    MAX_CHUNK_ELEMS,
+    Fragment,
+    bitstream_chunking,
+    make_fragment,
+    register_fragment,
+)
 from qir.formats.awq import Awq, zeros_width
 from qir.formats.base import WeightFormat
 from qir.formats.ct_int import CtInt
 from qir.formats.gptq import Gptq
-
-_WORDS = "const uint32_t* __restrict__"
-
 
 # An act-order chunk also keeps each weight's group index and scale live; at 64 weights (2-bit)
 # that spilled 16 bytes on sm_80, so those chunks stop at 32 weights.
 _MAX_GIDX_CHUNK_ELEMS = 32
 
 
-def _chunking(bits: int, in_features: int, max_elems: int = MAX_CHUNK_ELEMS) -> dict[str, int]:
-    words_per_row = in_features * bits // 32
-    if 32 % bits == 0:
-        # Codes never straddle words: the widest load (up to 128 bits) dividing the row whose
-        # chunk is a whole number of 8-weight activation loads.
-        chunk_words = next(
-            c
-            for c in (4, 2, 1)
-            if words_per_row % c == 0 and c * 32 // bits <= max_elems and c * 32 // bits % 8 == 0
-        )
-        vec_words = chunk_words
-    else:
-        # 3-bit: 32 codes fill exactly 3 words; rows are only 4-byte aligned.
-        chunk_words, vec_words = bits, 1
-    return {
-        "bits": bits,
-        "mask": (1 << bits) - 1,
-        "words_per_row": words_per_row,
-        "chunk_words": chunk_words,
-        "vec_words": vec_words,
-        "chunk_elems": chunk_words * 32 // bits,
-    }
-
-
-def _fragment(
-    params: tuple[KernelParam, ...], buffers: tuple[str, ...], context: dict[str, Any]
-) -> Fragment:
+def _fragment(buffers: dict[str, str], context: dict[str, Any]) -> Fragment:
     chunk_elems = context["chunk_elems"]
     # Sub-chunks of gcd(chunk, group) weights start on multiples of it, so none spans two groups.
     sub_elems = gcd(chunk_elems, context["group_size"])
     context = {**context, "sub_elems": sub_elems, "subgroups": chunk_elems // sub_elems}
-    return Fragment("formats/int_codes.cuh.j2", params, buffers, chunk_elems, context)
+    return make_fragment("formats/int_codes.cuh.j2", buffers, chunk_elems, context)
 
 
 @register_fragment("awq")
 def _awq(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, Awq)
     zw = zeros_width(in_features, fmt.group_size)
-    params = (
-        KernelParam("w_weight", _WORDS, "buffer"),
-        KernelParam("w_zeros", _WORDS, "buffer"),
-        KernelParam("w_scales", "const __half* __restrict__", "buffer"),
-    )
     context = {
-        **_chunking(fmt.bits, in_features),
+        **bitstream_chunking(fmt.bits, in_features),
         "what": f"AutoAWQ int{fmt.bits}, zeros packed 8 per word",
         "group_size": fmt.group_size,
         "zero_mode": "packed4",
@@ -80,26 +51,20 @@ def _awq(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "scale_t": "__half",
         "g_idx": False,
     }
-    return _fragment(params, ("weight", "zeros", "scales"), context)
+    return _fragment({"weight": "uint32_t", "zeros": "uint32_t", "scales": "__half"}, context)
 
 
 @register_fragment("gptq")
 def _gptq(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, Gptq)
     scale_t = fmt.scale_dtype.c_type
-    params: tuple[KernelParam, ...] = (
-        KernelParam("w_weight", _WORDS, "buffer"),
-        KernelParam("w_zeros", "const uint8_t* __restrict__", "buffer"),
-        KernelParam("w_scales", f"const {scale_t}* __restrict__", "buffer"),
-    )
-    buffers: tuple[str, ...] = ("weight", "zeros", "scales")
+    buffers = {"weight": "uint32_t", "zeros": "uint8_t", "scales": scale_t}
     if fmt.act_order:
-        params += (KernelParam("w_g_idx", "const int32_t* __restrict__", "buffer"),)
-        buffers += ("g_idx",)
+        buffers["g_idx"] = "int32_t"
     groups = fmt.groups(in_features)
     max_elems = _MAX_GIDX_CHUNK_ELEMS if fmt.act_order else MAX_CHUNK_ELEMS
     context = {
-        **_chunking(fmt.bits, in_features, max_elems),
+        **bitstream_chunking(fmt.bits, in_features, max_elems),
         "what": f"GPTQ int{fmt.bits} ({fmt.checkpoint_format}), one zero byte per group",
         "group_size": fmt.group_size,
         "zero_mode": "u8",
@@ -109,19 +74,15 @@ def _gptq(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "scale_t": scale_t,
         "g_idx": bool(fmt.act_order),
     }
-    return _fragment(params, buffers, context)
+    return _fragment(buffers, context)
 
 
 @register_fragment("ct_int")
 def _ct_int(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, CtInt)
     scale_t = fmt.scale_dtype.c_type
-    params = (
-        KernelParam("w_weight", _WORDS, "buffer"),
-        KernelParam("w_scales", f"const {scale_t}* __restrict__", "buffer"),
-    )
     context = {
-        **_chunking(fmt.bits, in_features),
+        **bitstream_chunking(fmt.bits, in_features),
         "what": f"compressed-tensors int{fmt.bits}, symmetric, offset-binary codes",
         "group_size": fmt.group_size,
         "zero_mode": "const",
@@ -131,4 +92,4 @@ def _ct_int(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "scale_t": scale_t,
         "g_idx": False,
     }
-    return _fragment(params, ("weight", "scales"), context)
+    return _fragment({"weight": "uint32_t", "scales": scale_t}, context)

@@ -7,57 +7,35 @@ aligned because in_features is a multiple of 32."""
 
 from __future__ import annotations
 
-from qir.codegen.fragments import Fragment, register_fragment
-from qir.codegen.kernel import KernelParam
+from qir.codegen.fragments import Fragment, byte_codes, register_fragment
+from qir.codegen.fragments.fp8 import e4m3_fragment
 from qir.formats.base import WeightFormat
 from qir.formats.mx import GROUP_SIZE, Mxfp4, Mxfp8
-
-_BYTES = "const uint8_t* __restrict__"
 
 
 @register_fragment("mxfp4")
 def _mxfp4(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, Mxfp4)
-    return Fragment(
-        template="formats/mxfp4.cuh.j2",
-        params=(
-            KernelParam("w_weight", _BYTES, "buffer"),
-            KernelParam("w_scales", _BYTES, "buffer"),
-        ),
-        buffers=("weight", "scales"),
-        chunk_elems=GROUP_SIZE,
-        context={
-            "chunk_elems": GROUP_SIZE,
-            "chunk_bytes": GROUP_SIZE // 2,
-            "chunk_words": GROUP_SIZE // 8,
-            "bytes_per_row": in_features // 2,
-            "blocks_per_row": in_features // GROUP_SIZE,
-        },
+    return byte_codes(
+        "formats/mxfp4.cuh.j2",
+        4,
+        in_features,
+        GROUP_SIZE,
+        {"scales": "uint8_t"},
+        blocks_per_row=in_features // GROUP_SIZE,
     )
 
 
 @register_fragment("mxfp8")
 def _mxfp8(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, Mxfp8)
-    return Fragment(
-        template="formats/e4m3.cuh.j2",
-        params=(
-            KernelParam("w_weight", _BYTES, "buffer"),
-            KernelParam("w_scales", _BYTES, "buffer"),
-        ),
-        buffers=("weight", "scales"),
-        chunk_elems=GROUP_SIZE,
-        context={
-            "title": "MXFP8",
-            "scale_doc": f"each block of {GROUP_SIZE} has an E8M0 scale e: w = e4m3 * 2^(e-127)",
-            "scale_t": "uint8_t",
-            "scale_buffer": "scales",
-            "e8m0_scale": True,
-            "chunk_elems": GROUP_SIZE,
-            "chunk_bytes": GROUP_SIZE,
-            "chunk_words": GROUP_SIZE // 4,
-            "vec_words": 4,
-            "bytes_per_row": in_features,
-            "blocks_per_row": in_features // GROUP_SIZE,
-        },
+    return e4m3_fragment(
+        in_features,
+        GROUP_SIZE,
+        "scales",
+        "uint8_t",
+        title="MXFP8",
+        scale_doc=f"each block of {GROUP_SIZE} has an E8M0 scale e: w = e4m3 * 2^(e-127)",
+        e8m0_scale=True,
+        blocks_per_row=in_features // GROUP_SIZE,
     )

@@ -1,5 +1,7 @@
 """Checkpoint format families: one module each, registering how to recognise a config.json and
-how to read one linear from the checkpoint's tensors into a format's kernel layout."""
+how to read one linear from the checkpoint's tensors into a format's kernel layout. What several
+families share lives in modules that register none: `common` (quantization_config lookups,
+checkpoint tensor reads) and `compressed_tensors` (its config groups and targets)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ weights with 16-bit activations (see qir.formats.fp8 / qir.formats.mx).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,11 +17,17 @@ import ml_dtypes
 import numpy as np
 
 from qir.formats.base import FormatError
-from qir.formats.dense import DTYPES as DENSE_DTYPES
 from qir.formats.mx import GROUP_SIZE, Mxfp4
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
-from qir.models.families.dense import is_excluded, read_dense
+from qir.models.families.common import matrix, tensor
+from qir.models.families.compressed_tensors import (
+    config_groups,
+    ct_config,
+    group_format,
+    target_group,
+)
+from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.models.families.fp8 import read_fp8
 from qir.types import QWeight
 
@@ -30,24 +35,6 @@ MXFP4 = "mxfp4-pack-quantized"
 FP8 = "float-quantized"
 FP8_STRATEGIES = ("channel", "tensor")
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-
-
-def _qcfg(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    q = config.get("quantization_config")
-    if isinstance(q, Mapping) and q.get("quant_method") == "compressed-tensors":
-        return q
-    return None
-
-
-def _groups(q: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    groups = q.get("config_groups")
-    if not isinstance(groups, Mapping):
-        return {}
-    return {str(k): g for k, g in groups.items() if isinstance(g, Mapping)}
-
-
-def _format(q: Mapping[str, Any], group: Mapping[str, Any]) -> Any:
-    return group.get("format") or q.get("format")
 
 
 def _check_scheme(q: Mapping[str, Any]) -> None:
@@ -63,12 +50,12 @@ def _check_scheme(q: Mapping[str, Any]) -> None:
             raise FormatError(
                 f"not supported: compressed-tensors {key} (quantization_config.{key})"
             )
-    for name, group in _groups(q).items():
+    for name, group in config_groups(q).items():
         where = f"quantization_config.config_groups.{name}.weights"
         w = group.get("weights")
         if not isinstance(w, Mapping):
             raise FormatError(f"{where}: missing")
-        fmt = _format(q, group)
+        fmt = group_format(q, group)
         kind = (w.get("type"), w.get("num_bits"), bool(w.get("symmetric", True)))
         strategy = w.get("strategy")
         if fmt == MXFP4:
@@ -90,45 +77,25 @@ def _check_scheme(q: Mapping[str, Any]) -> None:
 
 
 def matches_config(config: Mapping[str, Any]) -> bool:
-    q = _qcfg(config)
+    q = ct_config(config)
     if q is None:
         return False
-    groups = _groups(q)
-    if not groups or any(_format(q, g) not in (MXFP4, FP8) for g in groups.values()):
+    groups = config_groups(q)
+    if not groups or any(group_format(q, g) not in (MXFP4, FP8) for g in groups.values()):
         return False
     _check_scheme(q)
     return True
 
 
-def _targets(module: str, targets: Any) -> bool:
-    """compressed-tensors target matching for the modules we load: `re:<regex>` against the
-    path, a plain name against the path or its class (every module read here is a Linear)."""
-    for t in targets or ():
-        if t in ("Linear", module):
-            return True
-        if isinstance(t, str) and t.startswith("re:") and re.match(t[3:], module):
-            return True
-    return False
-
-
 def _mxfp4(ck: Checkpoint, module: str) -> Linear:
     packed_name, scale_name = f"{module}.weight_packed", f"{module}.weight_scale"
-    packed = ck.store.get(packed_name)
-    if packed.dtype != np.uint8 or packed.ndim != 2:
-        raise FormatError(
-            f"{packed_name}: {packed.dtype} {list(packed.shape)}, expected uint8 [out, in/2]"
-        )
-    if scale_name not in ck.store:
-        raise FormatError(f"{scale_name}: missing (MXFP4 needs an E8M0 scale per 32 inputs)")
-    scales = ck.store.get(scale_name)
+    packed = matrix(ck, packed_name, np.uint8, "[out, in/2]")
+    scales = tensor(ck, scale_name, "MXFP4 needs an E8M0 scale per 32 inputs")
     if scales.dtype == _E8M0:  # newer writers store torch.float8_e8m0fnu: the same bytes
         scales = scales.view(np.uint8)
     fmt = Mxfp4()
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{packed_name}: {e}") from None
+    fmt.check_read_shape(out_features, in_features, packed_name)
     bufs = {"weight": packed, "scales": scales}
     try:
         fmt.check_buffers(bufs, out_features, in_features, where=module)
@@ -139,21 +106,23 @@ def _mxfp4(ck: Checkpoint, module: str) -> Linear:
 
 
 def _linear(ck: Checkpoint, module: str) -> Linear:
-    q = _qcfg(ck.config)
+    q = ct_config(ck.config)
     assert q is not None  # the family matched on it
     if f"{module}.weight" not in ck.store and f"{module}.weight_packed" not in ck.store:
         raise FormatError(
             f"{module}: no such linear in {ck.path} (no {module}.weight or .weight_packed)"
         )
-    group = next((g for g in _groups(q).values() if _targets(module, g.get("targets"))), None)
+    found = target_group(q, module)
     # Ignored and untargeted modules are stored unquantized, and so are 16/32-bit `.weight`s the
     # "Linear" target seems to cover but that are not Linears (embeddings).
-    stored_dense = f"{module}.weight_packed" not in ck.store and ck.store.dtype(
-        f"{module}.weight"
-    ) in [d.np for d in DENSE_DTYPES]
-    if is_excluded(module, q.get("ignore")) or group is None or stored_dense:
+    if (
+        is_excluded(module, q.get("ignore"))
+        or found is None
+        or stored_dense(ck, module, "weight_packed")
+    ):
         return read_dense(ck, module)
-    if _format(q, group) == MXFP4:
+    _, group = found
+    if group_format(q, group) == MXFP4:
         return _mxfp4(ck, module)
     return read_fp8(ck, module, group["weights"]["strategy"])
 

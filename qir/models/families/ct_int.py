@@ -7,39 +7,32 @@ claims configs whose every config group is `pack-quantized` with int weights.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from qir.formats import ct_int
-from qir.formats.base import FormatError
+from qir.formats.base import FormatError, dtype_among
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import expect_matrix, tensors
+from qir.models.families.compressed_tensors import (
+    config_groups,
+    ct_config,
+    group_format,
+    target_group,
+)
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.types import QWeight
 
-
-def _qcfg(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    q = config.get("quantization_config")
-    if isinstance(q, Mapping) and q.get("quant_method") == "compressed-tensors":
-        return q
-    return None
+_NEEDS = "a pack-quantized linear needs weight_packed, weight_scale"
 
 
-def _groups(q: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    groups = q.get("config_groups")
-    return dict(groups) if isinstance(groups, Mapping) else {}
-
-
-def _is_pack_quantized_int(q: Mapping[str, Any], group: Any) -> bool:
-    if not isinstance(group, Mapping):
-        return False
+def _is_pack_quantized_int(q: Mapping[str, Any], group: Mapping[str, Any]) -> bool:
     weights = group.get("weights")
-    fmt = group.get("format") or q.get("format")
     return (
-        fmt == "pack-quantized"
+        group_format(q, group) == "pack-quantized"
         and isinstance(weights, Mapping)
         and weights.get("type") == "int"
         and weights.get("num_bits") in ct_int.BITS
@@ -47,39 +40,27 @@ def _is_pack_quantized_int(q: Mapping[str, Any], group: Any) -> bool:
 
 
 def matches_config(config: Mapping[str, Any]) -> bool:
-    q = _qcfg(config)
+    q = ct_config(config)
     if q is None:
         return False
-    groups = _groups(q)
+    groups = config_groups(q)
     return bool(groups) and all(_is_pack_quantized_int(q, g) for g in groups.values())
-
-
-def _targets(module: str, targets: Any) -> bool:
-    """compressed-tensors target matching for the linears we load: `re:<regex>` against the
-    module path, a plain name against the path or its class (every loaded module is a Linear)."""
-    for t in targets or []:
-        if t == "Linear" or t == module:
-            return True
-        if isinstance(t, str) and t.startswith("re:") and re.match(t[3:], module):
-            return True
-    return False
 
 
 def _group_of(q: Mapping[str, Any], module: str) -> tuple[Mapping[str, Any], str] | None:
     """The `weights` scheme of the config group that quantizes `module`, and where it is; None
     for a module the config leaves unquantized (ignored, or targeted by no group)."""
-    if is_excluded(module, q.get("ignore")):
+    found = None if is_excluded(module, q.get("ignore")) else target_group(q, module)
+    if found is None:
         return None
-    for name, group in _groups(q).items():
-        if _targets(module, group.get("targets")):
-            weights = group["weights"]
-            assert isinstance(weights, Mapping)  # matches_config checked it
-            return weights, f"quantization_config.config_groups.{name}.weights"
-    return None
+    name, group = found
+    weights = group["weights"]
+    assert isinstance(weights, Mapping)  # matches_config checked it
+    return weights, f"quantization_config.config_groups.{name}.weights"
 
 
 def _ct_linear(ck: Checkpoint, module: str) -> Linear:
-    q = _qcfg(ck.config)
+    q = ct_config(ck.config)
     assert q is not None  # the family matched on it
     found = _group_of(q, module)
     # Ignored and untargeted modules are stored unquantized, and so are 16/32-bit `.weight`s the
@@ -96,16 +77,8 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
         raise FormatError(f"not supported: compressed-tensors int strategy {strategy} ({where})")
     bits = w["num_bits"]
     packed, scale = f"{module}.weight_packed", f"{module}.weight_scale"
-    for name in (packed, scale):
-        if name not in ck.store:
-            raise FormatError(
-                f"{name}: missing (a pack-quantized linear needs weight_packed, weight_scale)"
-            )
-    words = ck.store.get(packed)
-    if words.ndim != 2 or words.dtype != np.int32:
-        raise FormatError(
-            f"{packed}: {words.dtype} {list(words.shape)}, expected int32 [out, in*{bits}/32]"
-        )
+    words, scales = tensors(ck, module, ("weight_packed", "weight_scale"), _NEEDS)
+    expect_matrix(words, packed, np.int32, f"[out, in*{bits}/32]")
     out_features, in_features = words.shape[0], words.shape[1] * 32 // bits
     if f"{module}.weight_shape" in ck.store:
         shape = ck.store.get(f"{module}.weight_shape")
@@ -117,17 +90,10 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
     group_size = in_features if strategy == "channel" else w.get("group_size")
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise FormatError(f"{where}.group_size: expected an integer, got {group_size!r}")
-    stored = ck.store.dtype(scale)
-    scale_dtype = next((d for d in ct_int.SCALE_DTYPES if d.np == stored), None)
-    if scale_dtype is None:
-        names = ", ".join(d.np.name for d in ct_int.SCALE_DTYPES)
-        raise FormatError(f"{scale}: dtype {stored}, expected one of {names}")
+    scale_dtype = dtype_among(scales.dtype, ct_int.SCALE_DTYPES, scale)
     fmt = ct_int.CtInt(bits, group_size, scale_dtype)
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{packed}: {e}") from None
-    bufs = {"weight": words.view(np.uint32), "scales": ck.store.get(scale)}
+    fmt.check_read_shape(out_features, in_features, packed)
+    bufs = {"weight": words.view(np.uint32), "scales": scales}
     want = fmt.buffers(out_features, in_features)["scales"].shape
     if tuple(bufs["scales"].shape) != want:
         raise FormatError(

@@ -74,10 +74,7 @@ def read_dense(ck: Checkpoint, module: str) -> Linear:
         )
     fmt = Dense(dtype)
     out_features, in_features = w.shape
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{name}: {e}") from None
+    fmt.check_read_shape(out_features, in_features, name)
     fmt.check_buffers({"weight": w}, out_features, in_features, where=module)
     return Linear(module, QWeight(fmt, out_features, in_features), {"weight": w})
 

@@ -17,10 +17,10 @@ from qir.formats.base import FormatError
 from qir.formats.fp8 import Fp8
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import expect_matrix, modelopt_quant, tensors
 from qir.models.families.dense import is_excluded, read_dense
 from qir.types import QWeight
 
-_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -29,18 +29,11 @@ def read_fp8(ck: Checkpoint, module: str, granularity: str) -> Linear:
     per tensor) in f32/f16/bf16, widened to float32 (exact)."""
     fmt = Fp8(granularity)
     name, scale_name = f"{module}.weight", f"{module}.weight_scale"
-    for n in (name, scale_name):
-        if n not in ck.store:
-            raise FormatError(f"{n}: missing (an FP8 linear needs .weight and .weight_scale)")
-    w = ck.store.get(name)
-    if w.dtype != _E4M3 or w.ndim != 2:
-        raise FormatError(f"{name}: {w.dtype} {list(w.shape)}, expected float8_e4m3fn [out, in]")
+    needs = "an FP8 linear needs .weight and .weight_scale"
+    w, s = tensors(ck, module, ("weight", "weight_scale"), needs)
+    expect_matrix(w, name, ml_dtypes.float8_e4m3fn, "[out, in]")
     out_features, in_features = w.shape
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{name}: {e}") from None
-    s = ck.store.get(scale_name)
+    fmt.check_read_shape(out_features, in_features, name)
     rows = out_features if granularity == "channel" else 1
     if s.dtype not in _SCALE_DTYPES or s.size != rows or (s.ndim == 2 and s.shape[1] != 1):
         want = f"[{out_features}, 1]" if granularity == "channel" else "[1] or []"
@@ -58,18 +51,8 @@ def read_fp8(ck: Checkpoint, module: str, granularity: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-def _modelopt_quant(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    q = config.get("quantization_config")
-    if isinstance(q, Mapping) and q.get("quant_method") == "modelopt":
-        return q
-    hf = config.get("hf_quant_config")
-    if isinstance(hf, Mapping) and isinstance(hf.get("quantization"), Mapping):
-        return hf["quantization"]
-    return None
-
-
 def modelopt_matches(config: Mapping[str, Any]) -> bool:
-    q = _modelopt_quant(config)
+    q = modelopt_quant(config)
     algo = q.get("quant_algo") if q is not None else None
     if not isinstance(algo, str) or not algo.startswith("FP8"):
         return False
@@ -80,7 +63,7 @@ def modelopt_matches(config: Mapping[str, Any]) -> bool:
 
 
 def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
-    q = _modelopt_quant(ck.config)
+    q = modelopt_quant(ck.config)
     assert q is not None  # the family matched on it
     if is_excluded(module, q.get("ignore", q.get("exclude_modules"))):
         return read_dense(ck, module)

@@ -10,30 +10,19 @@ from qir.formats import gptq
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import config_int, not_converted, quant_config, tensors
 from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
 
 _TENSORS = ("qweight", "qzeros", "scales")
 
 
-def _qcfg(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    q = config.get("quantization_config")
-    return q if isinstance(q, Mapping) and q.get("quant_method") == "gptq" else None
-
-
 def matches_config(config: Mapping[str, Any]) -> bool:
-    return _qcfg(config) is not None
-
-
-def _int(q: Mapping[str, Any], key: str) -> int:
-    value = q.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise FormatError(f"quantization_config.{key}: expected an integer, got {value!r}")
-    return value
+    return quant_config(config, "gptq") is not None
 
 
 def _gptq_linear(ck: Checkpoint, module: str) -> Linear:
-    q = _qcfg(ck.config)
+    q = quant_config(ck.config, "gptq")
     assert q is not None  # the family matched on it
     # HF writes `checkpoint_format`; GPTQModel's quantize_config.json calls it `format`.
     checkpoint_format = q.get("checkpoint_format", q.get("format", "gptq"))
@@ -42,24 +31,17 @@ def _gptq_linear(ck: Checkpoint, module: str) -> Linear:
             f"not supported: GPTQ checkpoint_format {checkpoint_format} "
             "(quantization_config.checkpoint_format)"
         )
-    bits = _int(q, "bits")
+    bits = config_int(q, "bits")
     if bits not in gptq.BITS:
         raise FormatError(f"not supported: GPTQ {bits}-bit (quantization_config.bits)")
-    group_size = _int(q, "group_size")
+    group_size = config_int(q, "group_size")
     if group_size < 1 and group_size != -1:
         raise FormatError(f"quantization_config.group_size: {group_size}, expected -1 or >= 1")
-    # A substring test, as transformers does (not is_excluded's whole-component match).
-    skipped = q.get("modules_to_not_convert") or []
-    if any(isinstance(s, str) and s in module for s in skipped) or stored_dense(
-        ck, module, "qweight"
-    ):
+    if not_converted(q, module) or stored_dense(ck, module, "qweight"):
         return read_dense(ck, module)
-    for name in _TENSORS:
-        if f"{module}.{name}" not in ck.store:
-            raise FormatError(
-                f"{module}.{name}: missing (a GPTQ linear needs {', '.join(_TENSORS)}[, g_idx])"
-            )
-    qweight, qzeros, scales = (ck.store.get(f"{module}.{name}") for name in _TENSORS)
+    qweight, qzeros, scales = tensors(
+        ck, module, _TENSORS, f"a GPTQ linear needs {', '.join(_TENSORS)}[, g_idx]"
+    )
     g_idx = ck.store.get(f"{module}.g_idx") if f"{module}.g_idx" in ck.store else None
     fmt, out_features, in_features, bufs = gptq.repack(
         qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format, module

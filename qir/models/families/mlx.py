@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from qir.dtypes import DType
 from qir.formats import mlx
-from qir.formats.base import FormatError
+from qir.formats.base import FormatError, dtype_among
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import tensor
 from qir.models.families.dense import read_dense
 from qir.types import QWeight
-
-
-def _scale_dtype(ck: Checkpoint, scales: str) -> DType:
-    stored = ck.store.dtype(scales)
-    for d in mlx.SCALE_DTYPES:
-        if d.np == stored:
-            return d
-    names = ", ".join(d.name for d in mlx.SCALE_DTYPES)
-    raise FormatError(f"{scales}: dtype {stored}, expected one of {names}")
 
 
 def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
@@ -28,23 +19,19 @@ def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     if qcfg.get(module) is False:  # mlx-lm left this module unquantized
         return read_dense(ck, module)
     scales = f"{module}.scales"
-    if f"{module}.weight" not in ck.store:
-        raise FormatError(f"{module}.weight: missing from {ck.path}")
-    if scales not in ck.store:
-        raise FormatError(f"{scales}: missing (an MLX affine weight needs .weight/.scales/.biases)")
-    fmt = mlx.from_config(qcfg, module, _scale_dtype(ck, scales))
+    words = tensor(ck, f"{module}.weight")
+    tensor(ck, scales, "an MLX affine weight needs .weight/.scales/.biases")
+    fmt = mlx.from_config(
+        qcfg, module, dtype_among(ck.store.dtype(scales), mlx.SCALE_DTYPES, scales)
+    )
     assert fmt is not None  # only a false entry leaves a module unquantized, read above
-    words = ck.store.get(f"{module}.weight")
     if words.ndim != 2 or words.dtype != np.uint32 or words.shape[1] * 32 % fmt.bits:
         raise FormatError(
             f"{module}.weight: {words.dtype} {list(words.shape)}, expected uint32 "
             f"[out, in*{fmt.bits}/32] for {fmt.spell()}"
         )
     out_features, in_features = words.shape[0], words.shape[1] * 32 // fmt.bits
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{module}.weight: {e}") from None
+    fmt.check_read_shape(out_features, in_features, f"{module}.weight")
     bufs = {
         name: ck.store.get(f"{module}.{name}")
         for name in fmt.buffers(out_features, in_features)

@@ -16,6 +16,7 @@ from qir.formats.base import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4, Mxfp8
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import matrix, tensor
 from qir.models.families.dense import read_dense
 from qir.types import QWeight
 
@@ -29,17 +30,12 @@ def matches_config(config: Mapping[str, Any]) -> bool:
 
 
 def _params(qcfg: Mapping[str, Any], module: str) -> tuple[Mxfp4 | Mxfp8, int] | None:
-    """The module's format like mlx-lm's loader resolves it: an entry keyed by the module path
-    wins (`false`: unquantized; a dict: its own mode/bits/group_size); None if unquantized."""
-    override = qcfg.get(module, True)
-    if override is False:
+    """The module's format and element bits from its parameters (mlx.module_quantization: an
+    entry keyed by the module path wins); None if unquantized."""
+    found = mlx.module_quantization(qcfg, module)
+    if found is None:
         return None
-    if override is True:
-        params, where = qcfg, "quantization"
-    elif isinstance(override, Mapping):
-        params, where = override, f"quantization[{module!r}]"
-    else:
-        raise FormatError(f"quantization[{module!r}]: expected a dict or a bool, got {override!r}")
+    params, where = found
     mode = params.get("mode")
     if mode not in MODES:
         raise FormatError(f"not supported: MLX mode {mode} in an mxfp4/mxfp8 checkpoint ({where})")
@@ -60,27 +56,17 @@ def _linear(ck: Checkpoint, module: str) -> Linear:
         return read_dense(ck, module)
     fmt, bits = resolved
     names = {b: f"{module}.{b}" for b in ("weight", "scales", "biases")}
-    if names["weight"] not in ck.store:
-        raise FormatError(f"{names['weight']}: missing from {ck.path}")
-    if names["scales"] not in ck.store:
-        raise FormatError(f"{names['scales']}: missing (MLX {fmt.kind} needs .weight and .scales)")
+    tensor(ck, names["weight"])
+    scales = tensor(ck, names["scales"], f"MLX {fmt.kind} needs .weight and .scales")
     if names["biases"] in ck.store:
         raise FormatError(f"{names['biases']}: unexpected for MLX {fmt.kind} (affine only)")
-    words = ck.store.get(names["weight"])
-    if words.dtype != np.uint32 or words.ndim != 2:
-        raise FormatError(
-            f"{names['weight']}: {words.dtype} {list(words.shape)}, expected uint32 "
-            f"[out, in*{bits}/32] for {fmt.spell()}"
-        )
+    words = matrix(ck, names["weight"], np.uint32, f"[out, in*{bits}/32] for {fmt.spell()}")
     out_features, in_features = words.shape[0], words.shape[1] * 32 // bits
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{names['weight']}: {e}") from None
+    fmt.check_read_shape(out_features, in_features, names["weight"])
     # Little-endian words are the bytes in element order.
     raw = words.astype("<u4", copy=False).view(np.uint8)
     weight = raw if bits == 4 else raw.view(ml_dtypes.float8_e4m3fn)
-    bufs = {"weight": weight, "scales": ck.store.get(names["scales"])}
+    bufs = {"weight": weight, "scales": scales}
     fmt.check_buffers(bufs, out_features, in_features, where=module)
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 

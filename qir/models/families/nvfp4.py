@@ -14,6 +14,8 @@ from qir.formats.base import FormatError
 from qir.formats.nvfp4 import GROUP_SIZE, MLX_GLOBAL_DIVISOR, Nvfp4
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import matrix, modelopt_quant, tensor
+from qir.models.families.compressed_tensors import config_groups, ct_config, group_format
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.types import QWeight
 
@@ -30,30 +32,12 @@ _CT_NAMES = {
 _MLX_NAMES = {"block_scale": "scales"}
 
 
-def _qconfig(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    q = config.get("quantization_config")
-    return q if isinstance(q, Mapping) else {}
-
-
-def _get(ck: Checkpoint, name: str, what: str) -> np.ndarray:
-    if name not in ck.store:
-        raise FormatError(f"{name}: missing ({what})")
-    return ck.store.get(name)
-
-
 def _scalar(ck: Checkpoint, name: str, what: str) -> np.ndarray:
     """A float32 per-tensor scale ([] or [1]) as the kernel layout's f32 [1]."""
-    a = _get(ck, name, what)
+    a = tensor(ck, name, what)
     if a.dtype != np.float32 or a.size != 1:
         raise FormatError(f"{name}: {a.dtype} {list(a.shape)}, expected one float32 ({what})")
     return a.reshape(1)
-
-
-def _e4m3_scales(ck: Checkpoint, name: str) -> np.ndarray:
-    a = _get(ck, name, "the E4M3 block scales, one per 16 inputs")
-    if a.dtype != _E4M3 or a.ndim != 2:
-        raise FormatError(f"{name}: {a.dtype} {list(a.shape)}, expected float8_e4m3fn [out, in/16]")
-    return a.view(np.uint8)
 
 
 def _read(
@@ -69,10 +53,7 @@ def _read(
     """Linear of checkpoint tensors; `names` maps kernel-layout buffers to checkpoint names so
     that an error names the tensor as the checkpoint spells it."""
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
-    try:
-        fmt.check_shape(out_features, in_features)
-    except FormatError as e:
-        raise FormatError(f"{module}.weight: {e}") from None
+    fmt.check_read_shape(out_features, in_features, f"{module}.weight")
     bufs = {"weight": packed, "block_scale": block_scale, "global_scale": global_scale}
     if input_scale is not None:
         bufs["input_scale"] = input_scale
@@ -86,11 +67,29 @@ def _read(
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-def _packed_u8(ck: Checkpoint, name: str) -> np.ndarray:
-    a = _get(ck, name, "the packed E2M1 codes, two per byte")
-    if a.dtype != np.uint8 or a.ndim != 2:
-        raise FormatError(f"{name}: {a.dtype} {list(a.shape)}, expected uint8 [out, in/2]")
-    return a
+def _read_stored(
+    ck: Checkpoint, module: str, fmt: Nvfp4, producer: str, names: dict[str, str]
+) -> Linear:
+    """Linear of a checkpoint that stores the kernel layout's buffers as they are (ModelOpt,
+    compressed-tensors) under the names `names` (buffer -> tensor, where they differ)."""
+
+    def name(buffer: str) -> str:
+        return f"{module}.{names.get(buffer, buffer)}"
+
+    input_scale = None
+    if fmt.act_bits == 4:
+        input_scale = _scalar(ck, name("input_scale"), f"{producer} W4A4 activation scale")
+    packed = matrix(
+        ck, name("weight"), np.uint8, "[out, in/2]", "the packed E2M1 codes, two per byte"
+    )
+    block_scale = matrix(
+        ck, name("block_scale"), _E4M3, "[out, in/16]", "the E4M3 block scales, one per 16 inputs"
+    )
+    kind = "decode" if fmt.scale_mode == "mul" else "encode"
+    global_scale = _scalar(ck, name("global_scale"), f"{producer} per-tensor {kind} scale")
+    return _read(
+        ck, module, fmt, packed, block_scale.view(np.uint8), global_scale, input_scale, names
+    )
 
 
 def _check_group_size(value: Any, where: str) -> None:
@@ -101,25 +100,13 @@ def _check_group_size(value: Any, where: str) -> None:
 # --- ModelOpt --------------------------------------------------------------------------------
 
 
-def _modelopt_quant(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """ModelOpt's quantization facts: config.json's quantization_config, or the `quantization`
-    section of hf_quant_config.json (which checkpoint.load folds in as `hf_quant_config`)."""
-    q = _qconfig(config)
-    if q.get("quant_method") == "modelopt":
-        return q
-    hf = config.get("hf_quant_config")
-    if isinstance(hf, Mapping) and isinstance(hf.get("quantization"), Mapping):
-        return hf["quantization"]
-    return None
-
-
 def _modelopt_matches(config: Mapping[str, Any]) -> bool:
-    q = _modelopt_quant(config)
+    q = modelopt_quant(config)
     return q is not None and q.get("quant_algo") == "NVFP4"
 
 
 def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
-    q = _modelopt_quant(ck.config)
+    q = modelopt_quant(ck.config)
     assert q is not None  # the family matched on it
     # ModelOpt lists paths and globs ("lm_head", "model.layers.*.self_attn*"); an unlisted
     # module with a 16/32-bit `.weight` and no block scales is unquantized all the same.
@@ -133,36 +120,18 @@ def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
         _check_group_size(group.get("weights", {}).get("group_size"), f"config_groups.{name}")
         if not group.get("input_activations"):
             act_bits = 16
-    fmt = Nvfp4("mul", act_bits)
-    input_scale = None
-    if act_bits == 4:
-        input_scale = _scalar(ck, f"{module}.input_scale", "ModelOpt W4A4 activation scale")
-    return _read(
-        ck,
-        module,
-        fmt,
-        _packed_u8(ck, f"{module}.weight"),
-        _e4m3_scales(ck, f"{module}.weight_scale"),
-        _scalar(ck, f"{module}.weight_scale_2", "ModelOpt per-tensor decode scale"),
-        input_scale,
-        _MODELOPT_NAMES,
-    )
+    return _read_stored(ck, module, Nvfp4("mul", act_bits), "ModelOpt", _MODELOPT_NAMES)
 
 
 # --- compressed-tensors ----------------------------------------------------------------------
 
 
 def _ct_group(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
-    q = _qconfig(config)
-    if q.get("quant_method") != "compressed-tensors":
+    q = ct_config(config)
+    if q is None:
         return None
-    groups = q.get("config_groups")
-    if not isinstance(groups, Mapping):
-        return None
-    for name, group in groups.items():
-        if isinstance(group, Mapping) and group.get("format", q.get("format")) == CT_FORMAT:
-            return name, group
-    return None
+    groups = config_groups(q).items()
+    return next(((n, g) for n, g in groups if group_format(q, g) == CT_FORMAT), None)
 
 
 def _ct_matches(config: Mapping[str, Any]) -> bool:
@@ -173,11 +142,11 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
     found = _ct_group(ck.config)
     assert found is not None  # the family matched on it
     name, group = found
+    q = ct_config(ck.config)
+    assert q is not None
     # `ignore` holds paths and `re:` regexes; modules stored at 16/32 bits without weight_packed
     # are the ones no group targets (or not Linears: embeddings).
-    if is_excluded(module, _qconfig(ck.config).get("ignore")) or stored_dense(
-        ck, module, "weight_packed"
-    ):
+    if is_excluded(module, q.get("ignore")) or stored_dense(ck, module, "weight_packed"):
         return read_dense(ck, module)
     where = f"quantization_config.config_groups.{name}"
     _check_group_size((group.get("weights") or {}).get("group_size"), f"{where}.weights")
@@ -188,20 +157,7 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
             raise FormatError(
                 f"{where}.input_activations: num_bits {acts.get('num_bits')!r}, NVFP4 W4A4 needs 4"
             )
-    fmt = Nvfp4("div", 4 if acts else 16)
-    input_scale = None
-    if acts:
-        input_scale = _scalar(ck, f"{module}.input_global_scale", "CT W4A4 activation scale")
-    return _read(
-        ck,
-        module,
-        fmt,
-        _packed_u8(ck, f"{module}.weight_packed"),
-        _e4m3_scales(ck, f"{module}.weight_scale"),
-        _scalar(ck, f"{module}.weight_global_scale", "CT per-tensor encode scale"),
-        input_scale,
-        _CT_NAMES,
-    )
+    return _read_stored(ck, module, Nvfp4("div", 4 if acts else 16), "CT", _CT_NAMES)
 
 
 # --- MLX -------------------------------------------------------------------------------------
@@ -215,11 +171,10 @@ def _mlx_matches(config: Mapping[str, Any]) -> bool:
 def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
     assert qcfg is not None  # the family matched on it
-    override = qcfg.get(module, True)
-    if override is False:  # mlx-lm left this module unquantized
+    found = mlx.module_quantization(qcfg, module)
+    if found is None:  # mlx-lm left this module unquantized
         return read_dense(ck, module)
-    params = override if isinstance(override, Mapping) else qcfg
-    where = f"quantization[{module!r}]" if isinstance(override, Mapping) else "quantization"
+    params, where = found
     if params.get("mode") != "nvfp4":
         raise FormatError(
             f"not supported: MLX mode {params.get('mode')} in an nvfp4 checkpoint ({where})"
@@ -227,12 +182,10 @@ def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     if params.get("bits") not in (None, 4):
         raise FormatError(f"{where}.bits: {params.get('bits')!r}, MLX nvfp4 needs 4")
     _check_group_size(params.get("group_size"), where)
-    words = _get(ck, f"{module}.weight", "the packed E2M1 codes, eight per uint32")
-    if words.dtype != np.uint32 or words.ndim != 2:
-        raise FormatError(
-            f"{module}.weight: {words.dtype} {list(words.shape)}, expected uint32 [out, in/8]"
-        )
-    scales = _get(ck, f"{module}.scales", "the E4M3 block scales as uint8")
+    words = matrix(
+        ck, f"{module}.weight", np.uint32, "[out, in/8]", "the packed E2M1 codes, eight per uint32"
+    )
+    scales = tensor(ck, f"{module}.scales", "the E4M3 block scales as uint8")
     if scales.dtype != np.uint8:
         raise FormatError(f"{module}.scales: dtype {scales.dtype}, expected uint8 (E4M3 bits)")
     # mlx's `global_scale` is the tensor amax; dense layers usually have none (decode factor 1).
