@@ -1,16 +1,20 @@
 """The `host` backend: rendered CUDA kernels compiled by g++ and run on the CPU.
 
 Every CUDA thread is a fiber (see include/qir_host.h); blocks are spread over OS threads
-(`QIR_HOST_THREADS`, default: all CPUs). Buffers are plain numpy arrays, so "device" memory is
-host memory and copies are ordinary copies.
+(`QIR_HOST_THREADS`, default: all CPUs): the launching thread plus a worker pool that, like the
+fiber stacks, is made once per process and shared by every loaded kernel library (see
+`_share_runtime`). Buffers are plain numpy arrays, so "device" memory is host memory and copies
+are ordinary copies.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -48,6 +52,35 @@ SANITIZE_FLAGS = (
 _INT32 = (-(2**31), 2**31 - 1)
 
 
+# Libraries built from one header can share one runtime (worker pool and fiber stacks): its hash
+# is compiled in as QIR_HOST_ABI, and a library only adopts a runtime of the same hash.
+_RUNTIMES: dict[int, tuple[int, ctypes.CDLL]] = {}  # ABI -> (the shared Runtime*, its library)
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def _header_abi() -> str:
+    # Not cached: a header edited while a process runs must not reuse the old hash.
+    return "0x" + hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16] + "ull"
+
+
+def _share_runtime(lib: ctypes.CDLL) -> None:
+    """Point a freshly loaded kernel library at the process's runtime for its header (the
+    first such library's own), so N loaded kernels do not mean N worker pools and N sets of
+    fiber stacks per thread. Runs before the library's first launch."""
+    abi_fn, runtime_fn, share_fn = lib.qir_host_abi, lib.qir_host_runtime, lib.qir_host_share
+    abi_fn.restype = ctypes.c_ulonglong
+    runtime_fn.restype = ctypes.c_void_p
+    share_fn.restype, share_fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    abi = int(abi_fn())
+    if abi == 0:
+        return
+    with _RUNTIMES_LOCK:
+        if abi in _RUNTIMES:
+            share_fn(_RUNTIMES[abi][0])
+        else:
+            _RUNTIMES[abi] = (int(runtime_fn()), lib)
+
+
 @cache
 def _compiler_version() -> str:
     return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
@@ -82,7 +115,9 @@ class HostBackend:
             else SO_FLAGS
         )
         includes = [f"-I{d}" for d in (build, *cuda_include_dirs())]
-        return [*BASE_FLAGS, *mode, "-include", str(HEADER), *includes]
+        # Derived from the header, which is part of the key: no need to hash it into `options`.
+        abi = f"-DQIR_HOST_ABI={_header_abi()}"
+        return [*BASE_FLAGS, *mode, abi, "-include", str(HEADER), *includes]
 
     def key_parts(self, kernel: Kernel, source: str) -> dict[str, str]:
         """What a compiled kernel depends on, besides qir's codegen (see cache.key)."""
@@ -116,6 +151,7 @@ class HostBackend:
         try:
             lib = ctypes.CDLL(str(entry.path))
             getattr(lib, f"qir_launch_{kernel.name}")
+            _share_runtime(lib)
         except (OSError, AttributeError) as e:
             # The checksum matched, so this is what g++ produced: not a cache problem.
             raise RuntimeError(f"{kernel.name}: cannot load {entry.path}: {e}") from e

@@ -141,7 +141,11 @@ def test_damaged_entry_is_a_miss_and_is_rewritten(tmp_path: Path, damage: str) -
         "empty": b"",
         "trailer only": data[-cache_mod._TRAILER.size :],
     }[damage]
-    path.write_bytes(damaged)
+    # A new file in its place, as a crash or a bad disk would leave it: writing into the same
+    # inode would also change the library this process has mapped, which crashes it at exit.
+    tmp = path.with_suffix(".damaged")
+    tmp.write_bytes(damaged)
+    os.replace(tmp, path)
     assert read_entry(path) is None
     # A fresh root holding the damaged copy: the loader would otherwise hand back the library
     # this process already opened from `path`.

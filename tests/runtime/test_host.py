@@ -3,7 +3,11 @@ NumPy."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -305,3 +309,184 @@ def test_sanitize_catches_out_of_bounds_write(tmp_path: Path) -> None:
     y = np.zeros(128, np.float32)
     be.launch(hk, (1, 1, 1), [y, 100])
     np.testing.assert_array_equal(y, np.r_[np.ones(101), np.zeros(27)])
+
+
+# -- the persistent runtime: worker pool and fiber stacks reused across launches ----------------
+
+BLOCK_SUM = make(
+    "block_sum_shared",
+    (buf("x", "const float*"), buf("out", "float*"), i32("n")),
+    """
+  __shared__ float s[128];
+  const int i = blockIdx.x * 128 + threadIdx.x;
+  s[threadIdx.x] = i < n ? x[i] : 0.f;
+  __syncthreads();
+  for (int stride = 64; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) s[threadIdx.x] += s[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = s[0];
+""",
+)
+
+
+def block_sums(x: np.ndarray) -> np.ndarray:
+    blocks = (x.size + 127) // 128
+    return np.pad(x, (0, blocks * 128 - x.size)).reshape(blocks, 128).sum(axis=1)
+
+
+def run_gemv(be: HostBackend, seed: int, n: int = 96, k: int = 160) -> None:
+    g = np.random.default_rng(seed)
+    w = g.standard_normal((n, k)).astype(np.float32)
+    x = g.standard_normal(k).astype(np.float32)
+    y = np.full(n, np.nan, np.float32)
+    be.launch(be.load(GEMV), ((n + 7) // 8, 1, 1), [w, x, y, n, k])
+    np.testing.assert_allclose(y, w @ x, rtol=1e-4, atol=1e-4)
+
+
+def run_block_sum(be: HostBackend, seed: int, n: int = 1000) -> None:
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    out = np.full((n + 127) // 128, np.nan, np.float32)
+    be.launch(be.load(BLOCK_SUM), (out.size, 1, 1), [x, out, n])
+    np.testing.assert_allclose(out, block_sums(x), rtol=1e-5, atol=1e-5)
+
+
+def test_many_consecutive_launches_stay_correct(be: HostBackend) -> None:
+    # Two libraries with different block sizes (256 and 128 threads) interleaved on the same
+    # reused fibers, each launch with fresh data.
+    for i in range(200):
+        (run_gemv if i % 2 else run_block_sum)(be, i)
+
+
+def test_launches_from_two_python_threads_at_once(be: HostBackend) -> None:
+    be.load(GEMV), be.load(BLOCK_SUM)  # compile first: the threads should race on launches
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(offset: int) -> None:
+        try:
+            start.wait()
+            for i in range(60):
+                # Both threads launch both kernels: same library concurrently, too.
+                (run_gemv if (i + offset) % 2 else run_block_sum)(be, 1000 * offset + i)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_launch_errors_are_per_thread(be: HostBackend) -> None:
+    # A failing launch on one Python thread does not leak its message into another's.
+    kern = make(
+        "always_deadlocks",
+        (buf("out", "float*"),),
+        "  if (threadIdx.x == 0) return;\n  __syncthreads();\n  out[0] = 1.f;",
+        block=(32, 1, 1),
+    )
+    hk = be.load(kern)
+    ok: list[bool] = []
+
+    def good() -> None:
+        for i in range(20):
+            run_block_sum(be, i)
+        ok.append(True)
+
+    t = threading.Thread(target=good)
+    t.start()
+    for _ in range(20):
+        with pytest.raises(RuntimeError, match="deadlock"):
+            be.launch(hk, (3, 1, 1), [np.zeros(1, np.float32)])
+    t.join()
+    assert ok == [True]
+
+
+def test_single_worker_thread(be: HostBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QIR_HOST_THREADS", "1")
+    for i in range(5):
+        run_block_sum(be, i, n=5000)
+        run_gemv(be, i)
+
+
+def test_launches_after_a_deadlock_start_from_fresh_fibers(be: HostBackend) -> None:
+    kern = make(
+        "half_deadlock",
+        (buf("out", "float*"),),
+        """
+  if (threadIdx.x < 64) return;
+  __syncthreads();  // the other 64 park here for good
+  out[threadIdx.x] = 1.f;
+""",
+    )
+    with pytest.raises(RuntimeError, match="deadlock"):
+        be.launch(be.load(kern), (8, 1, 1), [np.zeros(128, np.float32)])
+    # The fibers parked mid-kernel must not be resumed by the next launches, of any kernel.
+    run_block_sum(be, 1)
+    run_gemv(be, 2)
+
+
+def test_stack_overflow_is_reported_and_later_launches_work(be: HostBackend) -> None:
+    # Thread 1 writes 72 KiB into its 64 KiB stack: down past its canary into thread 0's stack
+    # (already done and parked), never below the arena.
+    kern = make(
+        "deep_stack",
+        (buf("out", "int*"),),
+        """
+  if (threadIdx.x != 1) return;
+  volatile char big[72 * 1024];
+  for (int i = 0; i < (int)sizeof(big); ++i) big[i] = (char)i;
+  out[0] = big[100];
+""",
+        block=(2, 1, 1),
+    )
+    with pytest.raises(RuntimeError, match=r"thread \(1,0,0\) of block \(0,0,0\) overflowed"):
+        be.launch(be.load(kern), (1, 1, 1), [np.zeros(1, np.int32)])
+    run_block_sum(be, 3)
+    run_gemv(be, 4)
+
+
+def test_loaded_libraries_share_one_runtime(be: HostBackend) -> None:
+    # One worker pool and one set of fiber stacks per thread however many kernels are loaded.
+    def runtime_of(lib: ctypes.CDLL | None) -> int | None:
+        assert lib is not None
+        fn = lib.qir_host_runtime
+        fn.restype = ctypes.c_void_p
+        return fn()
+
+    first, second = be.load(GEMV), be.load(BLOCK_SUM)
+    assert first.lib is not second.lib
+    assert runtime_of(first.lib) == runtime_of(second.lib) is not None
+
+
+EXIT_SCRIPT = """
+import os, sys, threading, time
+import numpy as np
+sys.path.insert(0, {here!r})
+from test_host import GEMV, BLOCK_SUM, run_gemv, run_block_sum
+from qir.runtime.host import HostBackend
+be = HostBackend(cache_dir={cache!r})
+run_gemv(be, 0)
+run_block_sum(be, 1)
+if os.fork() == 0:  # a child of fork() starts without the parent's workers
+    run_gemv(be, 2)
+    run_block_sum(be, 3)
+    os._exit(0)
+assert os.wait()[1] == 0
+# A daemon thread still launching when the interpreter exits.
+threading.Thread(target=lambda: [run_gemv(be, i) for i in range(10**6)], daemon=True).start()
+time.sleep(0.2)
+print("done")
+"""
+
+
+def test_interpreter_exits_cleanly_with_workers_parked(be: HostBackend, tmp_path: Path) -> None:
+    script = EXIT_SCRIPT.format(here=str(Path(__file__).parent), cache=str(be.cache.root))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "done"

@@ -5,8 +5,11 @@
 // thread runs one block at a time, so `__shared__` is `static thread_local`, and threadIdx/blockIdx
 // are per-OS-thread globals that the scheduler rewrites before every switch into a fiber.
 // Boost.Context is not used (and not required): ucontext is everywhere glibc is, and switching
-// with _setjmp/_longjmp once ucontext has built the stacks (see `Worker::resume`) avoids
+// with _setjmp/_longjmp once ucontext has built the stacks (see `switch_to`) avoids
 // swapcontext's per-switch syscall, which is what Boost.Context would have bought.
+// A launch runs on the calling thread plus workers of a persistent pool, on fibers booted once
+// per OS thread and reused by every later launch (see `Runtime`): after warm-up a launch creates
+// no thread, maps no memory and makes no system call but the pool's futex wake-ups.
 //
 // Not supported: dynamic shared memory (`extern __shared__`), inline PTX (kernels guard it with
 // `#ifdef __CUDA_ARCH__`, which is never defined here), clusters, cooperative groups.
@@ -31,13 +34,18 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -76,10 +84,8 @@ namespace qir_host {
 
 enum class State : uint8_t { runnable, wait_block, wait_warp, done };
 
+// A CUDA thread's scheduling state within its Worker (its stack and context are in `Fibers`).
 struct Fiber {
-  ucontext_t ctx;
-  jmp_buf jb;
-  bool started;
   uint3 tid;
   unsigned warp;
   unsigned lane;
@@ -97,70 +103,301 @@ struct Warp {
   uint64_t slot[2][32];
 };
 
+#ifndef QIR_HOST_ABI
+// host.py defines it as a hash of this header; 0 (a build without it) never shares a Runtime.
+#define QIR_HOST_ABI 0ull
+#endif
+
+constexpr unsigned kMaxThreads = 1024;
+#if defined(__SANITIZE_ADDRESS__)
+constexpr size_t kStackBytes = 512 * 1024;  // ASan's stack redzones need room
+#else
+constexpr size_t kStackBytes = 64 * 1024;
+#endif
+constexpr uint64_t kCanary = 0x5152484f53544b31ull;
+
+// ---- Runtime: worker threads and fiber stacks, made once and kept --------------------------
+//
+// Each kernel library carries its own copy of everything below (-fvisibility=hidden), but
+// threads and stacks are a per-process resource: host.py hands every library loaded after the
+// first the first one's `Runtime` (qir_host_share), so a process has one worker pool and one
+// set of fiber stacks per OS thread however many kernels it loads. Only code that carries no
+// per-library state crosses libraries: the pool runs the caller's function pointer, and a
+// fiber's outermost frame (`fiber_boot`, the owner's) calls the current kernel's `entry`; the
+// kernel's own scheduler (its threadIdx, its `__shared__`) always runs the kernel library's
+// code. A library whose QIR_HOST_ABI or struct sizes differ keeps its own Runtime.
+
+// One fiber stack's saved context.
+struct Slot {
+#if defined(__SANITIZE_ADDRESS__)
+  ucontext_t uc;
+#else
+  jmp_buf jb;
+#endif
+};
+
+// The fibers of one OS thread. Fiber i's stack is arena + i * kStackBytes, with a canary at its
+// lowest 8 bytes (guard pages would cost an mprotect and a VMA per fiber, so overflow is caught
+// after the fact). The first `ready` fibers are bootstrapped: each sits in `fiber_boot`'s loop,
+// and resuming it makes it call `entry(ctx)` once (one CUDA thread of one block) and park again,
+// so after the first launch on a thread no launch makes a context or touches a fresh page.
+struct Fibers {
+  char* arena = nullptr;
+  unsigned capacity = 0;  // stacks mapped
+  unsigned ready = 0;     // fibers parked at the top of fiber_boot's loop
+  unsigned boot = 0;      // the fiber being bootstrapped
+  void (*entry)(void*) = nullptr;
+  void* ctx = nullptr;
+#if defined(__SANITIZE_ADDRESS__)
+  ucontext_t sched;
+  const void* sched_bottom = nullptr;
+  size_t sched_size = 0;
+#else
+  jmp_buf sched;
+#endif
+  Slot slots[kMaxThreads];
+
+  char* stack_bottom(unsigned i) const { return arena + static_cast<size_t>(i) * kStackBytes; }
+};
+
+// ucontext makes the fiber stacks, but swapcontext costs a sigprocmask syscall per switch, so
+// switches go through _setjmp/_longjmp, which leave the signal mask alone. Sanitizer builds keep
+// swapcontext throughout, which ASan's fiber annotations understand.
+inline void switch_to(Fibers& t, unsigned i) {  // scheduler -> fiber i
+#if defined(__SANITIZE_ADDRESS__)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, t.stack_bottom(i), kStackBytes);
+  swapcontext(&t.sched, &t.slots[i].uc);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  if (_setjmp(t.sched) == 0) _longjmp(t.slots[i].jb, 1);
+#endif
+}
+
+inline void switch_back(Fibers& t, unsigned i) {  // fiber i -> scheduler
+#if defined(__SANITIZE_ADDRESS__)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, t.sched_bottom, t.sched_size);
+  swapcontext(&t.slots[i].uc, &t.sched);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  if (_setjmp(t.slots[i].jb) == 0) _longjmp(t.sched, 1);
+#endif
+}
+
+struct Runtime {
+  uint64_t abi;
+  size_t runtime_size, fibers_size;
+  // Runs fn(arg) on the calling thread and on up to `helpers` pool threads; returns once every
+  // call that started has returned (calls no pool thread got to are dropped, so fn must cope
+  // with running fewer times: launches hand out blocks from a shared counter).
+  void (*run)(unsigned helpers, void (*fn)(void*), void* arg);
+  // The calling OS thread's fibers, at least n of them ready; nullptr when stacks cannot be had.
+  Fibers* (*fibers)(unsigned n);
+};
+
+namespace own {  // this library's Runtime: used unless host.py shares another library's
+
+struct FibersHolder {
+  Fibers* f = nullptr;
+  ~FibersHolder() {  // a caller thread exiting; pool threads never do
+    if (!f) return;
+    if (f->arena) munmap(f->arena, static_cast<size_t>(f->capacity) * kStackBytes);
+    delete f;
+  }
+};
+static thread_local FibersHolder fibers_of_thread;
+
+[[noreturn]] static void fiber_boot() {
+  Fibers* t = fibers_of_thread.f;
+  const unsigned me = t->boot;
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, &t->sched_bottom, &t->sched_size);
+#endif
+  for (;;) {
+    switch_back(*t, me);
+    t->entry(t->ctx);
+  }
+}
+
+inline Fibers* fibers(unsigned n) {
+  FibersHolder& h = fibers_of_thread;
+  if (!h.f) h.f = new (std::nothrow) Fibers();
+  if (!h.f) return nullptr;
+  Fibers& t = *h.f;
+  if (t.capacity < n) {  // a bigger block than this thread has run: map (and boot) anew
+    if (t.arena) munmap(t.arena, static_cast<size_t>(t.capacity) * kStackBytes);
+    t.ready = t.capacity = 0;
+    void* p = mmap(nullptr, static_cast<size_t>(n) * kStackBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    t.arena = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+    if (!t.arena) return nullptr;
+    t.capacity = n;
+  }
+  for (; t.ready < n; ++t.ready) {
+    const unsigned i = t.ready;
+    std::memcpy(t.stack_bottom(i), &kCanary, sizeof kCanary);
+    t.boot = i;
+#if defined(__SANITIZE_ADDRESS__)
+    ucontext_t& uc = t.slots[i].uc;
+#else
+    ucontext_t uc;
+#endif
+    getcontext(&uc);
+    uc.uc_stack.ss_sp = t.stack_bottom(i);
+    uc.uc_stack.ss_size = kStackBytes;
+    uc.uc_link = nullptr;
+    makecontext(&uc, &fiber_boot, 0);
+#if defined(__SANITIZE_ADDRESS__)
+    switch_to(t, i);
+#else
+    if (_setjmp(t.sched) == 0) setcontext(&uc);
+#endif
+  }
+  return &t;
+}
+
+// Worker threads, started on demand (never more than a launch asked for), parked on a condition
+// variable between launches and never joined: the Pool is deliberately leaked, so no destructor
+// runs at exit while a thread might still wait on it, and parked threads do not keep a process
+// alive (exit_group ends them). A child of fork() starts with no workers.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* p = new Pool;
+    return *p;
+  }
+
+  void run(unsigned helpers, void (*fn)(void*), void* arg) {
+    Job job;
+    if (helpers > 0) {
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        while (threads_ < helpers && spawn()) ++threads_;
+        for (unsigned i = 0; i < helpers; ++i) queue_.push_back({fn, arg, &job});
+      }
+      if (helpers == 1)
+        work_.notify_one();
+      else
+        work_.notify_all();
+    }
+    fn(arg);
+    if (helpers == 0) return;
+    std::unique_lock<std::mutex> lock(m_);
+    // Whatever no worker has picked up yet is no longer needed: the blocks are all taken.
+    queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                [&](const Task& t) { return t.job == &job; }),
+                 queue_.end());
+    done_.wait(lock, [&] { return job.running == 0; });
+  }
+
+ private:
+  struct Job {
+    unsigned running = 0;
+  };
+  struct Task {
+    void (*fn)(void*);
+    void* arg;
+    Job* job;
+  };
+
+  Pool() { pthread_atfork(&Pool::prepare, &Pool::parent, &Pool::child); }
+
+  bool spawn() {
+    try {
+      std::thread([this] { loop(); }).detach();
+      return true;
+    } catch (...) {  // out of threads: run with fewer
+      return false;
+    }
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(m_);
+    for (;;) {
+      work_.wait(lock, [&] { return !queue_.empty(); });
+      Task t = queue_.front();
+      queue_.pop_front();
+      ++t.job->running;
+      lock.unlock();
+      t.fn(t.arg);
+      lock.lock();
+      if (--t.job->running == 0) done_.notify_all();
+    }
+  }
+
+  static void prepare() { get().m_.lock(); }
+  static void parent() { get().m_.unlock(); }
+  static void child() {  // only the forking thread lives on, and it is in none of our calls
+    Pool& p = get();
+    new (&p.m_) std::mutex;
+    new (&p.work_) std::condition_variable;
+    new (&p.done_) std::condition_variable;
+    p.queue_.clear();
+    p.threads_ = 0;
+  }
+
+  std::mutex m_;
+  std::condition_variable work_, done_;
+  std::deque<Task> queue_;
+  unsigned threads_ = 0;
+};
+
+inline void run(unsigned helpers, void (*fn)(void*), void* arg) {
+  Pool::get().run(helpers, fn, arg);
+}
+
+inline Runtime& runtime() {
+  static Runtime r{QIR_HOST_ABI, sizeof(Runtime), sizeof(Fibers), &own::run, &own::fibers};
+  return r;
+}
+
+}  // namespace own
+
+inline std::atomic<Runtime*>& shared_runtime() {
+  static std::atomic<Runtime*> r{nullptr};
+  return r;
+}
+
+inline Runtime& runtime() {
+  Runtime* r = shared_runtime().load(std::memory_order_acquire);
+  return r ? *r : own::runtime();
+}
+
+// ---- One launch ------------------------------------------------------------------------------
+
 struct Launch {
   dim3 grid, block;
   void (*body)(void*);  // runs the kernel for the current fiber
   void* args;
   std::atomic<unsigned long> next_block{0};
   std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  std::string error;
 };
 
-inline std::mutex& error_mutex() {
-  static std::mutex m;
-  return m;
-}
-inline std::string& error_message() {
-  static std::string s;
+// The calling thread's last launch error: launches from several threads do not share one.
+inline std::string& last_error() {
+  static thread_local std::string s;
   return s;
 }
 
 // First error wins; the others would only describe the same failure from other workers.
 inline void fail(Launch& launch, const std::string& msg) {
-  std::lock_guard<std::mutex> lock(error_mutex());
-  if (!launch.failed.exchange(true)) error_message() = msg;
-}
-
-#if defined(__SANITIZE_ADDRESS__)
-constexpr size_t kStackBytes = 512 * 1024;  // ASan's stack redzones need room
-#else
-constexpr size_t kStackBytes = 64 * 1024;
-#endif
-
-// Fiber stacks, kept per OS thread across blocks and launches: mapping and first-touching fresh
-// stacks costs more than a small kernel. Guard pages would cost an mprotect and a VMA per fiber,
-// so overflow is caught after the fact by a canary at the bottom of each stack instead.
-struct Arena {
-  char* base = nullptr;
-  size_t bytes = 0;
-  ~Arena() {
-    if (base) munmap(base, bytes);
-  }
-};
-static thread_local Arena arena;
-constexpr uint64_t kCanary = 0x5152484f53544b31ull;
-
-inline char* stack_arena(size_t bytes) {
-  if (arena.bytes < bytes) {
-    if (arena.base) munmap(arena.base, arena.bytes);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    arena.base = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
-    arena.bytes = arena.base ? bytes : 0;
-  }
-  return arena.base;
+  std::lock_guard<std::mutex> lock(launch.error_mutex);
+  if (!launch.failed.exchange(true)) launch.error = msg;
 }
 
 class Worker;
 static thread_local Worker* current_worker = nullptr;
 
+// One OS thread's share of a launch: takes blocks from the shared counter and runs each block's
+// threads as this thread's fibers.
 class Worker {
  public:
   explicit Worker(Launch& launch) : launch_(launch) {
     const dim3& b = launch.block;
     n_ = b.x * b.y * b.z;
-    arena_ = stack_arena(static_cast<size_t>(n_) * kStackBytes);
-    if (!arena_) return;
-    for (unsigned i = 0; i < n_; ++i) std::memcpy(stack_bottom(i), &kCanary, sizeof kCanary);
     fibers_.resize(n_);
     warps_.resize((n_ + 31) / 32);
     for (unsigned i = 0; i < n_; ++i) {
@@ -168,22 +405,27 @@ class Worker {
       f.tid = make_uint3(i % b.x, (i / b.x) % b.y, i / (b.x * b.y));
       f.warp = i / 32;
       f.lane = i % 32;
-      f.started = false;
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = stack_bottom(i);
-      f.ctx.uc_stack.ss_size = kStackBytes;
-      f.ctx.uc_link = nullptr;
-      makecontext(&f.ctx, &Worker::fiber_main, 0);
     }
   }
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
+  static void run_launch(void* launch) {
+    Launch& l = *static_cast<Launch*>(launch);
+    const dim3& g = l.grid;
+    const unsigned long total = static_cast<unsigned long>(g.x) * g.y * g.z;
+    if (l.next_block.load(std::memory_order_relaxed) >= total) return;  // a late helper
+    Worker(l).run();
+  }
+
   void run() {
-    if (!arena_) {
+    t_ = runtime().fibers(n_);
+    if (!t_) {
       fail(launch_, "qir_host: cannot allocate fiber stacks");
       return;
     }
+    t_->entry = &Worker::fiber_entry;
+    t_->ctx = this;
     current_worker = this;
     blockDim = launch_.block;
     gridDim = launch_.grid;
@@ -193,7 +435,12 @@ class Worker {
       unsigned long b = launch_.next_block.fetch_add(1);
       if (b >= total) break;
       blockIdx = make_uint3(b % g.x, (b / g.x) % g.y, b / (static_cast<unsigned long>(g.x) * g.y));
-      if (!run_block()) break;
+      if (!run_block()) {
+        // Fibers stuck mid-kernel (deadlock) or with a trampled stack (overflow) must never be
+        // resumed: boot them all afresh next time.
+        t_->ready = 0;
+        break;
+      }
     }
     current_worker = nullptr;
   }
@@ -208,7 +455,7 @@ class Worker {
       return;
     }
     f.state = State::wait_block;
-    yield(f);
+    switch_back(*t_, cur_);
   }
 
   void syncwarp() {
@@ -219,7 +466,7 @@ class Worker {
       return;
     }
     f.state = State::wait_warp;
-    yield(f);
+    switch_back(*t_, cur_);
   }
 
   // Publishes this lane's value and returns the warp's 32 slots once every live lane has
@@ -245,8 +492,6 @@ class Worker {
   }
 
  private:
-  char* stack_bottom(unsigned i) const { return arena_ + static_cast<size_t>(i) * kStackBytes; }
-
   // One block: every fiber runs until it blocks or returns; a full pass in which no fiber could
   // run while some are still alive is a deadlock.
   bool run_block() {
@@ -262,7 +507,9 @@ class Worker {
       for (unsigned i = 0; i < n_; ++i) {
         if (fibers_[i].state != State::runnable) continue;
         progressed = true;
-        resume(i);
+        cur_ = i;
+        threadIdx = fibers_[i].tid;
+        switch_to(*t_, i);
         if (fibers_[i].state == State::done) --live;
       }
       if (!progressed) {
@@ -271,7 +518,7 @@ class Worker {
       }
     }
     for (unsigned i = 0; i < n_; ++i) {
-      if (std::memcmp(stack_bottom(i), &kCanary, sizeof kCanary) != 0) {
+      if (std::memcmp(t_->stack_bottom(i), &kCanary, sizeof kCanary) != 0) {
         char buf[160];
         snprintf(buf, sizeof buf, "thread (%u,%u,%u) of block (%u,%u,%u) overflowed its %zu KiB "
                  "fiber stack", fibers_[i].tid.x, fibers_[i].tid.y, fibers_[i].tid.z, blockIdx.x,
@@ -283,38 +530,6 @@ class Worker {
     return true;
   }
 
-  // ucontext makes the fiber stacks, but swapcontext costs a sigprocmask syscall per switch, so
-  // after the first entry switches go through _setjmp/_longjmp, which leave the signal mask alone.
-  // Sanitizer builds keep swapcontext throughout, which ASan's fiber annotations understand.
-  void resume(unsigned i) {
-    cur_ = i;
-    Fiber& f = fibers_[i];
-    threadIdx = f.tid;
-#if defined(__SANITIZE_ADDRESS__)
-    void* fake = nullptr;
-    __sanitizer_start_switch_fiber(&fake, stack_bottom(i), kStackBytes);
-    swapcontext(&sched_, &f.ctx);
-    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#else
-    if (_setjmp(sched_jb_) == 0) {
-      if (f.started) _longjmp(f.jb, 1);
-      f.started = true;
-      setcontext(&f.ctx);
-    }
-#endif
-  }
-
-  void yield(Fiber& f) {
-#if defined(__SANITIZE_ADDRESS__)
-    void* fake = nullptr;
-    __sanitizer_start_switch_fiber(&fake, sched_stack_bottom_, sched_stack_size_);
-    swapcontext(&f.ctx, &sched_);
-    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#else
-    if (_setjmp(f.jb) == 0) _longjmp(sched_jb_, 1);
-#endif
-  }
-
   void release(unsigned warp) {
     Warp& w = warps_[warp];
     w.arrived = 0;
@@ -323,23 +538,16 @@ class Worker {
       if (fibers_[i].state == State::wait_warp) fibers_[i].state = State::runnable;
   }
 
-  // Fibers never return: after the kernel body they park as `done` and are resumed for the next
-  // block, so contexts are made once per launch instead of once per block.
-  static void fiber_main() {
-    Worker* self = current_worker;
-#if defined(__SANITIZE_ADDRESS__)
-    __sanitizer_finish_switch_fiber(nullptr, &self->sched_stack_bottom_, &self->sched_stack_size_);
-#endif
-    for (;;) {
-      self->launch_.body(self->launch_.args);
-      Fiber& f = self->fibers_[self->cur_];
-      f.state = State::done;
-      Warp& w = self->warps_[f.warp];
-      // A lane leaving may complete a warp barrier the others are waiting at; a block barrier it
-      // leaves incomplete stays so and is reported as a deadlock.
-      if (--w.live > 0 && w.arrived == w.live) self->release(f.warp);
-      self->yield(f);
-    }
+  // What a resumed fiber runs (from fiber_boot's loop, on its own stack): one CUDA thread.
+  static void fiber_entry(void* self_) {
+    Worker* self = static_cast<Worker*>(self_);
+    self->launch_.body(self->launch_.args);
+    Fiber& f = self->fibers_[self->cur_];
+    f.state = State::done;
+    Warp& w = self->warps_[f.warp];
+    // A lane leaving may complete a warp barrier the others are waiting at; a block barrier it
+    // leaves incomplete stays so and is reported as a deadlock.
+    if (--w.live > 0 && w.arrived == w.live) self->release(f.warp);
   }
 
   void report_deadlock(unsigned live) {
@@ -358,17 +566,11 @@ class Worker {
 
   Launch& launch_;
   unsigned n_ = 0;
-  char* arena_ = nullptr;
+  Fibers* t_ = nullptr;
   std::vector<Fiber> fibers_;
   std::vector<Warp> warps_;
-  ucontext_t sched_;
-  jmp_buf sched_jb_;
   unsigned cur_ = 0;
   unsigned block_arrived_ = 0;
-#if defined(__SANITIZE_ADDRESS__)
-  const void* sched_stack_bottom_ = nullptr;
-  size_t sched_stack_size_ = 0;
-#endif
 };
 
 inline unsigned worker_count(unsigned long blocks) {
@@ -379,10 +581,6 @@ inline unsigned worker_count(unsigned long blocks) {
 }
 
 inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args) {
-  {
-    std::lock_guard<std::mutex> lock(error_mutex());
-    error_message().clear();
-  }
   Launch l;
   l.grid = dim3(grid3[0], grid3[1], grid3[2]);
   l.block = dim3(block3[0], block3[1], block3[2]);
@@ -390,15 +588,12 @@ inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(vo
   l.args = args;
   const unsigned long threads = static_cast<unsigned long>(l.block.x) * l.block.y * l.block.z;
   const unsigned long blocks = static_cast<unsigned long>(l.grid.x) * l.grid.y * l.grid.z;
-  if (threads == 0 || threads > 1024 || blocks == 0) {
+  if (threads == 0 || threads > kMaxThreads || blocks == 0) {
     fail(l, "qir_host: block must hold 1..1024 threads and the grid at least one block");
-    return 1;
+  } else {
+    runtime().run(worker_count(blocks) - 1, &Worker::run_launch, &l);
   }
-  const unsigned n = worker_count(blocks);
-  std::vector<std::thread> pool;
-  for (unsigned i = 1; i < n; ++i) pool.emplace_back([&l] { Worker(l).run(); });
-  Worker(l).run();
-  for (std::thread& t : pool) t.join();
+  last_error() = l.error;
   return l.failed.load() ? 1 : 0;
 }
 
@@ -453,8 +648,27 @@ inline T shuffle(T v, Src src) {
 
 }  // namespace qir_host
 
+// The calling thread's last launch error ("" after a launch that succeeded).
 extern "C" __attribute__((visibility("default"))) const char* qir_host_error() {
-  return qir_host::error_message().c_str();
+  return qir_host::last_error().c_str();
+}
+
+// Sharing one Runtime between kernel libraries (host.py calls these right after loading one):
+// qir_host_abi() says which libraries can share, qir_host_runtime() is the Runtime this library
+// uses, and qir_host_share(r) makes it use r instead, when r is of the same build (returns 1).
+extern "C" __attribute__((visibility("default"))) unsigned long long qir_host_abi() {
+  return QIR_HOST_ABI;
+}
+extern "C" __attribute__((visibility("default"))) void* qir_host_runtime() {
+  return &qir_host::runtime();
+}
+extern "C" __attribute__((visibility("default"))) int qir_host_share(void* other) {
+  auto* r = static_cast<qir_host::Runtime*>(other);
+  if (QIR_HOST_ABI == 0 || r == nullptr || r->abi != QIR_HOST_ABI ||
+      r->runtime_size != sizeof(qir_host::Runtime) || r->fibers_size != sizeof(qir_host::Fibers))
+    return 0;
+  qir_host::shared_runtime().store(r, std::memory_order_release);
+  return 1;
 }
 
 #define QIR_HOST_EXPORT(name)                                                                \
