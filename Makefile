@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 install: $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e '.[host]'
 
 install-test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'

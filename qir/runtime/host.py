@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -29,7 +30,7 @@ from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
 from qir.runtime.backend import BoundLaunch
 from qir.runtime.cache import HOST, KernelCache, key
-from qir.runtime.errors import CompileError
+from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 HEADER = Path(__file__).parent / "include" / "qir_host.h"
@@ -103,6 +104,15 @@ class HostBackend:
     name = "host"
 
     def __init__(self, cache_dir: Path | None = None, sanitize: bool = False) -> None:
+        if shutil.which(CXX) is None:
+            raise BackendUnavailable(
+                f"the host backend compiles kernels with {CXX}, which is not on PATH"
+            )
+        if not cuda_include_dirs():
+            raise BackendUnavailable(
+                "the host backend needs the CUDA headers (cuda_fp16.h): pip install 'qir[host]' "
+                "or install the CUDA toolkit (or set CUDA_HOME)"
+            )
         self.cache = KernelCache.at(cache_dir)
         self.sanitize = sanitize
 

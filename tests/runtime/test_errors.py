@@ -103,3 +103,12 @@ def test_cache_info_and_clear(
     assert main(["cache", "clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert not (tmp_path / "cubin").exists()
+
+
+def test_host_backend_without_cuda_headers_says_what_to_install(monkeypatch) -> None:
+    import qir.runtime.host as host_mod
+    from qir.runtime.errors import BackendUnavailable
+
+    monkeypatch.setattr(host_mod, "cuda_include_dirs", lambda: ())
+    with pytest.raises(BackendUnavailable, match=r"cuda_fp16.h.*qir\[host\]"):
+        host_mod.HostBackend()
