@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.dtypes import DType
-from qir.graph import Graph, Node, make_attrs
-from qir.ops import spec
+from qir.graph import Graph, Node, check_name, make_attrs
+from qir.ops import IRTypeError, activation_problem, spec
 from qir.types import Dim, QWeight, TensorType, ValueType
 
 
@@ -22,6 +22,7 @@ class Value:
 
 class Builder:
     def __init__(self, name: str = "main") -> None:
+        check_name(name, "graph")
         self.graph = Graph(name)
 
     def _fresh(self, name: str | None, op: str) -> str:
@@ -46,7 +47,11 @@ class Builder:
         return Value(n, result)
 
     def input(self, name: str, shape: tuple[Dim, ...], dtype: DType) -> Value:
+        """An activation input, shape ("M", features): M is bound by each run."""
         t = TensorType(tuple(shape), dtype)
+        problem = activation_problem(t)
+        if problem:
+            raise IRTypeError(f"input %{name}: {t} {problem}")
         return Value(self.graph.add(self._fresh(name, "x"), Node("input", t)), t)
 
     def weight(
@@ -59,7 +64,8 @@ class Builder:
         """`act_rule`: the calibrated activation scale of a W4A4 weight
         (WeightFormat.act_quant_rule), kept on the node for W4A4 routing."""
         weight.format.check_shape(weight.out_features, weight.in_features)
-        node = Node("weight", weight, make_attrs(key=key, **(act_rule or {})))
+        rule = {k: float(v) for k, v in (act_rule or {}).items()}
+        node = Node("weight", weight, make_attrs(key=key, **rule))
         return Value(self.graph.add(self._fresh(name, "w"), node), weight)
 
     def qlinear(self, x: Value, w: Value, name: str | None = None) -> Value:
@@ -75,6 +81,7 @@ class Builder:
         return self._op("add", (a, b), name)
 
     def output(self, name: str, value: Value) -> None:
+        check_name(name, "output")
         if any(n == name for n, _ in self.graph.outputs):
             raise ValueError(f"output {name!r} is already defined")
         self.graph.outputs.append((name, value.name))

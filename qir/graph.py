@@ -6,6 +6,7 @@ operand index `idx`; a MultiDiGraph so that `mul %a, %a` keeps both uses.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,6 +16,13 @@ import networkx as nx
 from qir.types import ValueType
 
 AttrValue = int | float | str | bool | tuple[Any, ...]
+# Value, output and graph names: what the printer writes and the parser reads back.
+_NAME = re.compile(r"[\w.]+")
+
+
+def check_name(name: str, what: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{what} name {name!r}: use letters, digits, '_' and '.' only")
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,12 @@ class Graph:
         for o in operands:
             if o not in self.g:
                 raise ValueError(f"operand %{o} of %{name} is not defined in graph {self.name}")
-        self.g.add_node(name, node=node, seq=self.g.number_of_nodes())
+        check_name(name, "value")
+        # A counter that never repeats (node counts do, after removals): definition order
+        # breaks ties in printing and in users(), so it must be unique.
+        seq = self.g.graph.get("next_seq", 0)
+        self.g.graph["next_seq"] = seq + 1
+        self.g.add_node(name, node=node, seq=seq)
         for i, o in enumerate(operands):
             self.g.add_edge(o, name, idx=i)
         return name

@@ -43,15 +43,28 @@ def _tensor(op: str, names: Sequence[str], types: Sequence[ValueType], i: int) -
     return t
 
 
-def _activation(op: str, names: Sequence[str], types: Sequence[ValueType], i: int) -> TensorType:
-    t = _tensor(op, names, types, i)
+# The batch dim of every activation: blocks are compiled once for any number of rows, which a
+# run binds (a concrete batch size in the IR would silently disagree with the kernels' M).
+BATCH = "M"
+
+
+def activation_problem(t: ValueType) -> str | None:
+    """Why `t` is not an activation [M, features] of an activation dtype, or None."""
+    if not isinstance(t, TensorType):
+        return "must be an activation tensor"
     if t.dtype not in dtypes.ACTIVATION:
-        raise IRTypeError(
-            f"{op}: operand {i} ({_desc(names[i], t)}) must be one of "
-            f"{', '.join(d.name for d in dtypes.ACTIVATION)}"
-        )
-    if t.rank != 2:
-        raise IRTypeError(f"{op}: operand {i} ({_desc(names[i], t)}) must be 2-D [M, features]")
+        return f"must be one of {', '.join(d.name for d in dtypes.ACTIVATION)}"
+    if t.rank != 2 or t.shape[0] != BATCH or not isinstance(t.shape[1], int) or t.shape[1] < 1:
+        return f"must be 2-D [{BATCH}, features] with the batch dim spelled {BATCH}"
+    return None
+
+
+def _activation(op: str, names: Sequence[str], types: Sequence[ValueType], i: int) -> TensorType:
+    t = types[i]
+    problem = activation_problem(t)
+    if problem:
+        raise IRTypeError(f"{op}: operand {i} ({_desc(names[i], t)}) {problem}")
+    assert isinstance(t, TensorType)
     return t
 
 
@@ -118,7 +131,29 @@ def _infer_qlinear(
                 f"qlinear: input {_desc(names[0], x)} has {x.shape[1]} features but weight "
                 f"{_desc(names[i], w)} has in_features {w.in_features}"
             )
+        first = types[ws.start]
+        assert isinstance(first, QWeight)
+        if w.format != first.format:
+            raise IRTypeError(
+                f"qlinear: one launch takes one weight format; {_desc(names[ws.start], first)} "
+                f"and {_desc(names[i], w)} differ"
+            )
         results.append(TensorType((x.shape[0], w.out_features), x.dtype))
+    # 4-bit activations (a quantize_act input, or act_quant in the prologue) need weights whose
+    # kernels consume that scheme, and K in whole 64-element tiles.
+    scheme = types[0].scheme if isinstance(types[0], QActType) else attrs.get("act_quant")
+    if scheme is not None:
+        w0 = types[ws.start]
+        assert isinstance(w0, QWeight)
+        if w0.format.act_quant_scheme() != scheme:
+            raise IRTypeError(
+                f"qlinear: {scheme} activations need weights that take them, not "
+                f"{_desc(names[ws.start], w0)}"
+            )
+        if w0.in_features % 64:
+            raise IRTypeError(
+                f"qlinear: {scheme} activations need K % 64 == 0, got {w0.in_features}"
+            )
     if epilogue == "residual":
         if len(results) != 1:
             raise IRTypeError("qlinear epilogue residual: needs exactly one weight")

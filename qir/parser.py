@@ -15,7 +15,7 @@ from qir.verify import verify
 _NAME = r"[\w.]+"
 _HEADER = re.compile(rf"^graph ({_NAME}) \{{$")
 _NODE = re.compile(rf"^%({_NAME}) = (\w+)((?: %{_NAME}(?:, %{_NAME})*)?)(?: \{{(.*)\}})? : (.+)$")
-_OUTPUT = re.compile(rf"^output (\w+) = %({_NAME})$")
+_OUTPUT = re.compile(rf"^output ({_NAME}) = %({_NAME})$")
 _TENSOR = re.compile(r"^(\w+)\[(.*)\]$")
 _QACT = re.compile(r"^qact<(\w+), (.+)>$")
 _QWEIGHT = re.compile(r"^qweight<(.+)>\[(\d+), (\d+)\]$")

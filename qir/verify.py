@@ -6,8 +6,8 @@ import networkx as nx
 
 from qir.errors import QirError
 from qir.graph import Graph
-from qir.ops import VARIADIC, IRTypeError, spec
-from qir.types import QWeight, TensorType
+from qir.ops import VARIADIC, IRTypeError, activation_problem, spec
+from qir.types import QWeight
 
 
 class VerifyError(QirError, ValueError):
@@ -29,8 +29,9 @@ def verify(graph: Graph) -> None:
         if unknown:
             raise VerifyError(f"%{name} = {node.op}: unknown attributes {sorted(unknown)}")
         if node.op == "input":
-            if not isinstance(node.type, TensorType):
-                raise VerifyError(f"%{name}: input must be a tensor, got {node.type}")
+            problem = activation_problem(node.type)
+            if problem:
+                raise VerifyError(f"%{name}: input {node.type} {problem}")
             continue
         if node.op == "weight":
             if not isinstance(node.type, QWeight) or not node.attr("key"):
@@ -43,6 +44,12 @@ def verify(graph: Graph) -> None:
             raise VerifyError(f"%{name}: {e}") from None
         if inferred != node.type:
             raise VerifyError(f"%{name} = {node.op}: declared {node.type}, inferred {inferred}")
+    for name in graph.of_op("qlinear"):
+        indices = [
+            graph.node(u).attr("index") for u in graph.users(name) if graph.node(u).op == "get"
+        ]
+        if len(indices) != len(set(indices)):
+            raise VerifyError(f"%{name}: two gets of the same result")
     if not graph.outputs:
         raise VerifyError(f"graph {graph.name} has no outputs")
     for out, value in graph.outputs:

@@ -43,16 +43,20 @@ def test_weight_shape_checked_by_format():
         b.weight("w", QWeight(FMT4, 8, 100))
 
 
-def test_activation_dtype_checked():
+def test_activation_dtype_and_batch_dim_checked():
     b = Builder()
     w = b.weight("w", QWeight(FMT4, 64, 64))
     i = b.input("i", ("M", 64), F32)
     assert b.qlinear(i, w).type.dtype == F32
     from qir.dtypes import U8
 
-    u = b.input("u", ("M", 64), U8)
-    with pytest.raises(IRTypeError, match="must be one of f16, bf16, f32"):
-        b.silu(u)
+    with pytest.raises(IRTypeError, match=r"input %u: u8.* must be one of f16, bf16, f32"):
+        b.input("u", ("M", 64), U8)
+    # a concrete batch size would disagree with the M a run binds
+    with pytest.raises(IRTypeError, match="batch dim spelled M"):
+        b.input("c", (4, 64), F16)
+    with pytest.raises(IRTypeError, match="batch dim spelled M"):
+        b.input("d", ("B", 64), F16)
 
 
 def test_duplicate_names_rejected():

@@ -16,6 +16,7 @@ from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import GemvSpec, gemv_kernel
 from qir.codegen.kernel import Kernel
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode, quantize_act_kernel
+from qir.errors import UsageError
 from qir.graph import AttrValue, Graph
 from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
 from qir.types import QActType, QWeight, TensorType, TupleType
@@ -25,6 +26,7 @@ DEFAULT_M_TILE = 8
 
 
 ALL_M = (1, 2**31 - 1)
+MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: rows of M go there
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,12 @@ class Launch:
         return self.when[0] <= m <= self.when[1]
 
     def grid(self, m: int) -> tuple[int, int, int]:
-        return (self.grid_x, -(-m // self.m_tile), 1)
+        y = -(-m // self.m_tile)
+        if y > MAX_GRID_Y:
+            raise UsageError(
+                f"M={m} is too many rows for {self.kernel.name}: at most {MAX_GRID_Y * self.m_tile}"
+            )
+        return (self.grid_x, y, 1)
 
 
 @dataclass(frozen=True)

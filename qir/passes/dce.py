@@ -1,7 +1,8 @@
 """Dead code elimination.
 
-Preconditions: a verified graph. Removes every node from which no output is reachable,
-inputs included: a block does not ask for what it does not read. Fires once per removed node.
+Preconditions: a verified graph. Removes every node from which no output is reachable, except
+inputs: they are the block's calling signature, which passes must not change. Fires once per
+removed node.
 """
 
 from __future__ import annotations
@@ -22,6 +23,6 @@ class DCE:
         for _, value in graph.outputs:
             live.add(value)
             live |= nx.ancestors(graph.g, value)
-        dead = [n for n in graph.g if n not in live]
+        dead = [n for n in graph.g if n not in live and graph.node(n).op != "input"]
         graph.g.remove_nodes_from(dead)
         return len(dead)

@@ -6,7 +6,8 @@ Preconditions: a verified graph. Scale-safe by construction: every weight keeps 
 buffers, so per-tensor scales (NVFP4 global scales, FP8) stay per output segment; nothing is
 merged by max().
 Does not handle: qlinears that already carry a prologue or epilogue, or already merged ones
-(merging happens first in the pipeline); weights of different formats or widths (not merged).
+(merging happens first in the pipeline); weights of different formats or widths, or W4A4 weights
+calibrated for different activation scales (not merged: one launch reads one quantized input).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import Graph, Node, make_attrs
+from qir.ops import ACT_SCALE_ATTRS
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 from qir.types import QWeight, TensorType, TupleType
 
@@ -28,11 +30,14 @@ def _plain_qlinear_users(graph: Graph, x: str) -> list[str]:
 
 
 def _groups(graph: Graph, x: str) -> list[list[str]]:
-    by_key: dict[tuple[object, int], list[str]] = {}
+    by_key: dict[tuple[object, ...], list[str]] = {}
     for u in _plain_qlinear_users(graph, x):
-        w = graph.node(graph.operands(u)[1]).type
+        weight = graph.node(graph.operands(u)[1])
+        w = weight.type
         assert isinstance(w, QWeight)
-        by_key.setdefault((w.format, w.in_features), []).append(u)
+        # Weights calibrated for different activation scales cannot share one quantized input.
+        rule = tuple((k, v) for k, v in weight.attrs if k in ACT_SCALE_ATTRS)
+        by_key.setdefault((w.format, w.in_features, rule), []).append(u)
     return [g for g in by_key.values() if len(g) > 1]
 
 

@@ -54,9 +54,9 @@ T = TypeVar("T")
 def default_root() -> Path:
     env = os.environ.get("QIR_CACHE_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "qir"
+    return ((Path(xdg) if xdg else Path.home() / ".cache") / "qir").expanduser().absolute()
 
 
 @cache
@@ -115,7 +115,6 @@ def _write_atomic(path: Path, payload: bytes, executable: bool) -> None:
 class Artifact:
     path: Path  # the entry (payload + trailer); under the fallback directory when degraded
     payload: bytes
-    compiled: bool  # False: read back from disk
 
 
 class KernelCache:
@@ -179,22 +178,22 @@ class KernelCache:
         path = self.root / namespace / f"{name}-{key[:32]}{ext}"
         payload = read_entry(path)
         if payload is not None:
-            return Artifact(path, payload, compiled=False)
+            return Artifact(path, payload)
         with self._lock(path):
             # Another process may have compiled it while we waited for the lock.
             payload = read_entry(path)
             if payload is not None:
-                return Artifact(path, payload, compiled=False)
+                return Artifact(path, payload)
             if self._fallback is not None:
                 payload = read_entry(self._fallback / namespace / path.name)
                 if payload is not None:
-                    return Artifact(self._fallback / namespace / path.name, payload, False)
+                    return Artifact(self._fallback / namespace / path.name, payload)
             log.info("compiling %s (%s) ...", name, what)
             t0 = time.perf_counter()
             payload = build()
             self.compiles += 1
             log.info("compiled %s (%s) in %.2f s", name, what, time.perf_counter() - t0)
-            return Artifact(self._store(namespace, path, payload, executable), payload, True)
+            return Artifact(self._store(namespace, path, payload, executable), payload)
 
     def _store(self, namespace: str, path: Path, payload: bytes, executable: bool) -> Path:
         if self._fallback is None:
@@ -254,6 +253,9 @@ class KernelCache:
                     )
                     return
                 time.sleep(0.02)
+            except OSError as e:  # a filesystem without flock: the atomic rename still holds
+                log.warning("%s: cannot lock (%s); compiling without a lock", path.name, e)
+                return
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,15 @@ Without cuda-core (a machine with only CuPy) kernels compile through `cupy.RawMo
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +36,7 @@ from qir.runtime.nvrtc import compile_cubin, kernel_include_dir
 from qir.runtime.toolkit import cuda_include_dirs
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+VECTOR_ALIGN = 16
 
 
 def available() -> bool:
@@ -93,14 +99,28 @@ class CudaBackend:
         return module.get_function(kernel.name)
 
     def _module_via_cupy(self, kernel: Kernel) -> Any:
-        with kernel_include_dir(kernel) as headers:
-            includes = [f"-I{d}" for d in (headers, *cuda_include_dirs())]
-            options = ("-std=c++17", *includes)
+        # CuPy keys its cache on the options, so the headers live at a path named by their
+        # content (a temporary directory would miss CuPy's cache in every process).
+        includes = [f"-I{d}" for d in (self._stable_headers(kernel), *cuda_include_dirs())]
+        options = ("-std=c++17", *includes)
+        try:
+            return self._cp.RawModule(code=kernel.source, options=options).get_function(kernel.name)
+        except self._cp.cuda.compiler.CompileException as e:
+            raise CompileError(kernel.name, "nvrtc", str(e), kernel.source, filename="*") from None
+
+    def _stable_headers(self, kernel: Kernel) -> Path:
+        digest = hashlib.sha256(repr(kernel.headers).encode()).hexdigest()[:16]
+        path = self.cache.root / "headers" / digest
+        if not path.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=path.parent))
+            with kernel_include_dir(kernel) as tmp:
+                shutil.copytree(tmp, staging, dirs_exist_ok=True)
             try:
-                module = self._cp.RawModule(code=kernel.source, options=options)
-                return module.get_function(kernel.name)  # compiles here, while headers exist
-            except self._cp.cuda.compiler.CompileException as e:
-                raise CompileError(kernel.name, "nvrtc", str(e), kernel.source) from None
+                os.replace(staging, path)
+            except OSError:  # another process got there first: its copy is the same
+                shutil.rmtree(staging, ignore_errors=True)
+        return path
 
     # -- launch --------------------------------------------------------------------------------
 
@@ -126,8 +146,13 @@ class CudaBackend:
             try:
                 for k, grid, args in bound:
                     k.function(grid, tuple(k.kernel.block), args, stream=capture)
-            finally:
-                graph = capture.end_capture()
+            except BaseException:
+                # A failed launch invalidates the capture, and end_capture would then raise
+                # over the error that matters.
+                with suppress(Exception):
+                    capture.end_capture()
+                raise
+            graph = capture.end_capture()
         # The graph holds raw pointers into the arrays in `bound`: the partial keeps them alive.
         return partial(self._replay, graph, bound)
 
@@ -190,11 +215,17 @@ class CudaBackend:
             try:
                 a = cp.from_dlpack(a)
             except (BufferError, RuntimeError, TypeError, ValueError) as e:
-                raise BindError(f"cannot import a {type(a).__name__} via DLPack: {e}") from None
+                raise BindError(
+                    f"cannot import a {type(a).__name__} via DLPack: {e} (CuPy has no bf16: "
+                    "pass a torch bf16 tensor as t.view(torch.int16))"
+                ) from None
         if a.device.id != self.device.id:
             raise BindError(f"input is on device {a.device.id}, the block on {self.device.id}")
         with self.device:
-            return cp.ascontiguousarray(a), True
+            a = cp.ascontiguousarray(a)
+            if a.data.ptr % VECTOR_ALIGN:
+                a = a.copy()  # kernels read activations with 16-byte vector loads
+            return a, True
 
     def to_device(self, a: np.ndarray) -> Any:
         with self.device:

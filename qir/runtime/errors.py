@@ -30,7 +30,9 @@ def _excerpt(message: str, source: str, filename: str, context: int = 2) -> str:
     wanted: set[int] = set()
     # g++: "kernel.cu:12:5: error", NVRTC: "kernel.cu(12): error". Only positions in the kernel's
     # own file: a note pointing into a header would show unrelated lines of the kernel.
-    pattern = re.escape(filename) + r"(?::(\d+):\d+:|\((\d+)\):)"
+    # "*": the compiler named the source itself (CuPy names it after a hash)
+    name = r"[\w./-]+" if filename == "*" else re.escape(filename)
+    pattern = name + r"(?::(\d+):\d+:|\((\d+)\):)"
     for m in re.finditer(pattern, message):
         n = int(m.group(1) or m.group(2))
         wanted.update(range(max(1, n - context), min(len(lines), n + context) + 1))

@@ -135,14 +135,13 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
 
 
 def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[Any]:
-    """The dtype an input counts as: a device array of same-width uints stands for a bf16/fp8
-    input (how CuPy holds them); numpy inputs are taken at their word."""
+    """The dtype an input counts as. numpy inputs: their own (uploading may store bf16/fp8 as
+    same-width ints). Device arrays: a same-width integer array stands for a bf16/fp8 input,
+    since CuPy has no such dtypes (a torch bf16 tensor is passed as t.view(torch.int16))."""
+    if isinstance(raw, np.ndarray):
+        return np.dtype(raw.dtype)
     dt = np.dtype(array.dtype)
-    if (
-        not isinstance(raw, np.ndarray)
-        and declared.kind == "V"
-        and dt == np.dtype(f"u{declared.itemsize}")
-    ):
+    if declared.kind == "V" and dt.kind in "iu" and dt.itemsize == declared.itemsize:
         return declared
     return dt
 
@@ -175,6 +174,8 @@ class CompiledBlock:
             if a.kind == "const"
         }
         self._memory: dict[int, MemoryPlan] = {}
+        # Uploads ran on the current stream; a run may launch on another that does not wait.
+        backend.synchronize()
 
     def memory_plan(self, m: int) -> MemoryPlan:
         if m not in self._memory:

@@ -34,6 +34,7 @@ from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 HEADER = Path(__file__).parent / "include" / "qir_host.h"
+VECTOR_ALIGN = 16
 CXX = "g++"
 # CUDA code routinely type-puns through reinterpret_cast (uint4 -> __half2 etc.), which nvcc
 # tolerates and g++ -O2 miscompiles under strict aliasing.
@@ -307,7 +308,10 @@ class HostBackend:
                     f"cannot read a {type(a).__name__} on the host backend ({e}); "
                     "pass a CPU tensor, or use --backend cuda for device tensors"
                 ) from None
-        return np.ascontiguousarray(a), False
+        a = np.ascontiguousarray(a)
+        if a.ctypes.data % VECTOR_ALIGN:
+            a = a.copy()  # kernels read activations with 16-byte vector loads
+        return a, False
 
     def to_device(self, a: np.ndarray) -> np.ndarray:
         return np.array(a, copy=True, order="C")

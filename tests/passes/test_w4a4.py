@@ -152,3 +152,27 @@ def test_above_64_rows_w4a4_nodes_run_16_bit():
     a4, a16 = interpret(declared, x, b.weights), interpret(w4a16, x, b.weights)
     for k in a4:
         np.testing.assert_array_equal(a4[k], a16[k])
+
+
+def test_weights_calibrated_for_different_activation_scales_are_not_merged():
+    text = QKV.format(w=A4).replace(
+        'input_global_scale=588.0, key="k"', 'input_global_scale=600.0, key="k"'
+    )
+    g, records = run_pipeline(parse(text))
+    assert {r.name: r.matches for r in records}["merge_parallel"] == 0
+    # each keeps its own calibrated quantization of x
+    assert print_graph(g).count("= quantize_act %x") == 2
+
+
+def test_verifier_rejects_4_bit_activations_for_weights_that_cannot_take_them():
+    text = f"""
+    graph t {{
+      %x = input : f16[M, 128]
+      %w = weight {{key="w"}} : {W4}[64, 128]
+      %xq = quantize_act %x {{scheme="nvfp4"}} : qact<nvfp4, f16[M, 128]>
+      %y = qlinear %xq, %w : f16[M, 64]
+      output y = %y
+    }}
+    """
+    with pytest.raises(ValueError, match="nvfp4 activations need weights that take them"):
+        parse(text)

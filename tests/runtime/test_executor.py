@@ -258,3 +258,29 @@ def test_gpu_torch_tensor_in_dlpack_out(cuda_block: qir.Compiled) -> None:
     assert back.data_ptr() == y.data.ptr
     stream.synchronize()
     np.testing.assert_array_equal(back.cpu().numpy(), cuda_block({"x": x_of(3)})["y"])
+
+
+def test_misaligned_input_is_copied_not_read_unaligned(tmp_path) -> None:
+    """Kernels read activations with 16-byte loads: an input view 2 bytes into a buffer must
+    not reach them as is (it crashed the host backend)."""
+    import qir
+    from qir.builder import Builder
+    from qir.dtypes import F16
+    from qir.formats.mlx import MlxAffine
+    from qir.types import QWeight
+
+    fmt = MlxAffine(4, 64, F16)
+    rng = np.random.default_rng(0)
+    bufs = fmt.quantize(rng.standard_normal((16, 128), dtype=np.float32))
+    b = Builder()
+    x = b.input("x", ("M", 128), F16)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(fmt, 16, 128))))
+    raw = np.zeros(2 * 3 * 128 + 16, np.uint8)[2:]
+    xa = raw[: 2 * 3 * 128].view(np.float16).reshape(3, 128)
+    xa[:] = rng.standard_normal((3, 128)).astype(np.float16)
+    assert xa.ctypes.data % 16
+    ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
+    ref = qir.interpret(b.graph, {"x": xa}, {"w": bufs})["y"]
+    np.testing.assert_allclose(
+        ours.astype(np.float32), ref.astype(np.float32), rtol=2e-3, atol=2e-3
+    )

@@ -9,11 +9,12 @@ __device__ __forceinline__ float qir_e2m1_to_float(uint32_t c) {
   return __uint_as_float(mag | ((c & 8u) << 28));
 }
 
-// E4M3FN byte: its exponent/mantissa bits placed at the bottom of a float's exponent field are
-// the same value times 2^-120 (subnormals land on float subnormals), so one multiply by 2^120
-// rescales exactly.
+// E4M3FN byte: a normal code (exponent e > 0) is a normal float with the exponent rebiased
+// (7 -> 127) and the 3 mantissa bits on top; a subnormal one is m * 2^-9. Built without float
+// subnormals, so flush-to-zero compilation (-ftz=true) decodes it the same.
 __device__ __forceinline__ float qir_e4m3_to_float(uint32_t b) {
-  const float mag = __uint_as_float((b & 0x7Fu) << 20) * 1.329227995784916e36f;  // 2^120
+  const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+  const float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
   return (b & 0x80u) ? -mag : mag;
 }
 
