@@ -103,7 +103,9 @@ def gpu_rows(repeat: int) -> None:
         b = build(ck, name, 0)
         c = qir.compile(b.graph, b.weights, backend="cuda")
         stream = cupy.cuda.Stream(non_blocking=True)
-        x = cupy.asarray(np.zeros((1, ck.hidden_size), ck.act_dtype.np).view(np.uint16))
+        x16 = np.zeros((1, ck.hidden_size), ck.act_dtype.np)
+        # CuPy holds bf16 as its bits
+        x = cupy.asarray(x16.view(np.uint16) if x16.dtype.kind == "V" else x16)
         g = c.capture(1, stream=stream)
         g.inputs["x"][...] = x
 
