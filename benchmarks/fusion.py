@@ -10,11 +10,10 @@ fusion is faster. Bytes are DRAM traffic per block as the plan counts it (each b
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from blocks import median_seconds  # benchmarks run as scripts: this folder is on sys.path
 
 import qir
 from qir.cli import embedded_checkpoints
@@ -31,16 +30,6 @@ def checkpoints(only: list[str]) -> list[Path]:
     )
     found = found or embedded_checkpoints()
     return [p for p in found if not only or p.name in only]
-
-
-def median_ms(run: qir.Compiled, x: dict[str, np.ndarray], repeat: int) -> float:
-    run(x)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def block_bytes(c: qir.Compiled, m: int) -> int:
@@ -74,7 +63,7 @@ def main() -> None:
                 n_f = sum(la.runs_for(m) for la in fused.plan.launches)
                 n_u = sum(la.runs_for(m) for la in unfused.plan.launches)
                 kib_f, kib_u = block_bytes(fused, m) / 1024, block_bytes(unfused, m) / 1024
-                t_f, t_u = median_ms(fused, x, args.repeat), median_ms(unfused, x, args.repeat)
+                t_f, t_u = (1e3 * median_seconds(c, x, args.repeat) for c in (fused, unfused))
                 print(
                     f"{path.name:20} {name:5} {m:>3} {n_u:>4}->{n_f:<4} "
                     f"{kib_u:>7.1f}->{kib_f:<7.1f} {t_u:>8.2f}->{t_f:<8.2f} {t_u / t_f:>6.2f}"

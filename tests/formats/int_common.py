@@ -85,8 +85,3 @@ def fixture_kernels(case: str) -> list[Kernel]:
 
 def check_spell(fmt: WeightFormat) -> None:
     assert parse_format(fmt.spell()) == fmt
-
-
-def use_cache(monkeypatch: pytest.MonkeyPatch, factory: pytest.TempPathFactory) -> None:
-    """Compiled kernels go to a fresh per-session folder, not the user's cache."""
-    monkeypatch.setenv("QIR_CACHE_DIR", str(factory.getbasetemp() / "qir-cache"))

@@ -28,7 +28,6 @@ from tests.formats.int_common import (
     fixture_kernels,
     golden,
     needs_host,
-    use_cache,
 )
 
 CASES = ("awq_gemm_g64_S", "awq_gemv_g64_S")
@@ -44,11 +43,6 @@ LINEARS = {
 }
 # formats.md §1: logical column c of a GEMM word sits at nibble slot SLOT[c].
 SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
-
-
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    use_cache(monkeypatch, tmp_path_factory)
 
 
 # ---- independent packers and the documented kernel read formula ----------------------------

@@ -31,16 +31,10 @@ from tests.formats.int_common import (
     fixture_kernels,
     golden,
     needs_host,
-    use_cache,
 )
 
 CASE = "ct_w4a16_int4_S"
 Q = "model.layers.0.self_attn.q_proj"
-
-
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    use_cache(monkeypatch, tmp_path_factory)
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:

@@ -34,11 +34,6 @@ FORMATS: list[WeightFormat] = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "fp-host-cache"))
-
-
 @pytest.mark.parametrize("fixture", ["ct_mxfp4a16_S", "ct_fp8_dynamic_S"])
 @pytest.mark.parametrize("block", ["mlp", "qkv"])
 def test_host_matches_reference_and_golden(fixture, block):

@@ -29,15 +29,9 @@ from tests.formats.int_common import (
     check_qlinear_host,
     check_spell,
     needs_host,
-    use_cache,
 )
 
 OFFSET = {"gptq": 1, "gptq_v2": 0}
-
-
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    use_cache(monkeypatch, tmp_path_factory)
 
 
 # ---- our own packer, straight from formats.md ----------------------------------------------

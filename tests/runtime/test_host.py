@@ -111,21 +111,7 @@ def test_shuffle_variants_and_votes(be: HostBackend) -> None:
 
 
 def test_shared_memory_block_reduction(be: HostBackend) -> None:
-    kern = make(
-        "block_sum",
-        (buf("x", "const float*"), buf("out", "float*"), i32("n")),
-        """
-  __shared__ float s[128];
-  const int i = blockIdx.x * 128 + threadIdx.x;
-  s[threadIdx.x] = i < n ? x[i] : 0.f;
-  __syncthreads();
-  for (int stride = 64; stride > 0; stride >>= 1) {
-    if (threadIdx.x < stride) s[threadIdx.x] += s[threadIdx.x + stride];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = s[0];
-""",
-    )
+    kern = BLOCK_SUM  # defined with the pool tests below
     n = 1000
     x = rng().standard_normal(n).astype(np.float32)
     blocks = (n + 127) // 128

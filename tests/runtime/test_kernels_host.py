@@ -21,16 +21,6 @@ GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 TOL = {F16: 2e-3, BF16: 1.6e-2, F32: 1e-5}
 
 
-@pytest.fixture(scope="module")
-def host_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("host-cache")
-
-
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, host_cache):
-    monkeypatch.setenv("QIR_CACHE_DIR", str(host_cache))
-
-
 KERNELS = {("mlp", "default"): 2, ("qkv", "default"): 1, ("mlp", "none"): 6, ("qkv", "none"): 3}
 
 

@@ -24,16 +24,6 @@ FIXTURES = ("modelopt_nvfp4_S", "ct_nvfp4a16_S", "ct_nvfp4_w4a4_S", "mlx_nvfp4_S
 GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 
 
-@pytest.fixture(scope="module")
-def host_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("host-cache")
-
-
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, host_cache):
-    monkeypatch.setenv("QIR_CACHE_DIR", str(host_cache))
-
-
 @pytest.mark.parametrize("fixture", FIXTURES)
 @pytest.mark.parametrize("block", ["mlp", "qkv"])
 def test_host_matches_reference_and_w4a16_golden(fixture, block):
