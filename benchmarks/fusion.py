@@ -60,8 +60,7 @@ def main() -> None:
             for m in args.m:
                 x = {"x": rng.standard_normal((m, ck.hidden_size)).astype(ck.act_dtype.np)}
                 assert fused.plan is not None and unfused.plan is not None
-                n_f = sum(la.runs_for(m) for la in fused.plan.launches)
-                n_u = sum(la.runs_for(m) for la in unfused.plan.launches)
+                n_f, n_u = fused.launches_for(m), unfused.launches_for(m)
                 kib_f, kib_u = block_bytes(fused, m) / 1024, block_bytes(unfused, m) / 1024
                 t_f, t_u = (1e3 * median_seconds(c, x, args.repeat) for c in (fused, unfused))
                 print(
