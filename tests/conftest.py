@@ -6,12 +6,27 @@ import numpy as np
 import pytest
 
 from qir.builder import Builder
-from qir.dtypes import BF16, F16, DType
+from qir.dtypes import BF16, F16, F32, DType
+from qir.formats.awq import Awq
+from qir.formats.base import WeightFormat
+from qir.formats.ct_int import CtInt
+from qir.formats.dense import Dense
+from qir.formats.fp8 import Fp8
+from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
+from qir.formats.mx import Mxfp4, Mxfp8
+from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.runtime.cuda import available
 from qir.types import QWeight
 
 DATA = Path(__file__).parent / "data"
+# Where generated kernels run: the host backend always, the cuda backend on a machine with a GPU.
+ON_GPU = pytest.mark.skipif(
+    not available(), reason="no CUDA GPU (cupy.cuda.is_available() is false)"
+)
+GPU = [pytest.mark.gpu, ON_GPU]
+BACKENDS = ["host", pytest.param("cuda", marks=GPU)]
 MLX_FIXTURES = ("mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S")
 
 
@@ -25,10 +40,45 @@ def max_rel(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours.astype(np.float32) - ref)) / np.max(np.abs(ref)))
 
 
+# One of each weight format and variant the kernels specialise on (bit widths, group sizes,
+# scale dtypes, scale modes, activation bits), for tests that must cover every format.
+FORMAT_ZOO: tuple[WeightFormat, ...] = (
+    MlxAffine(2, 32, F16),
+    MlxAffine(3, 64, BF16),
+    MlxAffine(4, 64, BF16),
+    MlxAffine(5, 32, F32),
+    MlxAffine(6, 128, F16),
+    MlxAffine(8, 64, BF16),
+    Awq(4, 64),
+    Awq(4, 128),
+    Gptq(2, 64, "gptq_v2", 0, F16),
+    Gptq(3, 128, "gptq", 1, F16),
+    Gptq(4, 128, "gptq", 0, BF16),
+    Gptq(8, 32, "gptq_v2", 1, F32),
+    CtInt(4, 32, BF16),
+    CtInt(8, 128, F16),
+    Fp8("channel"),
+    Fp8("tensor"),
+    Mxfp4(),
+    Mxfp8(),
+    Nvfp4("mul", 16),
+    Nvfp4("div", 16),
+    Nvfp4("mul", 4),
+    Nvfp4("div", 4),
+    Dense(F16),
+    Dense(BF16),
+)
+# The calibrated input amax given to W4A4 weights: inputs of 0.05-scaled N(0,1) weights stay
+# within a few units, like real calibration data.
+INPUT_AMAX = 4.0
+
+
 def random_weight(
-    rng: np.random.Generator, out_f: int, in_f: int, fmt: MlxAffine
+    rng: np.random.Generator, out_f: int, in_f: int, fmt: WeightFormat
 ) -> tuple[QWeight, dict[str, np.ndarray]]:
     w = rng.standard_normal((out_f, in_f), dtype=np.float32) * 0.05
+    if isinstance(fmt, Nvfp4) and fmt.act_bits == 4:
+        return QWeight(fmt, out_f, in_f), fmt.quantize(w, input_amax=INPUT_AMAX)
     return QWeight(fmt, out_f, in_f), fmt.quantize(w)
 
 
@@ -36,7 +86,7 @@ def mlp_graph(
     rng: np.random.Generator,
     hidden: int,
     inter: int,
-    fmt: MlxAffine,
+    fmt: WeightFormat,
     act: DType = F16,
 ) -> tuple[Graph, dict[str, dict[str, np.ndarray]]]:
     b = Builder("mlp")

@@ -1,6 +1,6 @@
-"""Every real checkpoint in tests/data, end to end: host kernels == reference == the tool's own
-golden outputs, fused and unfused, at M = 1, 5, 8 (8 = the first rows of the M40 golden: rows
-are independent)."""
+"""Every real checkpoint in tests/data, end to end: generated kernels (host backend, and the
+cuda backend on a GPU) == reference == the tool's own golden outputs, fused and unfused, at
+M = 1, 5, 8 (8 = the first rows of the M40 golden: rows are independent)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import qir
 from qir.dtypes import F16
 from qir.models import load
 from qir.models.blocks import build
-from tests.conftest import DATA, max_rel, rel_err
+from tests.conftest import BACKENDS, DATA, max_rel, rel_err
 
 FIXTURES = sorted(p.name for p in DATA.iterdir() if (p / "golden.npz").is_file())
 GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
@@ -25,14 +25,15 @@ def test_every_fixture_is_covered():
     assert len(FIXTURES) == 12
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("passes", ["default", "none"])
 @pytest.mark.parametrize("block", ["mlp", "qkv"])
 @pytest.mark.parametrize("fixture", FIXTURES)
-def test_host_reference_and_golden_agree(fixture, block, passes):
+def test_kernels_reference_and_golden_agree(fixture, block, passes, backend):
     golden = np.load(DATA / fixture / "golden.npz")
     ck = load(DATA / fixture)
     b = build(ck, block, 0, F16)
-    host = qir.compile(b.graph, b.weights, backend="host", passes=passes)
+    ours_block = qir.compile(b.graph, b.weights, backend=backend, passes=passes)
     ref = qir.compile(b.graph, b.weights, backend="reference", passes=passes)
     # W4A4 checkpoints run 4-bit activations when their declared routing is on (the fused
     # pipeline); their goldens for that are the tool's fake-quantized *_a4 keys.
@@ -42,7 +43,7 @@ def test_host_reference_and_golden_agree(fixture, block, passes):
     suffix = "_a4" if w4a4 else ""
     for m in (1, 5, 8):
         x, key = _x(golden, m)
-        ours, theirs = host({"x": x}), ref({"x": x})
+        ours, theirs = ours_block({"x": x}), ref({"x": x})
         for name, value in ours.items():
             want = golden[f"{GOLDEN[name]}{suffix}.0.{key}"][:m]
             assert max_rel(value, theirs[name]) <= 2e-3, (name, m)

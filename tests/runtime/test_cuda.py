@@ -15,6 +15,7 @@ from test_nvrtc import BF16_SCALE, HALF_SUM, HEADER_AXPY
 from qir.codegen.kernel import Kernel
 from qir.runtime.cuda import CudaBackend, available
 from qir.runtime.errors import BackendUnavailable, CompileError
+from tests.conftest import ON_GPU
 
 N = 1000  # not a multiple of any block size, so the bounds checks matter
 
@@ -82,7 +83,7 @@ def _grid(n: int, block: tuple[int, int, int]) -> tuple[int, int, int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not available(), reason="no CUDA GPU (cupy.cuda.is_available() is false)")
+@ON_GPU
 class TestOnGpu:
     @pytest.fixture(scope="class")
     def be(self) -> CudaBackend:

@@ -17,10 +17,9 @@ from qir.dtypes import F16
 from qir.errors import UsageError
 from qir.formats.mlx import MlxAffine
 from qir.interpret import BindError
-from qir.runtime.cuda import available
 from qir.runtime.executor import ALIGN, plan_memory
 from qir.runtime.toolkit import cuda_include_dirs
-from tests.conftest import mlp_graph
+from tests.conftest import ON_GPU, mlp_graph
 
 FMT = MlxAffine(4, 32, F16)
 HIDDEN, INTER = 128, 64
@@ -185,10 +184,6 @@ def test_repeated_runs_do_not_grow_memory() -> None:
 
 # -- GPU ---------------------------------------------------------------------------------------
 
-on_gpu = pytest.mark.skipif(
-    not available(), reason="no CUDA GPU (cupy.cuda.is_available() is false)"
-)
-
 
 @pytest.fixture(scope="module")
 def cuda_block(mlp: tuple[qir.Graph, Any]) -> qir.Compiled:
@@ -197,7 +192,7 @@ def cuda_block(mlp: tuple[qir.Graph, Any]) -> qir.Compiled:
 
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.gpu
-@on_gpu
+@ON_GPU
 def test_gpu_capture_replays_identically(cuda_block: qir.Compiled, m: int) -> None:
     import cupy
 
@@ -212,7 +207,7 @@ def test_gpu_capture_replays_identically(cuda_block: qir.Compiled, m: int) -> No
 
 
 @pytest.mark.gpu
-@on_gpu
+@ON_GPU
 def test_gpu_pool_does_not_grow(cuda_block: qir.Compiled) -> None:
     import cupy
 
@@ -228,7 +223,7 @@ def test_gpu_pool_does_not_grow(cuda_block: qir.Compiled) -> None:
 
 
 @pytest.mark.gpu
-@on_gpu
+@ON_GPU
 def test_gpu_device_arrays_in_and_out_without_copy(cuda_block: qir.Compiled) -> None:
     import cupy
 
@@ -242,7 +237,7 @@ def test_gpu_device_arrays_in_and_out_without_copy(cuda_block: qir.Compiled) -> 
 
 
 @pytest.mark.gpu
-@on_gpu
+@ON_GPU
 def test_gpu_torch_tensor_in_dlpack_out(cuda_block: qir.Compiled) -> None:
     torch = pytest.importorskip("torch")
     import cupy

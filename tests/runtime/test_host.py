@@ -476,3 +476,72 @@ def test_interpreter_exits_cleanly_with_workers_parked(be: HostBackend, tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "done"
+
+
+# Each thread reads its right neighbour's slot with no barrier between write and read: on a
+# GPU the result depends on warp timing. Forward order runs the reader before its neighbour
+# writes; reverse order runs the neighbour first.
+NEIGHBOUR_RACE = make(
+    "neighbour_race",
+    (buf("out", "int*"),),
+    """
+  __shared__ int s[129];
+  s[threadIdx.x] = -1;
+  s[128] = 128;
+  __syncthreads();
+  s[threadIdx.x] = threadIdx.x;  // missing __syncthreads() after this write
+  out[threadIdx.x] = s[threadIdx.x + 1];
+""",
+)
+# The same with the barrier: race-free, so both orders agree.
+NEIGHBOUR_SYNCED = make(
+    "neighbour_synced",
+    (buf("out", "int*"),),
+    """
+  __shared__ int s[129];
+  s[threadIdx.x] = threadIdx.x;
+  s[128] = 128;
+  __syncthreads();
+  out[threadIdx.x] = s[threadIdx.x + 1];
+""",
+)
+
+
+@pytest.mark.parametrize(("schedule", "stale"), [("forward", True), ("reverse", False)])
+def test_schedule_exposes_a_missing_barrier(
+    be: HostBackend, monkeypatch: pytest.MonkeyPatch, schedule: str, stale: bool
+) -> None:
+    monkeypatch.setenv("QIR_HOST_SCHEDULE", schedule)
+    out = be.empty(128, np.int32)
+    be.launch(be.load(NEIGHBOUR_RACE), (1, 1, 1), [out])
+    synced = be.empty(128, np.int32)
+    be.launch(be.load(NEIGHBOUR_SYNCED), (1, 1, 1), [synced])
+    np.testing.assert_array_equal(synced, np.arange(1, 129))
+    # Forward: every reader runs before its neighbour writes and sees the -1 fill; reverse:
+    # the neighbour has written. The last thread reads the constant slot either way.
+    want = np.where(np.arange(128) < 127, -1, 128) if stale else np.arange(1, 129)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_reverse_schedule_runs_blocks_last_to_first(
+    be: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kern = make(
+        "block_order",
+        (buf("order", "int*"), buf("ticket", "int*")),
+        "if (threadIdx.x == 0) order[blockIdx.x] = atomicAdd(ticket, 1);",
+    )
+    monkeypatch.setenv("QIR_HOST_THREADS", "1")  # one worker: tickets follow the run order
+    for schedule, want in (("forward", np.arange(6)), ("reverse", np.arange(6)[::-1])):
+        monkeypatch.setenv("QIR_HOST_SCHEDULE", schedule)
+        order, ticket = be.empty(6, np.int32), np.zeros(1, np.int32)
+        be.launch(be.load(kern), (6, 1, 1), [order, ticket])
+        np.testing.assert_array_equal(order, want)
+
+
+def test_unknown_schedule_is_a_clear_error(
+    be: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QIR_HOST_SCHEDULE", "sideways")
+    with pytest.raises(RuntimeError, match="QIR_HOST_SCHEDULE=sideways not supported"):
+        be.launch(be.load(NEIGHBOUR_SYNCED), (1, 1, 1), [be.empty(128, np.int32)])

@@ -1,4 +1,5 @@
-"""Generated kernels on the host backend against the numpy interpreter and the tools' goldens."""
+"""Generated kernels on the host backend (and, where marked, the cuda backend on a GPU) against the
+numpy interpreter and the tools' goldens."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from qir.dtypes import BF16, F16, F32
 from qir.formats.mlx import MlxAffine
 from qir.models import load
 from qir.models.blocks import build
-from tests.conftest import DATA, MLX_FIXTURES, max_rel, mlp_graph, random_weight, rel_err
+from tests.conftest import BACKENDS, DATA, MLX_FIXTURES, max_rel, mlp_graph, random_weight, rel_err
 from tests.passes.test_fusion import random_graphs
 
 GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
@@ -43,26 +44,28 @@ def test_host_matches_reference_and_golden(fixture, block, passes):
             assert rel_err(value, golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("act", [F16, BF16, F32], ids=lambda d: d.name)
 @pytest.mark.parametrize("m", [1, 3, 8, 11])
-def test_host_mlp_all_act_dtypes(rng, act, m):
+def test_mlp_all_act_dtypes(rng, act, m, backend):
     """M=11 spans two m-tiles of 8, the second one partial."""
     g, w = mlp_graph(rng, 192, 96, MlxAffine(4, 32, BF16), act)
     x = rng.standard_normal((m, 192), dtype=np.float32).astype(act.np)
-    ours = qir.compile(g, w, backend="host")({"x": x})["y"]
+    ours = qir.compile(g, w, backend=backend)({"x": x})["y"]
     ref = qir.compile(g, w, backend="reference")({"x": x})["y"]
     assert max_rel(ours, ref) <= TOL[act]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("n", [1, 37, 130])
-def test_host_qlinear_out_features_not_a_multiple_of_rows_per_block(rng, n, m):
+@pytest.mark.parametrize("n", [1, 37, 130, 4099])
+def test_qlinear_out_features_not_a_multiple_of_rows_per_block(rng, n, m, backend):
     qw, bufs = random_weight(rng, n, 128, MlxAffine(4, 64, F16))
     b = Builder()
     x = b.input("x", ("M", 128), F16)
     b.output("y", b.qlinear(x, b.weight("w", qw)))
     xa = rng.standard_normal((m, 128), dtype=np.float32).astype(np.float16)
-    ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
+    ours = qir.compile(b.graph, {"w": bufs}, backend=backend)({"x": xa})["y"]
     ref = qir.compile(b.graph, {"w": bufs}, backend="reference")({"x": xa})["y"]
     assert ours.shape == (m, n)
     assert max_rel(ours, ref) <= TOL[F16]

@@ -374,6 +374,12 @@ struct Launch {
   std::atomic<bool> failed{false};
   std::mutex error_mutex;
   std::string error;
+  // QIR_HOST_SCHEDULE=reverse: blocks, and a block's threads between barriers, run last to first.
+  // A fiber runs until it blocks, so a missing barrier lets a thread read a slot it expects
+  // another to have written only when the writer happens to run first: a forward run exposes
+  // the races where the writer comes later, a reverse run the others. Race-free kernels give
+  // the same bytes either way (tests/runtime/test_host_schedule.py).
+  bool reverse = false;
 };
 
 // The calling thread's last launch error: launches from several threads do not share one.
@@ -434,6 +440,7 @@ class Worker {
     while (!launch_.failed.load(std::memory_order_relaxed)) {
       unsigned long b = launch_.next_block.fetch_add(1);
       if (b >= total) break;
+      if (launch_.reverse) b = total - 1 - b;
       blockIdx = make_uint3(b % g.x, (b / g.x) % g.y, b / (static_cast<unsigned long>(g.x) * g.y));
       if (!run_block()) {
         // Fibers stuck mid-kernel (deadlock) or with a trampled stack (overflow) must never be
@@ -446,15 +453,18 @@ class Worker {
   }
 
   // Called from fibers.
+  // The last thread to arrive releases the others and yields too, rather than running on: then
+  // the threads leave a barrier in schedule order, so a forward and a reverse run see opposite
+  // orders for every pair of threads (see Launch::reverse).
   void syncthreads() {
     Fiber& f = fibers_[cur_];
     if (++block_arrived_ == n_) {
       block_arrived_ = 0;
       for (Fiber& o : fibers_)
         if (o.state == State::wait_block) o.state = State::runnable;
-      return;
+    } else {
+      f.state = State::wait_block;
     }
-    f.state = State::wait_block;
     switch_back(*t_, cur_);
   }
 
@@ -463,9 +473,9 @@ class Worker {
     Warp& w = warps_[f.warp];
     if (++w.arrived == w.live) {
       release(f.warp);
-      return;
+    } else {
+      f.state = State::wait_warp;
     }
-    f.state = State::wait_warp;
     switch_back(*t_, cur_);
   }
 
@@ -504,7 +514,8 @@ class Worker {
     unsigned live = n_;
     while (live > 0) {
       bool progressed = false;
-      for (unsigned i = 0; i < n_; ++i) {
+      for (unsigned j = 0; j < n_; ++j) {
+        const unsigned i = launch_.reverse ? n_ - 1 - j : j;
         if (fibers_[i].state != State::runnable) continue;
         progressed = true;
         cur_ = i;
@@ -588,7 +599,12 @@ inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(vo
   l.args = args;
   const unsigned long threads = static_cast<unsigned long>(l.block.x) * l.block.y * l.block.z;
   const unsigned long blocks = static_cast<unsigned long>(l.grid.x) * l.grid.y * l.grid.z;
-  if (threads == 0 || threads > kMaxThreads || blocks == 0) {
+  const char* schedule = std::getenv("QIR_HOST_SCHEDULE");
+  l.reverse = schedule != nullptr && std::strcmp(schedule, "reverse") == 0;
+  if (schedule != nullptr && *schedule && !l.reverse && std::strcmp(schedule, "forward") != 0) {
+    fail(l, std::string("qir_host: QIR_HOST_SCHEDULE=") + schedule +
+                " not supported; expected forward or reverse");
+  } else if (threads == 0 || threads > kMaxThreads || blocks == 0) {
     fail(l, "qir_host: block must hold 1..1024 threads and the grid at least one block");
   } else {
     runtime().run(worker_count(blocks) - 1, &Worker::run_launch, &l);
