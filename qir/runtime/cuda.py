@@ -9,7 +9,7 @@ no notion of qir's codegen version, it needs a driver to compile, and sharing th
 path means a CI machine without a GPU warms exactly the entries a GPU machine loads. What CuPy
 does provide: module loading, launches, its stream-ordered memory pool (a run's arena is reused
 from the pool, so repeated runs do not grow it) and graph capture (`Stream.begin_capture`).
-Without cuda-core (a machine with only CuPy) kernels compile through `cupy.RawModule` instead.
+Without a usable cuda-core (a machine with only CuPy, or cuda-core before 1.0) kernels compile through `cupy.RawModule` instead.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from qir.interpret import BindError
 from qir.runtime.backend import BoundLaunch
 from qir.runtime.cache import KernelCache
 from qir.runtime.errors import BackendUnavailable, CompileError
+from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin, kernel_include_dir
 from qir.runtime.toolkit import cuda_include_dirs
 
@@ -68,14 +69,9 @@ class CudaBackend:
             raise BackendUnavailable(
                 "no CUDA GPU available (cupy.cuda.is_available() is false); use --backend host"
             )
-        try:
-            import cuda.core  # noqa: F401
-
-            self._compile = self._cubin_via_cache
-        except ImportError:
-            # Machines with CuPy but no cuda-core (a bare GPU image) compile through CuPy's
-            # RawModule instead: its own disk cache keys on source, options and NVRTC version.
-            self._compile = self._module_via_cupy
+        # Machines with CuPy but no usable cuda-core (a bare GPU image) compile through CuPy's
+        # RawModule instead: its own disk cache keys on source, options and NVRTC version.
+        self._compile = self._cubin_via_cache if nvrtc_available() else self._module_via_cupy
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device < count:
             raise BackendUnavailable(f"no CUDA device {device}: this machine has {count}")

@@ -142,13 +142,23 @@ def _pack(result: CubinResult) -> bytes:
     return _PAYLOAD_HEAD.pack(len(head)) + head + result.cubin
 
 
-def _toolchain() -> tuple[Path, ...]:
+def available() -> bool:
+    """Whether the cuda.core API this module compiles with is importable. Checked as a whole:
+    a cuda-core older than 1.0 installs `cuda.core` but keeps Program in `cuda.core.experimental`,
+    and the NVRTC exception type is private, so it may move."""
     try:
-        import cuda.core  # noqa: F401
-    except ImportError as e:
+        from cuda.core import Program, ProgramOptions  # noqa: F401
+        from cuda.core._utils.cuda_utils import NVRTCError  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _toolchain() -> tuple[Path, ...]:
+    if not available():
         raise BackendUnavailable(
-            "compiling with NVRTC needs cuda-core: pip install 'qir[compile]'"
-        ) from e
+            "compiling with NVRTC needs cuda-core 1.x: pip install 'qir[compile]'"
+        )
     toolkit = cuda_include_dirs()
     if not toolkit:
         raise BackendUnavailable(
@@ -160,7 +170,7 @@ def _toolchain() -> tuple[Path, ...]:
 def _compile(kernel: Kernel, arch: str, toolkit: tuple[Path, ...]) -> CubinResult:
     from cuda.core import Program, ProgramOptions
 
-    # cuda.core 1.2.2 exports no public exception type for NVRTC failures.
+    # cuda.core 1.2.2 exports no public exception type for NVRTC failures (see available()).
     from cuda.core._utils.cuda_utils import NVRTCError
 
     with kernel_include_dir(kernel) as inc:

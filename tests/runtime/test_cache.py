@@ -17,7 +17,7 @@ import pytest
 
 # Sibling test modules: pytest puts this directory on sys.path (no __init__.py here).
 from test_host import GEMV
-from test_nvrtc import HALF_SUM, _has_cuda_core
+from test_nvrtc import HALF_SUM
 
 from qir.codegen.kernel import Kernel
 from qir.runtime import cache as cache_mod
@@ -31,7 +31,9 @@ needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None or not cuda_include_dirs(),
     reason="needs g++ and the CUDA headers",
 )
-needs_nvrtc = pytest.mark.skipif(not _has_cuda_core(), reason="needs cuda-core (qir[compile])")
+needs_nvrtc = pytest.mark.skipif(
+    not nvrtc_mod.available(), reason="needs cuda-core 1.x (qir[compile])"
+)
 
 
 def run_gemv(k: HostKernel) -> np.ndarray:

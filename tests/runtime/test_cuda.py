@@ -34,11 +34,13 @@ def test_without_cupy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) ->
     assert not available()
 
 
+# None: not installed; an empty module: a cuda-core before 1.0 (Program under .experimental).
+@pytest.mark.parametrize("cuda_core", [None, types.ModuleType("cuda.core")], ids=["none", "0.x"])
 def test_without_cuda_core_compiles_through_cupy_rawmodule(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
+    monkeypatch: pytest.MonkeyPatch, tmp_path, cuda_core: types.ModuleType | None
 ) -> None:
-    """A GPU image with CuPy but no cuda-core still loads kernels: through CuPy's RawModule,
-    with the kernel's own headers on the include path while it compiles."""
+    """A GPU image with CuPy but no usable cuda-core still loads kernels: through CuPy's
+    RawModule, with the kernel's own headers on the include path while it compiles."""
     seen: dict[str, object] = {}
 
     class RawModule:
@@ -70,7 +72,7 @@ def test_without_cuda_core_compiles_through_cupy_rawmodule(
         ),
     )
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setitem(sys.modules, "cuda.core", None)
+    monkeypatch.setitem(sys.modules, "cuda.core", cuda_core)
     loaded = CudaBackend(cache_dir=tmp_path).load(HEADER_AXPY)
     assert loaded.function == f"function {HEADER_AXPY.name}"
     assert seen["code"] == HEADER_AXPY.source

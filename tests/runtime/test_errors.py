@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_nvrtc import _has_cuda_core
 
 from qir.cli import embedded_checkpoints, main
 from qir.codegen.kernel import Kernel
@@ -18,6 +17,7 @@ from qir.runtime.cache import KernelCache
 from qir.runtime.cuda import available
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
+from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin
 from qir.runtime.toolkit import cuda_include_dirs
 
@@ -59,7 +59,7 @@ def test_gxx_error_shows_kernel_message_and_numbered_lines(tmp_path: Path) -> No
     _check(info.value, "g++", r"typo_kernel\.cu:5:\d+: error")
 
 
-@pytest.mark.skipif(not _has_cuda_core(), reason="needs cuda-core (qir[compile])")
+@pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-core 1.x (qir[compile])")
 def test_nvrtc_error_shows_kernel_message_and_numbered_lines(tmp_path: Path) -> None:
     with pytest.raises(CompileError) as info:
         compile_cubin(TYPO, "sm_90", KernelCache(tmp_path))

@@ -10,24 +10,16 @@ from qir.codegen.kernel import Kernel, KernelParam
 from qir.runtime.errors import CompileError
 from qir.runtime.nvrtc import (
     SpillError,
+    available,
     check_no_spills,
     compile_cubin,
     kernel_include_dir,
     nvrtc_version,
 )
 
-
-def _has_cuda_core() -> bool:
-    try:
-        import cuda.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # A skip mark rather than importorskip: test_cuda imports this module's kernels on GPU machines
 # that have CuPy but not the `compile` extra.
-pytestmark = pytest.mark.skipif(not _has_cuda_core(), reason="needs cuda-core (qir[compile])")
+pytestmark = pytest.mark.skipif(not available(), reason="needs cuda-core 1.x (qir[compile])")
 
 # y[i] = sum of the 8 halves packed in x[i], loaded as one 128-bit uint4.
 HALF_SUM = Kernel(
