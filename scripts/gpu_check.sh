@@ -1,42 +1,81 @@
 #!/usr/bin/env bash
-# The one prepared check a lent GPU machine runs (device time is scarce, so everything is here):
-# GPU-marked tests into $OUT/gpu_tests.log, then the GPU benchmarks into $OUT/bench.log.
-# Runs benchmarks even when tests fail, and exits with the first failure's status.
-set -euo pipefail
+# The one prepared check a lent GPU machine runs (device time is scarce, so everything is here),
+# in order of what matters most, each stage under its own time limit (seconds, overridable):
+#   1. every `gpu` test (cuda backend vs the interpreter and the goldens, every format,
+#      graph capture, DLPack, the CuPy pool)                     -> $OUT/gpu_tests.log
+#   2. benchmarks/llama_shapes.py: every format at Llama-3-8B shapes, fused vs unfused vs
+#      cuBLAS f16, against measured copy bandwidth                -> $OUT/bench.log, llama.json
+#   3. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
+#   4. compute-sanitizer racecheck and memcheck over one fused block of each format family
+#                                                                 -> $OUT/sanitizer.log
+# Worst case about 9 minutes with the default limits; typically far less. Call the device with
+# timeout_s 600 at most and read $OUT/summary.txt first. Every stage runs even when an earlier
+# one failed; the exit status is the first failure's.
+set -uo pipefail
 
 : "${OUT:?OUT must name the folder whose files come back}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH=.
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"  # seconds per benchmark, so one hang cannot eat the lease
-
-echo "== device"
-nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
-python3 -c 'import cupy; print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion())'
-
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T_TESTS="${T_TESTS:-200}" T_LLAMA="${T_LLAMA:-180}" T_RUNTIME="${T_RUNTIME:-60}"
+T_SANITIZER="${T_SANITIZER:-60}"
 status=0
-echo "== gpu tests"
-# The files holding gpu tests, named: the image has no hypothesis, which other test modules
-# import, and a collection error would stop the whole run.
-python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/runtime/test_cuda.py \
-    tests/runtime/test_kernels_cuda.py tests/runtime/test_executor.py 2>&1 | tee "$OUT/gpu_tests.log" || status=$?
+summary="$OUT/summary.txt"
+: >"$summary"
 
-echo "== benchmarks"
-: >"$OUT/bench.log"
-# Only what measures the GPU: device time is scarce (host_launch.py times the CPU backend).
-benches=(
-    "benchmarks/fusion.py --backend cuda --repeat 20 --m 1 8"
-    "benchmarks/blocks.py --backend cuda --repeat 20"
-    "benchmarks/runtime.py --repeat 200"
-)
-for bench in "${benches[@]}"; do
-    echo "== $bench" | tee -a "$OUT/bench.log"
-    rc=0
-    # shellcheck disable=SC2086  # the entries are command lines
-    timeout "$BENCH_TIMEOUT" python3 $bench 2>&1 | tee -a "$OUT/bench.log" || rc=$?
-    if ((rc != 0)); then
-        echo "!! $bench exited with $rc" | tee -a "$OUT/bench.log"
-        ((status == 0)) && status=$rc
+stage() {  # stage NAME LIMIT LOG COMMAND...: run, append to LOG, record the outcome
+    local name=$1 limit=$2 log=$3 rc=0 t0=$SECONDS
+    shift 3
+    echo "== $name: $*" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$log" || rc=$?
+    local took=$((SECONDS - t0))
+    if ((rc == 124)); then
+        echo "$name: TIMED OUT after ${limit}s" | tee -a "$summary"
+    else
+        echo "$name: exit $rc in ${took}s" | tee -a "$summary"
     fi
+    ((rc != 0 && status == 0)) && status=$rc
+    return 0
+}
+
+{
+    echo "== device"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+    python3 - <<'EOF'
+import cupy
+
+from qir.runtime import nvrtc
+from qir.runtime.toolkit import cuda_include_dirs
+
+print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion())
+if nvrtc.available():
+    import cuda.core
+
+    print("compiles with cuda.core", cuda.core.__version__, "nvrtc", nvrtc.nvrtc_version())
+else:
+    print("compiles with cupy.RawModule (no usable cuda-core)")
+print("CUDA headers:", [str(p) for p in cuda_include_dirs()] or "NOT FOUND")
+EOF
+} 2>&1 | tee "$OUT/device.txt"
+
+# -n 8: NVRTC compiles dominate and run on the CPU; each worker has its own compile cache.
+stage "gpu tests" "$T_TESTS" "$OUT/gpu_tests.log" \
+    python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 tests
+
+stage "llama_shapes" "$T_LLAMA" "$OUT/bench.log" \
+    python3 benchmarks/llama_shapes.py --backend cuda --m 1 8 --json "$OUT/llama.json"
+
+stage "runtime" "$T_RUNTIME" "$OUT/bench.log" python3 benchmarks/runtime.py --repeat 200
+
+# One block of each kernel family: the sanitizers slow kernels by 10-100x.
+families="cuda and (mlx3g64bf16 or awq4g64 or gptq3g128actf16 or ct4g32bf16 or fp8ch or mxfp4 \
+or nvfp4diva4 or densebf16)"
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in racecheck memcheck; do
+    stage "compute-sanitizer $tool" "$T_SANITIZER" "$OUT/sanitizer.log" \
+        "$sanitizer" --tool "$tool" --error-exitcode 3 \
+        python3 -m pytest -q -p no:cacheprovider tests/runtime/test_every_format.py -k "$families"
 done
 
+echo "== summary"
+cat "$summary"
 exit "$status"
