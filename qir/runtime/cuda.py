@@ -18,6 +18,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
@@ -136,7 +137,8 @@ class CudaBackend:
     def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
         """Capture the launches into a CUDA graph; the result replays it on a stream."""
         bound = [(k, tuple(grid), self._check(k, args)) for k, grid, args in launches]
-        capture = self._cp.cuda.Stream(non_blocking=True)  # capture needs a non-default stream
+        with self.device:  # a stream belongs to the device current when it is made
+            capture = self._cp.cuda.Stream(non_blocking=True)  # capture needs a non-default one
         with self.device, capture:
             capture.begin_capture()
             try:
@@ -186,15 +188,25 @@ class CudaBackend:
 
     def _stream(self, stream: Any) -> Any:
         """A CuPy stream for `stream`: None (the current stream), a CuPy stream, or a foreign one
-        (e.g. torch.cuda.Stream, via its `cuda_stream` handle)."""
-        if stream is None or isinstance(
-            stream, (self._cp.cuda.Stream, self._cp.cuda.ExternalStream)
-        ):
+        (torch.cuda.Stream via its `cuda_stream` handle; anything with `__cuda_stream__`)."""
+        cp = self._cp
+        if stream is None or isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
             return stream
-        handle = getattr(stream, "cuda_stream", stream)
+        index = getattr(getattr(stream, "device", None), "index", None)
+        if isinstance(index, int) and index != self.device.id:
+            # CuPy would label the handle with our device and the launch would fail inside CUDA.
+            raise BindError(f"stream is on device {index}, the block on {self.device.id}")
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None and hasattr(stream, "__cuda_stream__"):
+            return cp.cuda.Stream.from_external(stream)
+        handle = stream if handle is None else handle
         if not isinstance(handle, int):
             raise BindError(f"stream must be a CuPy or torch CUDA stream, got {type(stream)}")
-        return self._cp.cuda.ExternalStream(handle, self.device.id)
+        with warnings.catch_warnings():
+            # CuPy 14 deprecates ExternalStream for Stream.from_external, which takes only
+            # objects with __cuda_stream__, not the raw handle torch.cuda.Stream offers.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cp.cuda.ExternalStream(handle, self.device.id)
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -211,9 +223,17 @@ class CudaBackend:
             try:
                 a = cp.from_dlpack(a)
             except (BufferError, RuntimeError, TypeError, ValueError) as e:
+                # CuPy refuses CPU tensors (TypeError), and dtypes it cannot map (bf16 needs
+                # ml_dtypes with numpy >= 2.1.2; else NotImplementedError, a RuntimeError).
+                hint = (
+                    " (a CPU tensor: pass it as numpy, or move it to the GPU)"
+                    if isinstance(e, TypeError)
+                    else " (for bf16 without ml_dtypes, pass t.view(torch.int16))"
+                    if isinstance(e, NotImplementedError)
+                    else ""
+                )
                 raise BindError(
-                    f"cannot import a {type(a).__name__} via DLPack: {e} (CuPy has no bf16: "
-                    "pass a torch bf16 tensor as t.view(torch.int16))"
+                    f"cannot import a {type(a).__name__} via DLPack: {e}{hint}"
                 ) from None
         if a.device.id != self.device.id:
             raise BindError(f"input is on device {a.device.id}, the block on {self.device.id}")

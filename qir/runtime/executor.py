@@ -13,8 +13,11 @@ on the cuda backend, prebuilt ctypes calls on the host): the decode path.
 
 Results: numpy on the host backend. On the cuda backend, CuPy arrays (no copy back, still on the
 run's stream) when an input was already on the device (CuPy, or DLPack such as a torch CUDA
-tensor), else numpy. Device results of bf16/fp8 values are same-width uints (CuPy has no such
-dtypes); `.view(ml_dtypes.bfloat16)` after `.get()` restores them.
+tensor), else numpy. Device results of bf16/fp8 values are same-width uints (kernels see raw
+bits; CuPy has no fp8 dtypes); `.view(ml_dtypes.bfloat16)` after `.get()` restores them.
+Arrays imported through DLPack are used in place and released when the run returns: a caller
+running on another stream than the block's keeps them alive until that stream has finished
+(torch: `t.record_stream(s)`).
 """
 
 from __future__ import annotations
@@ -136,8 +139,9 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
 
 def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[Any]:
     """The dtype an input counts as. numpy inputs: their own (uploading may store bf16/fp8 as
-    same-width ints). Device arrays: a same-width integer array stands for a bf16/fp8 input,
-    since CuPy has no such dtypes (a torch bf16 tensor is passed as t.view(torch.int16))."""
+    same-width ints). Device arrays: a same-width integer array stands for a bf16/fp8 input
+    (CuPy 14 imports a torch bf16 tensor as ml_dtypes.bfloat16; older CuPy needs
+    t.view(torch.int16))."""
     if isinstance(raw, np.ndarray):
         return np.dtype(raw.dtype)
     dt = np.dtype(array.dtype)
@@ -215,6 +219,10 @@ class CompiledBlock:
             launches = [(self.plan.launches[i], self._loaded[i]) for i in mem.active]
             bound = [(k, launch.grid(m), self._args(launch, env, m)) for launch, k in launches]
             replay = be.record(bound)
+        # The buffers may be memory a run on this stream freed while its kernels were still
+        # queued (CuPy's pool reuses per stream without waiting); a replay on another stream
+        # would not be ordered after them.
+        be.synchronize()
         return CapturedBlock(
             self,
             m,

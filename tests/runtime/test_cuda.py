@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from test_nvrtc import BF16_SCALE, HALF_SUM, HEADER_AXPY
 
 from qir.codegen.kernel import Kernel
+from qir.interpret import BindError
 from qir.runtime.cuda import CudaBackend, available
 from qir.runtime.errors import BackendUnavailable, CompileError
 from tests.conftest import ON_GPU
@@ -34,6 +36,32 @@ def test_without_cupy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) ->
     assert not available()
 
 
+class FakeDevice:
+    id = 0
+    compute_capability = "90"
+
+    def __init__(self, index: int = 0) -> None: ...
+
+    def __enter__(self) -> None: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def fake_cupy(**extra: object) -> types.SimpleNamespace:
+    """Just enough of CuPy's namespace for CudaBackend to be built on a machine without a GPU."""
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        Device=FakeDevice,
+        compiler=types.SimpleNamespace(CompileException=RuntimeError),
+        Stream=type("Stream", (), {}),
+        ExternalStream=type("ExternalStream", (), {}),
+    )
+    for name, value in extra.items():
+        setattr(cuda, name, value)
+    return types.SimpleNamespace(cuda=cuda, ndarray=type("ndarray", (), {}))
+
+
 # None: not installed; an empty module: a cuda-core before 1.0 (Program under .experimental).
 @pytest.mark.parametrize("cuda_core", [None, types.ModuleType("cuda.core")], ids=["none", "0.x"])
 def test_without_cuda_core_compiles_through_cupy_rawmodule(
@@ -52,25 +80,8 @@ def test_without_cuda_core_compiles_through_cupy_rawmodule(
             seen["header"] = (tmp_path.__class__(include) / "ops" / "axpy.h").read_text()
             return f"function {name}"
 
-    class Device:
-        id = 0
-        compute_capability = "90"
-
-        def __init__(self, index: int) -> None: ...
-
-        def __enter__(self) -> None: ...
-
-        def __exit__(self, *exc: object) -> None: ...
-
-    fake = types.SimpleNamespace(
-        RawModule=RawModule,
-        cuda=types.SimpleNamespace(
-            is_available=lambda: True,
-            runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
-            Device=Device,
-            compiler=types.SimpleNamespace(CompileException=RuntimeError),
-        ),
-    )
+    fake = fake_cupy()
+    fake.RawModule = RawModule
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cuda.core", cuda_core)
     loaded = CudaBackend(cache_dir=tmp_path).load(HEADER_AXPY)
@@ -78,6 +89,72 @@ def test_without_cuda_core_compiles_through_cupy_rawmodule(
     assert seen["code"] == HEADER_AXPY.source
     assert "-std=c++17" in seen["options"]
     assert seen["header"] == dict(HEADER_AXPY.headers)["ops/axpy.h"]
+
+
+class TestForeignStreams:
+    """Streams from other libraries, checked without a GPU against a fake CuPy."""
+
+    @pytest.fixture
+    def made(self, monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[tuple[str, object]]:
+        made: list[tuple[str, object]] = []
+
+        class ExternalStream:
+            def __init__(self, handle: int, device: int) -> None:
+                warnings.warn("ExternalStream is deprecated", DeprecationWarning, stacklevel=2)
+                made.append(("external", (handle, device)))
+
+        class Stream:
+            @staticmethod
+            def from_external(obj: object) -> str:
+                made.append(("from_external", obj))
+                return "protocol stream"
+
+        monkeypatch.setitem(
+            sys.modules, "cupy", fake_cupy(ExternalStream=ExternalStream, Stream=Stream)
+        )
+        self.be = CudaBackend(cache_dir=tmp_path)
+        return made
+
+    def test_torch_stream_handle_without_a_deprecation_warning(self, made) -> None:
+        torch_like = types.SimpleNamespace(
+            cuda_stream=0x1234, device=types.SimpleNamespace(index=0)
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.be._stream(torch_like)
+        assert made == [("external", (0x1234, 0))]
+
+    def test_cuda_stream_protocol_goes_through_from_external(self, made) -> None:
+        class Proto:
+            def __cuda_stream__(self) -> tuple[int, int]:
+                return (0, 0x99)
+
+        obj = Proto()
+        assert self.be._stream(obj) == "protocol stream"
+        assert made == [("from_external", obj)]
+
+    def test_stream_of_another_device_is_refused(self, made) -> None:
+        other = types.SimpleNamespace(cuda_stream=0x1234, device=types.SimpleNamespace(index=1))
+        with pytest.raises(BindError, match="stream is on device 1, the block on 0"):
+            self.be._stream(other)
+        assert made == []
+
+    def test_not_a_stream(self, made) -> None:
+        with pytest.raises(BindError, match="must be a CuPy or torch CUDA stream"):
+            self.be._stream("default")
+
+
+def test_dlpack_refusal_says_why(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    def from_dlpack(obj: object) -> None:
+        raise TypeError("CPU arrays cannot be directly imported to CuPy")
+
+    fake = fake_cupy()
+    fake.from_dlpack = from_dlpack
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    be = CudaBackend(cache_dir=tmp_path)
+    cpu_tensor = types.SimpleNamespace(__dlpack__=lambda **kw: None)
+    with pytest.raises(BindError, match=r"CPU arrays cannot.*a CPU tensor: pass it as numpy"):
+        be.accept(cpu_tensor)
 
 
 def _grid(n: int, block: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -154,6 +154,21 @@ def test_capture_replays_identically(host_block: qir.Compiled) -> None:
         g({"x": x_of(4).astype(np.float32)})
 
 
+@needs_gxx
+def test_capture_waits_for_work_already_queued(
+    host_block: qir.Compiled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Captured buffers may be memory an earlier run on the stream still uses (CuPy's pool
+    reuses per stream without waiting): capture returns only once the device is idle."""
+    be = host_block._exec.backend  # type: ignore[union-attr]
+    events: list[str] = []
+    record = be.record
+    monkeypatch.setattr(be, "record", lambda bound: events.append("record") or record(bound))
+    monkeypatch.setattr(be, "synchronize", lambda: events.append("synchronize"))
+    host_block.capture(2)
+    assert events == ["record", "synchronize"]
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
