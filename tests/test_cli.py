@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from qir.cli import main
-from tests.conftest import DATA, rel_err
+from tests.conftest import BACKENDS, DATA, rel_err
 
 CKPT = DATA / "mlx_affine4_g64_S"
 
@@ -23,7 +23,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("backend", ["reference", "host"])
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_run_mlp_writes_float32_y_matching_golden(tmp_path, backend, monkeypatch):
     monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path / "cache"))
     golden = np.load(CKPT / "golden.npz")
@@ -166,15 +166,16 @@ DEMO_LAUNCHES = {
 }
 
 
-def test_demo_prints_a_table_on_the_host_backend(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_demo_prints_a_table(tmp_path, capsys, monkeypatch, backend):
     monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
-    assert main(["-q", "demo", "--backend", "host"]) == 0
+    assert main(["-q", "demo", "--backend", backend]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:5] == ["checkpoint", "block", "M", "launches", "backend"]
     rows = [ln.split() for ln in lines[1:]]
     assert len(rows) == 2 * len(DEMO_LAUNCHES)
     for r in rows:
-        assert int(r[3]) == DEMO_LAUNCHES[r[0], r[1]] and r[4] == "host"
+        assert int(r[3]) == DEMO_LAUNCHES[r[0], r[1]] and r[4] == backend
         assert float(r[5]) <= 2e-2
 
 
