@@ -1,7 +1,7 @@
 """Kernel speed at a real layer's shapes (Llama-3-8B: hidden 4096, intermediate 14336, 32 query
 and 8 key/value heads of 128), every weight format, side by side in one run: the default fused
-pipeline, unfused, fused without the SiLU prologue (silu(g)*u as separate launches) and, on a
-GPU, dense f16 cuBLAS (CuPy matmuls) as the baseline.
+pipeline, the MLP with silu(g)*u in down_proj's prologue instead, with silu and mul as their
+own launches, unfused, and, on a GPU, dense f16 cuBLAS (CuPy matmuls) as the baseline.
 
     python benchmarks/llama_shapes.py [--backend cuda|host] [--m 1 8] [--repeat 15]
         [--scale 1.0] [--formats mlx4g64bf16 ...] [--json results.json]
@@ -56,9 +56,15 @@ FORMATS: tuple[WeightFormat, ...] = (
     Nvfp4("mul", 4),
 )
 PIPELINE_VARIANTS: dict[str, dict[str, str | tuple[str, ...]]] = {
+    # fused: the default (16-bit: silu(g)*u in the gate/up epilogue; W4A4: in down_proj's
+    # prologue); silu_prologue: always down_proj's prologue; no_silu_fusion: silu and mul as
+    # their own launches.
     "mlp": {
         "fused": "default",
-        "no_silu_prologue": tuple(p for p in PIPELINES["default"] if p != "silu_prologue"),
+        "silu_prologue": tuple(p for p in PIPELINES["default"] if p != "silu_epilogue"),
+        "no_silu_fusion": tuple(
+            p for p in PIPELINES["default"] if p not in ("silu_epilogue", "silu_prologue")
+        ),
         "unfused": "none",
     },
     "qkv": {"fused": "default", "unfused": "none"},

@@ -87,9 +87,9 @@ def quantize_act(scheme: str, x: np.ndarray, attrs: Mapping[str, Any]) -> np.nda
 
 
 def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Fused or not, the same numerics as the unfused ops: the prologue rounds silu(g) and the
-    product to the act dtype like separate silu/mul ops would, the epilogue adds the residual
-    to the rounded projection."""
+    """Fused or not, the same numerics as the unfused ops: the prologue (or the silu_mul epilogue)
+    rounds silu(g) and the product to the act dtype like separate silu/mul ops would, the
+    residual epilogue adds the residual to the rounded projection."""
     attrs = dict(node.attrs)
     ins, ws, extras = qlinear_layout(len(args), attrs)
     m = args[0].shape[0]
@@ -98,7 +98,7 @@ def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarra
     dt = t.dtype.np
     if attrs.get("prologue") == "silu_mul":
         g, u = args[ins]
-        x = (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+        x = _silu_mul(g, u, dt)
         scheme = attrs.get("act_quant")
         if isinstance(scheme, str) and m <= W4A4_MAX_M:
             x = quantize_act(scheme, x, attrs)
@@ -108,7 +108,15 @@ def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarra
     if attrs.get("epilogue") == "residual":
         (r,) = args[extras]
         outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
+    elif attrs.get("epilogue") == "silu_mul":
+        outs = [_silu_mul(outs[0], outs[1], dt)]
     return tuple(outs) if isinstance(node.type, TupleType) else outs[0]
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray, dt: Any) -> np.ndarray:
+    """silu(g) * u rounded to the act dtype after the silu and after the product, as the
+    separate silu and mul ops round."""
+    return (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
 
 
 def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights) -> dict[str, Any]:

@@ -75,14 +75,15 @@ def _infer_leaf(
 
 
 PROLOGUES = ("silu_mul",)
-EPILOGUES = ("residual",)
+EPILOGUES = ("residual", "silu_mul")
 
 
 def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, slice, slice]:
     """Where a qlinear's inputs, weights and epilogue operands sit among its operands.
 
     inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input);
-    weights: one or more (several = one multi-output node reading its input once);
+    weights: one or more (several = one multi-output node reading its input once; with
+    epilogue silu_mul exactly two, gate and up, and one result silu(x Wg^T) * (x Wu^T));
     then the residual r with epilogue residual (y = r + x W^T).
     """
     n_in = 2 if attrs.get("prologue") == "silu_mul" else 1
@@ -154,6 +155,18 @@ def _infer_qlinear(
             raise IRTypeError(
                 f"qlinear: {scheme} activations need K % 64 == 0, got {w0.in_features}"
             )
+    if epilogue == "silu_mul":
+        if prologue is not None or scheme is not None:
+            raise IRTypeError(
+                "qlinear epilogue silu_mul: takes a plain 16-bit input (no prologue, no 4-bit "
+                "activations)"
+            )
+        if len(results) != 2 or results[0] != results[1]:
+            shapes = ", ".join(str(r) for r in results)
+            raise IRTypeError(
+                f"qlinear epilogue silu_mul: needs two weights (gate, up) of one shape, got {shapes}"
+            )
+        return results[0]
     if epilogue == "residual":
         if len(results) != 1:
             raise IRTypeError("qlinear epilogue residual: needs exactly one weight")

@@ -33,10 +33,11 @@ def test_llama_shapes_on_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["--backend", "host", "--m", "1", "--repeat", "1", "--formats", "ct4g128bf16"]
     rows = bench.main([*argv, "--json", str(out)])
     launches = {(r.block, r.variant): r.launches for r in rows}
-    # Fusion shows in the launch counts: MLP 6 -> 2 (4 without the SiLU prologue), q/k/v 3 -> 1.
+    # Fusion shows in the launch counts: MLP 6 -> 2 (4 without SiLU fusion), q/k/v 3 -> 1.
     assert launches == {
         ("mlp", "fused"): 2,
-        ("mlp", "no_silu_prologue"): 4,
+        ("mlp", "silu_prologue"): 2,
+        ("mlp", "no_silu_fusion"): 4,
         ("mlp", "unfused"): 6,
         ("qkv", "fused"): 1,
         ("qkv", "unfused"): 3,

@@ -62,8 +62,8 @@ def test_dump_writes_ir_and_standalone_cu_files(tmp_path):
     assert main(["dump", str(CKPT), "--block", "mlp", "--layer", "0", "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert "before.ir" in names and "after.ir" in names and "qir_common.cuh" in names
-    assert "qgemv_mlx4g64bf16_bf16_n512_512_k256_m8.cu" in names
-    assert "qgemv_mlx4g64bf16_bf16_n256_k512_m8_silu_res.cu" in names
+    assert "qgemv_mlx4g64bf16_bf16_n512_512_k256_m8_silumul.cu" in names
+    assert "qgemv_mlx4g64bf16_bf16_n256_k512_m8_res.cu" in names
     assert "%gate = qlinear %x, %w_gate" in (tmp_path / "before.ir").read_text()
 
 

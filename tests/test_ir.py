@@ -119,6 +119,47 @@ def test_parser_and_verifier_reject_bad_ir(text, message):
         parse(text)
 
 
+PAIR = """
+graph t {
+  %x = input : f16[M, 64]
+  %w_gate = weight {key="g"} : WFMT[32, 64]
+  %w_up = weight {key="u"} : WFMT[UP, 64]
+  %h = qlinear %x, OPERANDS {epilogue="silu_mul"} : f16[M, 32]
+  output h = %h
+}
+"""
+MLX4 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=f16>>"
+
+
+@pytest.mark.parametrize(
+    ("up", "operands", "fmt", "message"),
+    [
+        ("32", "%w_gate, %w_up", MLX4, None),
+        ("48", "%w_gate, %w_up", MLX4, r"two weights \(gate, up\) of one shape"),
+        ("32", "%w_gate", MLX4, r"two weights \(gate, up\) of one shape"),
+        ("32", "%w_gate, %w_up, %w_up", MLX4, r"two weights \(gate, up\) of one shape"),
+    ],
+)
+def test_silu_mul_epilogue_needs_a_gate_up_pair(up, operands, fmt, message):
+    text = PAIR.replace("WFMT", fmt).replace("UP", up).replace("OPERANDS", operands)
+    if message is None:
+        assert parse(text).node("h").attr("epilogue") == "silu_mul"
+    else:
+        with pytest.raises(VerifyError, match=message):
+            parse(text)
+
+
+def test_silu_mul_epilogue_takes_no_4_bit_input():
+    nvfp4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
+    text = PAIR.replace("WFMT", nvfp4).replace("UP", "32").replace("OPERANDS", "%w_gate, %w_up")
+    text = text.replace(
+        "  %h = qlinear %x,",
+        '  %xq = quantize_act %x {scheme="nvfp4"} : qact<nvfp4, f16[M, 64]>\n  %h = qlinear %xq,',
+    )
+    with pytest.raises(VerifyError, match="plain 16-bit input"):
+        parse(text)
+
+
 def test_verify_catches_a_node_whose_type_was_changed(rng):
     g, _ = mlp_graph(rng, 64, 128, FMT4)
     node = g.node("act")

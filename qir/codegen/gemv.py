@@ -1,7 +1,8 @@
 """The quantized GEMV kernel family: small M, one warp per output row.
 
 One template covers every fusion: several weights sharing one input (one output each), the
-SiLU-gate prologue, the residual epilogue; the weight format enters only as its fragment.
+SiLU-gate prologue, the residual epilogue, and gate/up paired in one warp with silu(g) * u as
+the epilogue; the weight format enters only as its fragment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ M_UNROLL = 4
 # 40 registers and spilled for 8-bit K=256 kernels; 4 blocks of 128 threads still leaves each
 # thread up to 128 registers, which no fragment needs.
 MIN_BLOCKS_PER_SM = 4
+# Epilogue -> its kernel-name suffix.
+EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,9 @@ class GemvSpec:
     act: DType
     m_tile: int
     prologue: bool = False  # input = silu(g) * u
-    epilogue: bool = False  # y = r + x W^T
+    # "residual": y = r + x W^T; "silu_mul": two weights (gate, up), each warp computes row n of
+    # both and stores one result silu(x Wg^T) * (x Wu^T).
+    epilogue: str = ""
     # W4A4: the input is NVFP4 codes + factors from quantize_act, or (with the prologue)
     # silu(g) * u quantized in registers with a per-row ("dynamic") or calibrated scale.
     a4: bool = False
@@ -40,8 +45,14 @@ class GemvSpec:
         formats = {(w.format, w.in_features) for w in self.weights}
         if len(formats) != 1:
             raise ValueError(f"one GEMV launch needs one format and in_features, got {formats}")
-        if self.epilogue and len(self.weights) != 1:
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"unknown epilogue {self.epilogue!r}; known: {EPILOGUES}")
+        if self.epilogue == "residual" and len(self.weights) != 1:
             raise ValueError("the residual epilogue takes exactly one weight")
+        if self.epilogue == "silu_mul" and (
+            len(self.weights) != 2 or self.weights[0] != self.weights[1] or self.prologue or self.a4
+        ):
+            raise ValueError("the silu_mul epilogue takes two weights of one shape, 16-bit input")
         if self.a4 and self.weights[0].format.act_quant_scheme() != "nvfp4":
             raise ValueError(f"W4A4 needs NVFP4 weights, got {self.weights[0].format.spell()}")
 
@@ -49,7 +60,7 @@ class GemvSpec:
     def name(self) -> str:
         w0 = self.weights[0]
         outs = "_".join(str(w.out_features) for w in self.weights)
-        fused = ("_silu" if self.prologue else "") + ("_res" if self.epilogue else "")
+        fused = ("_silu" if self.prologue else "") + EPILOGUES[self.epilogue]
         if self.a4:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
         return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
@@ -58,7 +69,14 @@ class GemvSpec:
         return -(-w.out_features // WARPS_PER_BLOCK)
 
     @property
+    def paired(self) -> bool:
+        """Each warp computes one row of every weight (one launch's blocks serve them all)."""
+        return self.epilogue == "silu_mul"
+
+    @property
     def grid_x(self) -> int:
+        if self.paired:
+            return self.blocks(self.weights[0])
         return sum(self.blocks(w) for w in self.weights)
 
 
@@ -81,6 +99,7 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         weights=weights,
         prologue=spec.prologue,
         epilogue=spec.epilogue,
+        paired=spec.paired,
         a4=spec.a4,
         a4_mode=spec.a4_mode,
         row_bytes=w0.in_features // 2 + 4 * (w0.in_features // 16),
@@ -115,9 +134,9 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         ),
         *(
             KernelParam(f"y{j}", f"{act_t}* __restrict__", "buffer")
-            for j in range(len(spec.weights))
+            for j in range(1 if spec.paired else len(spec.weights))
         ),
-        *((KernelParam("r", act_in, "buffer"),) if spec.epilogue else ()),
+        *((KernelParam("r", act_in, "buffer"),) if spec.epilogue == "residual" else ()),
         *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
         KernelParam("M", "int", "int"),
     ]

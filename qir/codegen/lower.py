@@ -111,7 +111,7 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
         assert isinstance(node.type, TensorType)
         outputs, act = (name,), node.type.dtype
     prologue = node.attr("prologue") == "silu_mul"
-    epilogue = node.attr("epilogue") == "residual"
+    epilogue = node.attr("epilogue") or ""
     inputs = list(operands[ins])
     pre_quantized = isinstance(graph.node(inputs[0]).type, QActType)
     a4 = pre_quantized or node.attr("act_quant") is not None

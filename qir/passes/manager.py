@@ -16,6 +16,7 @@ from qir.passes.residual_epilogue import ResidualEpilogue
 from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
 from qir.passes.share_act_quant import ShareActQuant
+from qir.passes.silu_epilogue import SiluEpilogue
 from qir.passes.silu_prologue import SiluPrologue
 from qir.verify import verify
 
@@ -29,6 +30,7 @@ class PassOptions:
 
 PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "merge_parallel": lambda o: MergeParallel(),
+    "silu_epilogue": lambda o: SiluEpilogue(o.weight_quantization),
     "silu_prologue": lambda o: SiluPrologue(),
     "residual_epilogue": lambda o: ResidualEpilogue(),
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
@@ -41,6 +43,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         # first, so nothing dead is merged into a multi-output node
         "dce",
         "merge_parallel",
+        "silu_epilogue",
         "silu_prologue",
         "residual_epilogue",
         "route_w4a4",

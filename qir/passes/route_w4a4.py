@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qir.formats.base import WeightFormat
 from qir.graph import AttrValue, Graph, Node, make_attrs
 from qir.ops import ACT_SCALE_ATTRS, qlinear_layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
@@ -39,6 +40,13 @@ def _weights(graph: Graph, value: str) -> list[str]:
 def _scale_rule(graph: Graph, weights: list[str]) -> dict[str, AttrValue]:
     rules = [{k: v for k, v in graph.node(w).attrs if k in ACT_SCALE_ATTRS} for w in weights]
     return rules[0] if all(r == rules[0] for r in rules) else {}
+
+
+def routes_format(tier: str, fmt: WeightFormat) -> bool:
+    """Whether `tier` runs this format's activations 4-bit (K permitting)."""
+    if tier == "declared":
+        return fmt.declared_act_bits() == 4
+    return tier == "w4a4" and fmt.act_quant_scheme() is not None
 
 
 @dataclass(frozen=True)
@@ -68,9 +76,7 @@ class RouteW4A4:
         k = formats[0].in_features
         if k % 64 or k > MAX_K:
             return False
-        if self.tier == "declared":
-            return all(t.format.declared_act_bits() == 4 for t in formats)
-        return all(t.format.act_quant_scheme() is not None for t in formats)
+        return all(routes_format(self.tier, t.format) for t in formats)
 
     def _route(self, rw: Rewriter, m: Match) -> bool:
         graph = rw.graph

@@ -33,8 +33,17 @@ def test_kernel_name_spells_the_specialisation():
     dual = gemv_kernel(GemvSpec((w, w), F16, 8))
     assert dual.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8"
     assert [p.name for p in dual.params][-3:] == ["y0", "y1", "M"]
+    pair_spec = GemvSpec((w, w), F16, 8, epilogue="silu_mul")
+    pair = gemv_kernel(pair_spec)
+    assert pair.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8_silumul"
+    assert [p.name for p in pair.params][-2:] == ["y0", "M"]  # one result, silu(g) * u
+    assert pair_spec.grid_x == GemvSpec((w,), F16, 8).grid_x  # one warp per row of the pair
+    with pytest.raises(ValueError, match="two weights of one shape"):
+        GemvSpec((w,), F16, 8, epilogue="silu_mul")
+    with pytest.raises(ValueError, match="two weights of one shape"):
+        GemvSpec((w, QWeight(MlxAffine(4, 128, BF16), 256, 256)), F16, 8, epilogue="silu_mul")
     down = QWeight(MlxAffine(4, 128, BF16), 256, 512)
-    fused = gemv_kernel(GemvSpec((down,), F16, 8, prologue=True, epilogue=True))
+    fused = gemv_kernel(GemvSpec((down,), F16, 8, prologue=True, epilogue="residual"))
     assert fused.name == "qgemv_mlx4g128bf16_f16_n256_k512_m8_silu_res"
     assert [p.name for p in fused.params] == [
         "g",

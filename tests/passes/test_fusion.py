@@ -183,18 +183,95 @@ def test_residual_epilogue_does_not_fire_when_projection_is_used_twice():
     assert fired == 0
 
 
+MERGED = f"""
+graph mlp {{
+  %x = input : f16[M, 128]
+  %w_gate = weight {{key="gate"}} : {W4}[256, 128]
+  %w_up = weight {{key="up"}} : {W4}[256, 128]
+  %w_down = weight {{key="down"}} : {W4}[128, 256]
+  %gate_up = qlinear %x, %w_gate, %w_up {{fused=["gate", "up"]}} : (f16[M, 256], f16[M, 256])
+  %gate = get %gate_up {{index=0}} : f16[M, 256]
+  %up = get %gate_up {{index=1}} : f16[M, 256]
+  %act = silu %gate : f16[M, 256]
+  %h = mul %act, %up : f16[M, 256]
+  %down = qlinear %h, %w_down : f16[M, 128]
+  %y = add %x, %down : f16[M, 128]
+  output y = %y
+}}
+"""
+
+
+def test_silu_epilogue_pairs_gate_and_up(rng):
+    assert run_pass(MLP, "merge_parallel")[0].strip() == MERGED.strip()
+    after, fired = run_pass(MERGED, "silu_epilogue")
+    assert fired == 1
+    assert after.strip() == MERGED.strip().replace(
+        """  %gate_up = qlinear %x, %w_gate, %w_up {fused=["gate", "up"]} : (f16[M, 256], f16[M, 256])
+  %gate = get %gate_up {index=0} : f16[M, 256]
+  %up = get %gate_up {index=1} : f16[M, 256]
+  %act = silu %gate : f16[M, 256]
+  %h = mul %act, %up : f16[M, 256]
+""",
+        """  %h = qlinear %x, %w_gate, %w_up {epilogue="silu_mul", """
+        """fused=["gate", "up", "gate_up", "act"]} : f16[M, 256]
+""",
+    )
+    assert_same_numbers(MERGED, after, rng)
+
+
+def test_silu_epilogue_swapped_operands_and_indices(rng):
+    # up is result 0 here: the pair is ordered (silu'd weight, other weight) whatever the index.
+    text = MERGED.replace("%act = silu %gate", "%act = silu %up").replace(
+        "%h = mul %act, %up", "%h = mul %gate, %act"
+    )
+    after, fired = run_pass(text, "silu_epilogue")
+    assert fired == 1 and "%h = qlinear %x, %w_up, %w_gate {epilogue=" in after
+    assert_same_numbers(text, after, rng)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (("output y = %y", "output y = %y\n  output g = %gate"), "gate used twice"),
+        (("output y = %y", "output y = %y\n  output a = %act"), "silu used twice"),
+        (("%h = mul %act, %up", "%h = mul %act, %gate"), "both factors from one weight"),
+        (("%act = silu %gate", "%act = add %gate, %gate"), "not a silu"),
+        (("%h = mul %act, %up", "%h = mul %act, %act"), "no get of the pair"),
+    ],
+)
+def test_silu_epilogue_does_not_fire(edit, why):
+    text = MERGED.replace(*edit)
+    _, fired = run_pass(text, "silu_epilogue")
+    assert fired == 0, why
+
+
+def test_silu_epilogue_leaves_w4a4_to_the_prologue():
+    """Where down_proj will quantize its input to NVFP4 (per 16-element block), the prologue
+    keeps that in one kernel: the epilogue pass declines, the prologue fires."""
+    nvfp4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
+    text = MERGED.replace(W4, nvfp4)
+    assert run_pass(text, "silu_epilogue")[1] == 0
+    g = parse(text)
+    w16 = PASSES["silu_epilogue"](PassOptions(weight_quantization="w4a16")).run(g)
+    assert w16 == 1, "a W4A4 checkpoint run 16-bit takes the epilogue"
+    _, records = run_pipeline(parse(text))
+    fired = {r.name: r.matches for r in records}
+    assert fired["silu_epilogue"] == 0 and fired["silu_prologue"] == 1
+
+
 def test_default_pipeline_counts_and_ir():
     g, records = run_pipeline(parse(MLP))
     assert {r.name: r.matches for r in records} == {
         "merge_parallel": 1,
-        "silu_prologue": 1,
+        "silu_epilogue": 1,
+        "silu_prologue": 0,
         "residual_epilogue": 1,
         "route_w4a4": 0,
         "share_act_quant": 0,
         "dce": 0,
         "select_kernels": 2,
     }
-    assert [n for n, node in g.items() if node.op == "qlinear"] == ["gate_up", "y"]
+    assert [n for n, node in g.items() if node.op == "qlinear"] == ["h", "y"]
 
 
 def test_patterns_capture_and_require_one_use():

@@ -12,10 +12,14 @@ import pytest
 
 import qir
 from qir.builder import Builder
+from qir.codegen.lower import lower
 from qir.dtypes import F16, DType
 from qir.formats.base import WeightFormat
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.passes.manager import run_pipeline
+from qir.runtime import nvrtc
+from qir.runtime.nvrtc import check_no_spills
 from tests.conftest import BACKENDS, FORMAT_ZOO, max_rel, random_weight
 
 HIDDEN, INTER, RAGGED = 256, 384, 37  # hidden and inter: multiples of every group size
@@ -26,21 +30,23 @@ BATCHES = (1, 9, 70)
 def block(
     fmt: WeightFormat, act: DType = F16, seed: int = 0
 ) -> tuple[Graph, dict[str, dict[str, np.ndarray]]]:
-    """An MLP with residual plus a ragged projection of the same input: the passes merge gate,
-    up and the projection into one launch (N = 2*384 + 37, not a multiple of any tile) and
-    fuse SiLU and the residual into down_proj."""
+    """An MLP with residual, then two ragged projections of its result: the passes pair gate and
+    up in one launch (silu(g)*u in its epilogue; W4A4: in down_proj's prologue), add the
+    residual in down_proj's epilogue and merge the projections into one launch of N = 37 + 40
+    rows, not a multiple of any tile."""
     rng = np.random.default_rng(seed)
     b = Builder("zoo")
     x = b.input("x", ("M", HIDDEN), act)
     weights, ws = {}, {}
-    shapes = {"gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "proj": (RAGGED, HIDDEN)}
-    shapes["down"] = (HIDDEN, INTER)
+    shapes = {"gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
+    shapes |= {"p1": (RAGGED, HIDDEN), "p2": (RAGGED + 3, HIDDEN)}
     for name, (o, i) in shapes.items():
         qw, weights[name] = random_weight(rng, o, i, fmt)
         ws[name] = b.weight(name, qw, name=f"w_{name}")
     h = b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
-    b.output("y", b.add(x, b.qlinear(h, ws["down"])))
-    b.output("p", b.qlinear(x, ws["proj"]))
+    y = b.add(x, b.qlinear(h, ws["down"]))
+    b.output("p1", b.qlinear(y, ws["p1"]))
+    b.output("p2", b.qlinear(y, ws["p2"]))
     return b.graph, weights
 
 
@@ -78,9 +84,10 @@ def test_fused_block_matches_the_interpreter(
     # The interpreter on the same pipeline: for W4A4 weights that includes routing them to
     # 4-bit activations, which the unfused graph would not do.
     reference = qir.compile(graph, weights, backend="reference")
-    # gate/up/proj in one launch, SiLU and residual in down_proj's (W4A4: plus one quantize_act
-    # for x; above 64 rows 16-bit twins take over).
-    assert compiled.launches_for(1) == (3 if w4a4(fmt) else 2)
+    # gate/up, down_proj + residual, p1/p2; W4A4 adds a quantize_act for x and for y (above
+    # 64 rows 16-bit twins take over, with no quantize_act).
+    assert compiled.launches_for(1) == (5 if w4a4(fmt) else 3)
+    assert compiled.launches_for(70) == 3
     for m in BATCHES:
         x = inputs(m)
         ours = compiled(x)
@@ -95,3 +102,14 @@ def test_fused_block_matches_the_interpreter(
             monkeypatch.delenv("QIR_HOST_SCHEDULE")
             for name, value in ours.items():
                 assert value.tobytes() == backward[name].tobytes(), ("reverse", name, m)
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x (qir[compile])")
+@pytest.mark.parametrize("fmt", FORMAT_ZOO, ids=lambda f: f.tag())
+def test_fused_kernels_build_with_nvrtc_without_spills(fmt: WeightFormat) -> None:
+    """Every kernel of the fused block (the gate/up pair computes two rows per warp: twice the
+    dequantized weights in registers) compiles for sm_80 and sm_90 without spilling."""
+    graph, _ = block(fmt)
+    plan = lower(run_pipeline(graph, "default")[0])
+    for launch in plan.launches:
+        check_no_spills(launch.kernel)
