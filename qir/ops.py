@@ -156,11 +156,8 @@ def _infer_qlinear(
                 f"qlinear: {scheme} activations need K % 64 == 0, got {w0.in_features}"
             )
     if epilogue == "silu_mul":
-        if prologue is not None or scheme is not None:
-            raise IRTypeError(
-                "qlinear epilogue silu_mul: takes a plain 16-bit input (no prologue, no 4-bit "
-                "activations)"
-            )
+        if prologue is not None:
+            raise IRTypeError("qlinear epilogue silu_mul: takes no prologue")
         if len(results) != 2 or results[0] != results[1]:
             shapes = ", ".join(str(r) for r in results)
             raise IRTypeError(

@@ -157,7 +157,7 @@ def test_group_size_not_dividing_in_features_is_one_line(tmp_path):
 DEMO_LAUNCHES = {
     ("awq_gemm_g64_S", "mlp"): 2,
     ("awq_gemm_g64_S", "qkv"): 1,
-    ("ct_nvfp4_w4a4_S", "mlp"): 3,
+    ("ct_nvfp4_w4a4_S", "mlp"): 4,
     ("ct_nvfp4_w4a4_S", "qkv"): 2,
     ("mlx_affine4_g64_S", "mlp"): 2,
     ("mlx_affine4_g64_S", "qkv"): 1,
@@ -203,9 +203,9 @@ def test_compile_counts_launches_under_w4a4(tmp_path, fixture):
     ckpt = DATA / fixture
     mlp = _plan(tmp_path, ckpt, "mlp")
     qkv = _plan(tmp_path, ckpt, "qkv")
-    # one quantize_act per block input, none for down_proj (quantized in its prologue)
-    assert [k.startswith("quantize_act") for k in mlp] == [True, False, False]
-    assert mlp[2].endswith("_silu_res_a4" + ("div" if fixture.startswith("ct") else "mul"))
+    # one quantize_act per 4-bit input: x, and silu(g)*u (the gate/up pair's epilogue) for down
+    assert [k.startswith("quantize_act") for k in mlp] == [True, False, True, False]
+    assert mlp[1].endswith("_silumul_a4") and mlp[3].endswith("_res_a4")
     assert [k.startswith("quantize_act") for k in qkv] == [True, False]
     assert len(_plan(tmp_path, ckpt, "mlp", "--weight-quantization", "w4a16")) == 2
 

@@ -50,9 +50,9 @@ class GemvSpec:
         if self.epilogue == "residual" and len(self.weights) != 1:
             raise ValueError("the residual epilogue takes exactly one weight")
         if self.epilogue == "silu_mul" and (
-            len(self.weights) != 2 or self.weights[0] != self.weights[1] or self.prologue or self.a4
+            len(self.weights) != 2 or self.weights[0] != self.weights[1] or self.prologue
         ):
-            raise ValueError("the silu_mul epilogue takes two weights of one shape, 16-bit input")
+            raise ValueError("the silu_mul epilogue takes two weights of one shape, no prologue")
         if self.a4 and self.weights[0].format.act_quant_scheme() != "nvfp4":
             raise ValueError(f"W4A4 needs NVFP4 weights, got {self.weights[0].format.spell()}")
 
@@ -108,8 +108,10 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         m_tile=spec.m_tile,
         # Quantizing the prologue's blocks in registers spills when rows or blocks are unrolled
         # (216 bytes on sm_80/sm_90 with 2 blocks); one block of one row at a time does not.
+        # A W4A4 pair (two weights' codes per chunk) spills with 2 blocks unrolled (1068 bytes
+        # on sm_80); one block at a time does not.
         m_unroll=1 if spec.a4 and spec.prologue else min(spec.m_tile, M_UNROLL),
-        block_unroll=1 if spec.prologue else 2,
+        block_unroll=1 if spec.prologue or (spec.a4 and spec.paired) else 2,
         min_blocks=MIN_BLOCKS_PER_SM,
         rows_per_block=WARPS_PER_BLOCK,
         threads=32 * WARPS_PER_BLOCK,

@@ -30,7 +30,7 @@ class PassOptions:
 
 PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "merge_parallel": lambda o: MergeParallel(),
-    "silu_epilogue": lambda o: SiluEpilogue(o.weight_quantization),
+    "silu_epilogue": lambda o: SiluEpilogue(),
     "silu_prologue": lambda o: SiluPrologue(),
     "residual_epilogue": lambda o: ResidualEpilogue(),
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),

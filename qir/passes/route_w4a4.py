@@ -5,9 +5,9 @@ Tiers (`--weight-quantization`): `declared` routes weights whose checkpoint decl
 activations; `w4a4` routes every weight whose format can take quantized activations (the
 calibrated activation scale if the weight node carries one, else a per-row FP32 global scale
 computed at run time); `w4a16` routes none. A routed qlinear either reads a new
-`quantize_act %x` node (an explicit launch, shared later by share_act_quant) or, when its input
-is made by the SiLU-gate prologue (down_proj), quantizes in that prologue (`act_quant`
-attribute), so down_proj needs no extra launch.
+`quantize_act %x` node (an explicit launch, shared later by share_act_quant; down_proj's input
+is the product the gate/up pair stored), or, when its input is made by the SiLU-gate prologue
+(the fallback for unmerged gate/up), quantizes in that prologue (`act_quant` attribute).
 
 Preconditions: after the fusion passes (merged q/k/v or gate/up read one quantized input).
 Static legality lives here: K % 64 == 0 and K <= 32768 (else the node stays 16-bit). The

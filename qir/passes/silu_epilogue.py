@@ -7,53 +7,39 @@ silu runs once per element.
 Why an epilogue and not down_proj's prologue (silu_prologue): a prologue recomputes silu(g) * u
 for the whole input in every warp of down_proj, one per output row: at Llama-3-8B shapes that
 is 4096 x 14336 exp and reciprocal per token (two SFU instructions per element in the SASS),
-several times the time down_proj needs to stream its weights. Here it is 14336.
+several times the time down_proj needs to stream its weights; here it is 14336. Under W4A4
+the prologue would also quantize the product to NVFP4 in every warp; instead route_w4a4 gives
+down_proj one quantize_act launch of the stored product (one more launch, shared work).
 
 Preconditions: a verified graph, after merge_parallel, before silu_prologue (which takes what
-this pass leaves: the W4A4 path, where down_proj quantizes silu(g) * u in its prologue).
+this pass cannot: gate and up that were not merged, e.g. of different formats) and route_w4a4.
 Numerics are unchanged: g and u are rounded to the act dtype, then silu(g) and the product, as
 the separate ops did.
-Does not fire: when down_proj's input will run 4-bit (the tier routes the weights' format, see
-route_w4a4; an epilogue cannot see the 16-element blocks that quantizing needs), on merged
-nodes of other than two weights or of weights of different shapes, or when a get or the silu
-has other users.
+Does not fire: on merged nodes of other than two weights or of weights of different shapes, on
+a node that already has a prologue or epilogue, or when a get or the silu has other users.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from qir.graph import Graph
 from qir.ops import qlinear_layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
-from qir.passes.route_w4a4 import routes_format
-from qir.types import QActType, QWeight, TupleType
+from qir.types import TupleType
 
 
-def _pair(tier: str) -> Callable[[Graph, str], bool]:
-    def check(graph: Graph, value: str) -> bool:
-        node = graph.node(value)
-        if (
-            node.attr("prologue") is not None
-            or node.attr("epilogue") is not None
-            or node.attr("act_quant") is not None
-            or not isinstance(node.type, TupleType)
-            or len(node.type.elements) != 2
-            or node.type.elements[0] != node.type.elements[1]
-            or graph.use_count(value) != 2
-        ):
-            return False
-        operands = graph.operands(value)
-        if isinstance(graph.node(operands[0]).type, QActType):
-            return False
-        _, ws, _ = qlinear_layout(len(operands), dict(node.attrs))
-        w = graph.node(operands[ws][0]).type
-        assert isinstance(w, QWeight)
-        return not routes_format(tier, w.format)
-
-    return check
+def _pair(graph: Graph, value: str) -> bool:
+    node = graph.node(value)
+    return (
+        node.attr("prologue") is None
+        and node.attr("epilogue") is None
+        and isinstance(node.type, TupleType)
+        and len(node.type.elements) == 2
+        and node.type.elements[0] == node.type.elements[1]
+        and graph.use_count(value) == 2
+    )
 
 
 def _fold(rw: Rewriter, m: Match) -> bool:
@@ -75,21 +61,22 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     return True
 
 
-def _pattern(tier: str, silu_first: bool) -> Pat:
-    q = Pat("qlinear", name="q", check=_pair(tier))
+def _pattern(silu_first: bool) -> Pat:
+    q = Pat("qlinear", name="q", check=_pair)
     g = Pat("silu", (Pat("get", (q,), name="g", one_use=True),), one_use=True)
     u = Pat("get", (Pat(name="q"),), name="u", one_use=True)
     return Pat("mul", (g, u) if silu_first else (u, g))
 
 
+RULES = (
+    Rule("silu_epilogue", _pattern(silu_first=True), _fold),
+    Rule("silu_epilogue_swapped", _pattern(silu_first=False), _fold),
+)
+
+
 @dataclass(frozen=True)
 class SiluEpilogue:
-    tier: str = "declared"  # the W4A4 routing tier, which decides what route_w4a4 will take
     name: str = "silu_epilogue"
 
     def run(self, graph: Graph) -> int:
-        rules = (
-            Rule("silu_epilogue", _pattern(self.tier, silu_first=True), _fold),
-            Rule("silu_epilogue_swapped", _pattern(self.tier, silu_first=False), _fold),
-        )
-        return apply_rules(graph, rules)
+        return apply_rules(graph, RULES)

@@ -245,18 +245,23 @@ def test_silu_epilogue_does_not_fire(edit, why):
     assert fired == 0, why
 
 
-def test_silu_epilogue_leaves_w4a4_to_the_prologue():
-    """Where down_proj will quantize its input to NVFP4 (per 16-element block), the prologue
-    keeps that in one kernel: the epilogue pass declines, the prologue fires."""
-    nvfp4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
-    text = MERGED.replace(W4, nvfp4)
-    assert run_pass(text, "silu_epilogue")[1] == 0
-    g = parse(text)
-    w16 = PASSES["silu_epilogue"](PassOptions(weight_quantization="w4a16")).run(g)
-    assert w16 == 1, "a W4A4 checkpoint run 16-bit takes the epilogue"
+def test_silu_epilogue_under_w4a4_quantizes_the_product_once():
+    """W4A4: the pair reads quantize_act(x) and down_proj reads quantize_act(h), one launch of
+    the stored product, rather than a prologue quantizing it again in each of its warps."""
+    text = MERGED.replace(W4, "qweight<nvfp4<scale_mode=div,act_bits=4>>")
+    g, records = run_pipeline(parse(text))
+    fired = {r.name: r.matches for r in records}
+    assert (fired["silu_epilogue"], fired["silu_prologue"], fired["route_w4a4"]) == (1, 0, 2)
+    after = print_graph(g)
+    assert "%x_q = quantize_act %x" in after and "%h_q = quantize_act %h" in after
+    assert '%h = qlinear %x_q, %w_gate, %w_up {epilogue="silu_mul"' in after
+
+
+def test_silu_prologue_takes_gate_and_up_that_were_not_merged():
+    text = MLP.replace(f'%w_up = weight {{key="up"}} : {W4}', f'%w_up = weight {{key="up"}} : {W8}')
     _, records = run_pipeline(parse(text))
     fired = {r.name: r.matches for r in records}
-    assert fired["silu_epilogue"] == 0 and fired["silu_prologue"] == 1
+    assert (fired["merge_parallel"], fired["silu_epilogue"], fired["silu_prologue"]) == (0, 0, 1)
 
 
 def test_default_pipeline_counts_and_ir():

@@ -9,7 +9,7 @@ from qir import interpret, parse, print_graph
 from qir.dtypes import F16, F32
 from qir.models import load
 from qir.models.blocks import build
-from qir.passes.manager import PASSES, PassOptions, run_pipeline
+from qir.passes.manager import PASSES, PIPELINES, PassOptions, run_pipeline
 from tests.conftest import DATA, rel_err
 
 A4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
@@ -100,12 +100,27 @@ W4A4_FIXTURES = ("ct_nvfp4_w4a4_S", "modelopt_nvfp4_S")
 
 
 @pytest.mark.parametrize("fixture", W4A4_FIXTURES)
-def test_declared_mlp_quantizes_the_block_input_once_and_down_in_its_prologue(fixture):
+def test_declared_mlp_quantizes_the_block_input_and_the_gated_product_once_each(fixture):
     b = build(load(DATA / fixture), "mlp", 0, F16)
     g, records = run_pipeline(b.graph)
     assert {r.name: r.matches for r in records}["route_w4a4"] == 2
     text = print_graph(g)
-    assert text.count("= quantize_act %x") == 1
+    assert text.count("= quantize_act %x") == 1 and text.count("= quantize_act %h") == 1
+    assert '%h = qlinear %x_q, %w_gate, %w_up {epilogue="silu_mul"' in text
+    assert "%y = qlinear %h_q, %w_down, %x" in text
+    assert "act_quant" not in text and "prologue" not in text
+
+
+@pytest.mark.parametrize("fixture", W4A4_FIXTURES)
+def test_declared_mlp_prologue_fallback_quantizes_in_down_proj(fixture):
+    """Without the gate/up pair (gate and up not merged), down_proj computes silu(g)*u in its
+    prologue and route_w4a4 has it quantize there: no launch for the product."""
+    b = build(load(DATA / fixture), "mlp", 0, F16)
+    passes = [p for p in PIPELINES["default"] if p != "silu_epilogue"]
+    g, records = run_pipeline(b.graph, passes)
+    assert {r.name: r.matches for r in records}["route_w4a4"] == 2
+    text = print_graph(g)
+    assert text.count("= quantize_act") == 1
     assert "%gate_up = qlinear %x_q, %w_gate, %w_up" in text
     assert 'act_quant="nvfp4"' in text and 'prologue="silu_mul"' in text
 

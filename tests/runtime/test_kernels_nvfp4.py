@@ -15,7 +15,7 @@ from qir.dtypes import BF16, F16, F32
 from qir.formats.nvfp4 import Nvfp4
 from qir.models import load
 from qir.models.blocks import build
-from qir.passes.manager import run_pipeline
+from qir.passes.manager import PIPELINES, run_pipeline
 from qir.runtime.nvrtc import check_no_spills
 from qir.types import QWeight
 from tests.conftest import DATA, max_rel, rel_err
@@ -42,28 +42,40 @@ def test_host_matches_reference_and_w4a16_golden(fixture, block):
 
 
 W4A4_FIXTURES = ("ct_nvfp4_w4a4_S", "modelopt_nvfp4_S")
-# Launches per block under W4A4 (declared): quantize_act + one GEMV, and for the MLP a second
-# GEMV that quantizes silu(gate) * up in its prologue.
-W4A4_LAUNCHES = {"mlp": 3, "qkv": 2}
+# Launches per block under W4A4 (declared), at M <= 64: a quantize_act for each 4-bit input
+# (x; in the MLP also silu(g)*u, stored by the gate/up pair) and the GEMVs; plus a 16-bit twin
+# of each GEMV for M > 64. With silu(g)*u in down_proj's prologue instead (the fallback for
+# gate and up that cannot be paired), down_proj quantizes it there: one launch fewer.
+PROLOGUE = tuple(p for p in PIPELINES["default"] if p != "silu_epilogue")
+W4A4_LAUNCHES = {("mlp", "default"): (4, 6), ("qkv", "default"): (2, 3), ("mlp", PROLOGUE): (3, 5)}
 
 
-@pytest.mark.parametrize("passes", ["default", "none"])
+# q/k/v has no SiLU, so the prologue pipeline is the default there.
+BLOCK_PASSES = [
+    pytest.param("mlp", "default", id="mlp-default"),
+    pytest.param("mlp", PROLOGUE, id="mlp-prologue"),
+    pytest.param("mlp", "none", id="mlp-none"),
+    pytest.param("qkv", "default", id="qkv-default"),
+    pytest.param("qkv", "none", id="qkv-none"),
+]
+
+
 @pytest.mark.parametrize("fixture", W4A4_FIXTURES)
-@pytest.mark.parametrize("block", ["mlp", "qkv"])
+@pytest.mark.parametrize(("block", "passes"), BLOCK_PASSES)
 def test_host_w4a4_matches_reference_and_the_tools_fake_quantized_golden(fixture, block, passes):
     golden = np.load(DATA / fixture / "golden.npz")
     b = build(load(DATA / fixture), block, 0, F16)
     host = qir.compile(b.graph, b.weights, backend="host", passes=passes)
-    ref = qir.compile(b.graph, b.weights, backend="reference")
-    if passes == "default":
-        assert host.kernel_count == 2 * W4A4_LAUNCHES[block] - 1  # + 16-bit twins for M > 64
-    suffix = "_a4" if passes == "default" else ""  # the unfused pipeline does not route
+    ref = qir.compile(b.graph, b.weights, backend="reference", passes=passes)
+    routed = passes != "none"  # the unfused pipeline does not route
+    if routed:
+        assert (host.launches_for(1), host.kernel_count) == W4A4_LAUNCHES[block, passes]
+    suffix = "_a4" if routed else ""
     for m in (1, 5, 40):
         x = golden[f"x.M{m}"]
         ours = host({"x": x})
         for name, value in ours.items():
-            if passes == "default":
-                assert max_rel(value, ref({"x": x})[name]) <= 2e-3, (name, m)
+            assert max_rel(value, ref({"x": x})[name]) <= 2e-3, (name, m)
             assert rel_err(value, golden[f"{GOLDEN_KEY[name]}{suffix}.0.M{m}"]) <= 1e-2, (name, m)
 
 
@@ -79,12 +91,13 @@ def test_host_w4a4_runs_the_16_bit_twins_above_64_rows():
 @pytest.mark.parametrize("fixture", ["ct_nvfp4a16_S", "mlx_nvfp4_S"])
 def test_host_forced_w4a4_with_per_row_scales_matches_reference(fixture, tier):
     """W4A16 checkpoints forced to 4-bit activations: no calibrated scale, so each row gets its
-    own global scale at run time, in quantize_act and in down_proj's prologue."""
+    own global scale at run time, in each quantize_act (x, and silu(g)*u for down_proj)."""
     golden = np.load(DATA / fixture / "golden.npz")
     b = build(load(DATA / fixture), "mlp", 0, F16)
     host = qir.compile(b.graph, b.weights, backend="host", weight_quantization=tier)
     ref = qir.compile(b.graph, b.weights, backend="reference", weight_quantization=tier)
-    assert any("_a4dynamic" in k.kernel.name for k in host.plan.launches)
+    quantizers = [k.kernel.name for k in host.plan.launches if k.kernel.name.startswith("quant")]
+    assert len(quantizers) == 2 and all(k.endswith("_dynamic") for k in quantizers)
     for m in (1, 5):
         x = {"x": golden[f"x.M{m}"]}
         assert max_rel(host(x)["y"], ref(x)["y"]) <= 2e-3
