@@ -8,8 +8,11 @@ own launches, unfused, and, on a GPU, dense f16 cuBLAS (CuPy matmuls) as the bas
 
 Each block is captured for its M (`Compiled.capture`: one CUDA graph) and replayed; a sample is
 the device time of --inner replays between two CUDA events (wall time on the host backend),
-and the figure is the median of --repeat samples. Weights are random (quantized 64-row tiles,
-repeated: values do not change the speed of these kernels). Bandwidth is the bytes the plan
+and the figure is the median of --repeat samples. Replays rotate over enough copies of the
+block (own weights each) to overflow L2 twice, so weights come from DRAM as in a real model
+whose layers follow each other. The cuBLAS baseline is replayed the same way (as CUDA graphs;
+"eager" in the table if CuPy could not capture it). Weights are random (quantized 64-row
+tiles, repeated: values do not change the speed of these kernels). Bandwidth is the bytes the plan
 moves (weights once, activations) over that time, also as a share of a device-to-device copy
 measured in the same run. --scale shrinks every dimension (the host backend defaults to 1/32,
 to finish in seconds). Ratios > 1 mean the fused block is faster.
@@ -56,9 +59,9 @@ FORMATS: tuple[WeightFormat, ...] = (
     Nvfp4("mul", 4),
 )
 PIPELINE_VARIANTS: dict[str, dict[str, str | tuple[str, ...]]] = {
-    # fused: the default (16-bit: silu(g)*u in the gate/up epilogue; W4A4: in down_proj's
-    # prologue); silu_prologue: always down_proj's prologue; no_silu_fusion: silu and mul as
-    # their own launches.
+    # fused: the default (silu(g)*u in the gate/up pair's epilogue; W4A4: then one quantize_act
+    # of it for down_proj); silu_prologue: down_proj computes it (and under W4A4 quantizes it)
+    # in its prologue, in every warp; no_silu_fusion: silu and mul as their own launches.
     "mlp": {
         "fused": "default",
         "silu_prologue": tuple(p for p in PIPELINES["default"] if p != "silu_epilogue"),
@@ -137,35 +140,43 @@ def build(block: str, fmt: WeightFormat, d: dict[str, int], seed: int) -> tuple[
 
 
 class Timer:
-    """Median time of `inner` calls of a function, on the backend's clock: CUDA events on a
-    non-default stream (the function gets the stream), wall time on the host."""
+    """Median time of `inner` calls, on the backend's clock: CUDA events on a non-default stream
+    (each call gets the stream), wall time on the host. Calls rotate over several functions: the
+    same computation on copies of its weights, so that replays do not find the weights still in
+    L2 (an H200 holds ~50 MB there, more than a 4-bit q/k/v)."""
 
     def __init__(self, backend: str, repeat: int, inner: int) -> None:
         self.backend, self.repeat, self.inner = backend, repeat, inner
         self.stream: Any = None
+        self.l2_bytes = 0
         if backend == "cuda":
             import cupy
 
             self._cp = cupy
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.l2_bytes = int(cupy.cuda.Device().attributes.get("L2CacheSize", 60 << 20))
 
-    def seconds(self, fn: Callable[[Any], object]) -> float:
-        for _ in range(3):
+    def copies(self, weight_bytes: int) -> int:
+        """How many copies of `weight_bytes` of weights together overflow L2 twice."""
+        return min(16, max(1, -(-2 * self.l2_bytes // max(weight_bytes, 1))))
+
+    def seconds(self, fns: Sequence[Callable[[Any], object]]) -> float:
+        for fn in fns:
             fn(self.stream)
         samples = []
         for _ in range(self.repeat):
             if self.backend == "cuda":
                 start, end = self._cp.cuda.Event(), self._cp.cuda.Event()
                 start.record(self.stream)
-                for _ in range(self.inner):
-                    fn(self.stream)
+                for i in range(self.inner):
+                    fns[i % len(fns)](self.stream)
                 end.record(self.stream)
                 end.synchronize()
                 samples.append(self._cp.cuda.get_elapsed_time(start, end) / 1e3 / self.inner)
             else:
                 t0 = time.perf_counter()
-                for _ in range(self.inner):
-                    fn(self.stream)
+                for i in range(self.inner):
+                    fns[i % len(fns)](self.stream)
                 samples.append((time.perf_counter() - t0) / self.inner)
         return statistics.median(samples)
 
@@ -173,48 +184,98 @@ class Timer:
 def copy_gbps(timer: Timer) -> float:
     """Device-to-device copy bandwidth, bytes read plus written: the ceiling for these kernels."""
     cp = timer._cp
-    src = cp.ones(1 << 28, dtype=cp.float32)  # 1 GiB
+    src = cp.ones(1 << 28, dtype=cp.float32)  # 1 GiB: far beyond L2
     dst = cp.empty_like(src)
 
     def copy(stream: Any) -> None:
         with stream:
-            dst[...] = src
+            cp.copyto(dst, src)
 
-    return 2 * src.nbytes / timer.seconds(copy) / 1e9
+    return 2 * src.nbytes / timer.seconds([copy]) / 1e9
 
 
-def cublas_seconds(timer: Timer, block: str, d: dict[str, int], m: int) -> float:
-    """The same block with dense f16 weights through CuPy (cuBLAS GEMMs, CuPy elementwise)."""
-    cp = timer._cp
-    rng = cp.random.default_rng(0)
-    x = rng.standard_normal((m, d["hidden"]), dtype=cp.float32).astype(cp.float16)
+@dataclass
+class Dense:
+    """A block with dense f16 weights; `run` writes `outs` from `x` and `weights` ([in, out])."""
 
-    def dense(n: int, k: int) -> Any:
-        return (rng.standard_normal((k, n), dtype=cp.float32) * 0.02).astype(cp.float16)
+    run: Callable[[], None]
+    x: Any
+    weights: list[Any]
+    outs: list[Any]
 
+
+def dense_block(xp: Any, block: str, d: dict[str, int], m: int, seed: int) -> Dense:
+    """The block with dense f16 weights in array module `xp` (CuPy: cuBLAS GEMMs and CuPy
+    elementwise kernels), every result written into buffers made here, so that a call
+    allocates nothing and a CUDA graph can capture it."""
+    rng = np.random.default_rng(seed)
+
+    def dev(shape: tuple[int, ...], scale: float = 1.0) -> Any:
+        return xp.asarray((rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16))
+
+    x = dev((m, d["hidden"]))
     if block == "mlp":
-        wg, wu, wd = dense(d["inter"], d["hidden"]), dense(d["inter"], d["hidden"])
-        wd = dense(d["hidden"], d["inter"])
+        wg, wu = dev((d["hidden"], d["inter"]), 0.02), dev((d["hidden"], d["inter"]), 0.02)
+        wd = dev((d["inter"], d["hidden"]), 0.02)
+        g, u, h = (xp.empty((m, d["inter"]), dtype=xp.float16) for _ in range(3))
+        y = xp.empty((m, d["hidden"]), dtype=xp.float16)
 
-        def run(stream: Any) -> None:
+        def run() -> None:
+            xp.matmul(x, wg, out=g)
+            xp.matmul(x, wu, out=u)
+            xp.negative(g, out=h)  # h = g / (1 + exp(-g)) * u, in place
+            xp.exp(h, out=h)
+            xp.add(h, 1, out=h)
+            xp.divide(g, h, out=h)
+            xp.multiply(h, u, out=h)
+            xp.matmul(h, wd, out=y)
+            xp.add(y, x, out=y)
+
+        return Dense(run, x, [wg, wu, wd], [y])
+    ws = [dev((d["hidden"], n), 0.02) for n in (d["q"], d["kv"], d["kv"])]
+    outs = [xp.empty((m, w.shape[1]), dtype=xp.float16) for w in ws]
+
+    def run_qkv() -> None:
+        for w, o in zip(ws, outs, strict=True):
+            xp.matmul(x, w, out=o)
+
+    return Dense(run_qkv, x, ws, outs)
+
+
+def cublas_seconds(timer: Timer, block: str, d: dict[str, int], m: int) -> tuple[float, str]:
+    """Device time of the dense f16 block, replayed as a CUDA graph like qir's blocks (launched
+    one by one from Python, as "eager", if CuPy cannot capture them)."""
+    weight_bytes = 2 * d["hidden"] * (3 * d["inter"] if block == "mlp" else d["q"] + 2 * d["kv"])
+    copies = range(timer.copies(weight_bytes))
+    runs = [dense_block(timer._cp, block, d, m, seed).run for seed in copies]
+    s = timer.stream
+    graphs = []
+    try:
+        for run in runs:
+            with s:
+                run()  # first calls (cuBLAS handle, workspace) happen outside the capture
+            s.synchronize()
+            s.begin_capture()
+            try:
+                with s:
+                    run()
+            finally:
+                graphs.append(s.end_capture())
+    except Exception as e:
+        print(f"cuBLAS baseline not captured ({type(e).__name__}: {e}); timing it eagerly")
+
+        def eager(stream: Any, run: Callable[[], None]) -> None:
             with stream:
-                g, u = x @ wg, x @ wu
-                x + (g / (1 + cp.exp(-g)) * u) @ wd
-    else:
-        ws = [dense(d["q"], d["hidden"]), dense(d["kv"], d["hidden"]), dense(d["kv"], d["hidden"])]
+                run()
 
-        def run(stream: Any) -> None:
-            with stream:
-                for w in ws:
-                    x @ w
-
-    return timer.seconds(run)
+        return timer.seconds([lambda st, r=r: eager(st, r) for r in runs]), "eager"
+    return timer.seconds([lambda st, g=g: g.launch(st) for g in graphs]), "graph"
 
 
-def measure(args: argparse.Namespace, backend: str) -> tuple[list[Row], dict[str, float]]:
+def measure(args: argparse.Namespace, backend: str) -> tuple[list[Row], dict[str, Any]]:
     d = dims(args.scale)
     timer = Timer(backend, args.repeat, args.inner)
-    extra: dict[str, float] = {}
+    extra: dict[str, Any] = {"shapes": d}
     if backend == "cuda":
         extra["copy_gbps"] = copy_gbps(timer)
         print(f"device-to-device copy: {extra['copy_gbps']:.0f} GB/s (read + write)")
@@ -223,26 +284,29 @@ def measure(args: argparse.Namespace, backend: str) -> tuple[list[Row], dict[str
     for i, fmt in enumerate(formats):
         for block, variants in PIPELINE_VARIANTS.items():
             graph, weights = build(block, fmt, d, seed=i)
+            n_copies = timer.copies(sum(b.nbytes for w in weights.values() for b in w.values()))
             for variant, passes in variants.items():
-                compiled = qir.compile(graph, weights, backend=backend, passes=passes)
-                assert compiled.plan is not None
+                # Copies share kernels (compiled once) but each uploads its own weights.
+                copies = [
+                    qir.compile(graph, weights, backend=backend, passes=passes)
+                    for _ in range(n_copies)
+                ]
+                plan = copies[0].plan
+                assert plan is not None
                 for m in args.m:
                     rng = np.random.default_rng(m)
                     x = rng.standard_normal((m, d["hidden"]), dtype=np.float32).astype(np.float16)
-                    replay = compiled.capture(m, stream=timer.stream)
-                    replay({"x": x}, stream=timer.stream)
-                    s = timer.seconds(lambda stream, r=replay: r(stream=stream))
-                    moved = sum(
-                        compiled.plan.bytes_moved(la, m)
-                        for la in compiled.plan.launches
-                        if la.runs_for(m)
-                    )
+                    replays = [c.capture(m, stream=timer.stream) for c in copies]
+                    for r in replays:
+                        r({"x": x}, stream=timer.stream)
+                    s = timer.seconds([lambda st, r=r: r(stream=st) for r in replays])
+                    moved = sum(plan.bytes_moved(la, m) for la in plan.launches if la.runs_for(m))
                     row = Row(
                         fmt.tag(),
                         block,
                         m,
                         variant,
-                        compiled.launches_for(m),
+                        copies[0].launches_for(m),
                         moved / 2**20,
                         s * 1e6,
                         moved / s / 1e9,
@@ -253,15 +317,25 @@ def measure(args: argparse.Namespace, backend: str) -> tuple[list[Row], dict[str
                         f"{row.mib:>8.1f} {row.us:>9.1f} {row.gbps:>8.1f}",
                         flush=True,
                     )
-                del compiled
+                    save(args.json, rows, extra)  # a timeout keeps what was measured
+                del copies, replays
     if backend == "cuda":
         for block in PIPELINE_VARIANTS:
             for m in args.m:
-                extra[f"cublas_f16_{block}_M{m}_us"] = 1e6 * cublas_seconds(timer, block, d, m)
+                seconds, how = cublas_seconds(timer, block, d, m)
+                extra[f"cublas_f16_{block}_M{m}_us"] = 1e6 * seconds
+                extra[f"cublas_f16_{block}_M{m}_how"] = how
+                save(args.json, rows, extra)
     return rows, extra
 
 
-def summary(rows: Sequence[Row], extra: dict[str, float]) -> list[str]:
+def save(path: str | None, rows: Sequence[Row], extra: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], **extra}, f, indent=1)
+
+
+def summary(rows: Sequence[Row], extra: dict[str, Any]) -> list[str]:
     """Per format, block and M: fused vs each other variant, and vs dense cuBLAS."""
     by = {(r.format, r.block, r.m, r.variant): r for r in rows}
     lines = []
@@ -274,7 +348,8 @@ def summary(rows: Sequence[Row], extra: dict[str, float]) -> list[str]:
                 parts.append(f"{other} x{by[fmt, block, m, other].us / r.us:.2f}")
         dense = extra.get(f"cublas_f16_{block}_M{m}_us")
         if dense:
-            parts.append(f"cuBLAS f16 x{dense / r.us:.2f}")
+            how = extra[f"cublas_f16_{block}_M{m}_how"]
+            parts.append(f"cuBLAS f16 ({how}) x{dense / r.us:.2f}")
         if "copy_gbps" in extra:
             parts.append(f"{100 * r.gbps / extra['copy_gbps']:.0f}% of copy bandwidth")
         lines.append("  ".join(parts))
@@ -306,9 +381,6 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     print(f"{'format':14} {'blk':4} {'M':>3} {'variant':17} {'n':>3} {'MiB':>8} {'us':>9} GB/s")
     rows, extra = measure(args, backend)
     print("\n".join(["", "fused vs the others (x>1: fused is faster):", *summary(rows, extra)]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": [asdict(r) for r in rows], **extra}, f, indent=1)
     return rows
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
 
@@ -61,3 +62,75 @@ def test_tiled_weights_repeat_one_quantized_tile() -> None:
         w = fmt.dequantize(bufs, qw.out_features, qw.in_features)
         assert w.shape == (200, 256) and np.abs(w).max() > 0, fmt.spell()
         np.testing.assert_array_equal(w, np.tile(w[:64], (4, 1))[:200], err_msg=fmt.spell())
+
+
+@pytest.mark.parametrize("block", ["mlp", "qkv"])
+def test_dense_baseline_computes_the_block_in_place(block: str) -> None:
+    """The cuBLAS baseline's computation, run with numpy: on a GPU it is only reached after
+    every qir row is timed, so a crash there would lose them. It writes preallocated buffers
+    (a CUDA graph replays them) and computes the block."""
+    bench = load("llama_shapes")
+    dense = bench.dense_block(np, block, bench.dims(1 / 32), 3, seed=0)
+    outs = [o.copy() for o in dense.outs]
+    dense.run()
+    assert all(not np.array_equal(o, before) for o, before in zip(dense.outs, outs, strict=True))
+    x, ws = dense.x.astype(np.float32), [w.astype(np.float32) for w in dense.weights]
+    if block == "mlp":
+        g, u = x @ ws[0], x @ ws[1]
+        want = [x + (g / (1 + np.exp(-g)) * u) @ ws[2]]
+    else:
+        want = [x @ w for w in ws]
+    for got, ref in zip(dense.outs, want, strict=True):
+        assert got.dtype == np.float16 and got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+class FakeStream:
+    """Records what the benchmark asks of a CUDA stream; capture can be made to fail."""
+
+    def __init__(self, capture_fails: bool) -> None:
+        self.capture_fails = capture_fails
+        self.log: list[str] = []
+
+    def __enter__(self) -> FakeStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+    def begin_capture(self) -> None:
+        if self.capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.log.append("begin")
+
+    def end_capture(self) -> types.SimpleNamespace:
+        self.log.append("end")
+        return types.SimpleNamespace(launch=lambda stream: self.log.append("launch"))
+
+
+def fake_cupy() -> types.SimpleNamespace:
+    """numpy under CuPy's names, with events that time every sample as 1 ms."""
+    names = ("asarray", "empty", "matmul", "negative", "exp", "add", "divide", "multiply")
+    event = types.SimpleNamespace(record=lambda stream: None, synchronize=lambda: None)
+    cuda = types.SimpleNamespace(Event=lambda: event, get_elapsed_time=lambda a, b: 1.0)
+    return types.SimpleNamespace(
+        float16=np.float16, cuda=cuda, **{n: getattr(np, n) for n in names}
+    )
+
+
+@pytest.mark.parametrize(("capture_fails", "how"), [(False, "graph"), (True, "eager")])
+def test_cublas_baseline_replays_graphs_or_says_it_ran_eagerly(capture_fails: bool, how: str):
+    bench = load("llama_shapes")
+    timer = bench.Timer("host", repeat=3, inner=4)
+    timer.backend, timer._cp, timer.l2_bytes = "cuda", fake_cupy(), 1 << 20
+    timer.stream = FakeStream(capture_fails)
+    seconds, got = bench.cublas_seconds(timer, "qkv", bench.dims(1 / 32), 2)
+    assert got == how and seconds == pytest.approx(1e-3 / 4)
+    copies = timer.copies(2 * 128 * (128 + 2 * 128))
+    assert copies > 1  # the fake L2 holds more than one copy of these weights
+    if how == "graph":
+        # each copy: a first call outside the capture, then captured; then only replays
+        assert timer.stream.log[: 3 * copies] == ["sync", "begin", "end"] * copies
+        assert set(timer.stream.log[3 * copies :]) == {"launch"}

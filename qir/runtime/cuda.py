@@ -155,7 +155,8 @@ class CudaBackend:
         return partial(self._replay, graph, bound)
 
     def _replay(self, graph: Any, _alive: object, stream: Any = None) -> None:
-        graph.launch(self._stream(stream))
+        with self.device:  # a foreign stream is labelled with the current device
+            graph.launch(self._stream(stream))
 
     def _check(self, k: CudaKernel, args: Sequence[Any]) -> tuple[Any, ...]:
         params = k.kernel.params
@@ -273,13 +274,13 @@ class CudaBackend:
 
     @contextmanager
     def _on(self, stream: Any) -> Iterator[Any]:
-        s = self._stream(stream)
-        if s is None:
-            with self.device:
+        with self.device:  # a foreign stream is labelled with the current device
+            s = self._stream(stream)
+            if s is None:
                 yield self._cp.cuda.get_current_stream()
-        else:
-            with self.device, s:
-                yield s
+            else:
+                with s:
+                    yield s
 
     def synchronize(self) -> None:
         self.device.synchronize()

@@ -143,15 +143,23 @@ def _pack(result: CubinResult) -> bytes:
 
 
 def available() -> bool:
-    """Whether the cuda.core API this module compiles with is importable. Checked as a whole:
-    a cuda-core older than 1.0 installs `cuda.core` but keeps Program in `cuda.core.experimental`,
-    and the NVRTC exception type is private, so it may move."""
+    """Whether the cuda.core API this module compiles with is importable: a cuda-core older than
+    1.0 installs `cuda.core` but keeps Program in `cuda.core.experimental`."""
     try:
         from cuda.core import Program, ProgramOptions  # noqa: F401
-        from cuda.core._utils.cuda_utils import NVRTCError  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def _nvrtc_error() -> type[Exception]:
+    """cuda.core's exception for NVRTC failures. cuda.core 1.2.2 exports none publicly; if the
+    private one moves, any exception from compile() is taken as a compile error."""
+    try:
+        from cuda.core._utils.cuda_utils import NVRTCError
+    except ImportError:
+        return Exception
+    return NVRTCError
 
 
 def _toolchain() -> tuple[Path, ...]:
@@ -170,9 +178,6 @@ def _toolchain() -> tuple[Path, ...]:
 def _compile(kernel: Kernel, arch: str, toolkit: tuple[Path, ...]) -> CubinResult:
     from cuda.core import Program, ProgramOptions
 
-    # cuda.core 1.2.2 exports no public exception type for NVRTC failures (see available()).
-    from cuda.core._utils.cuda_utils import NVRTCError
-
     with kernel_include_dir(kernel) as inc:
         options = ProgramOptions(
             name=f"{kernel.name}.cu",  # NVRTC prefixes diagnostics with this
@@ -183,7 +188,7 @@ def _compile(kernel: Kernel, arch: str, toolkit: tuple[Path, ...]) -> CubinResul
         log = io.StringIO()
         try:
             code = Program(kernel.source, "c++", options=options).compile("cubin", logs=log)
-        except NVRTCError as e:
+        except _nvrtc_error() as e:
             # The program log only reaches us inside the exception text, after this marker.
             message = str(e).partition("compilation log:")[2] or str(e)
             raise CompileError(kernel.name, "nvrtc", message.strip("\x00\n "), kernel.source) from e

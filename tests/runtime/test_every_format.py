@@ -13,8 +13,10 @@ import pytest
 import qir
 from qir.builder import Builder
 from qir.codegen.lower import lower
-from qir.dtypes import F16, DType
+from qir.dtypes import BF16, F16, DType
 from qir.formats.base import WeightFormat
+from qir.formats.gptq import Gptq
+from qir.formats.mlx import MlxAffine
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
 from qir.passes.manager import run_pipeline
@@ -112,3 +114,33 @@ def test_fused_kernels_build_with_nvrtc_without_spills(fmt: WeightFormat) -> Non
     plan = lower(run_pipeline(graph, "default")[0])
     for launch in plan.launches:
         check_no_spills(launch.kernel)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "fmt",
+    [MlxAffine(4, 64, BF16), Gptq(3, 128, "gptq", 1, F16), Nvfp4("div", 4)],
+    ids=lambda f: f.tag(),
+)
+def test_gate_up_pair_with_ragged_rows(fmt: WeightFormat, backend: str) -> None:
+    """silu(g) * u of a pair whose N (37) is not a multiple of the rows per block: the last
+    block's idle warps leave early and the ragged stores land where the interpreter's do. The
+    mul takes its operands in the other order (up first), and up is the first weight merged."""
+    rng = np.random.default_rng(1)
+    b = Builder("pair")
+    x = b.input("x", ("M", HIDDEN), F16)
+    weights = {}
+    ws = {}
+    for name in ("up", "gate"):
+        qw, weights[name] = random_weight(rng, RAGGED, HIDDEN, fmt)
+        ws[name] = b.weight(name, qw, name=f"w_{name}")
+    up = b.qlinear(x, ws["up"])
+    b.output("h", b.mul(up, b.silu(b.qlinear(x, ws["gate"]))))
+    compiled = qir.compile(b.graph, weights, backend=backend)
+    assert any(
+        la.kernel.name.endswith(("_silumul", "_silumul_a4")) for la in compiled.plan.launches
+    )
+    reference = qir.compile(b.graph, weights, backend="reference")
+    for m in (1, 13, 70):
+        x_m = inputs(m)
+        close(compiled(x_m), reference(x_m), fmt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -182,3 +183,14 @@ def test_header_names_may_not_leave_the_include_dir() -> None:
 
 def test_nvrtc_version_names_the_build() -> None:
     assert re.fullmatch(r"\d+\.\d+(\.\d+ \S+)?", nvrtc_version())
+
+
+def test_nvrtc_error_type_falls_back_when_the_private_module_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from qir.runtime import nvrtc
+
+    assert nvrtc._nvrtc_error().__name__ == "NVRTCError"
+    monkeypatch.setitem(sys.modules, "cuda.core._utils.cuda_utils", None)
+    assert nvrtc._nvrtc_error() is Exception
+    assert nvrtc.available()  # the public API is all the backend needs

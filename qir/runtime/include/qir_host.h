@@ -378,7 +378,7 @@ struct Launch {
   // A fiber runs until it blocks, so a missing barrier lets a thread read a slot it expects
   // another to have written only when the writer happens to run first: a forward run exposes
   // the races where the writer comes later, a reverse run the others. Race-free kernels give
-  // the same bytes either way (tests/runtime/test_host_schedule.py).
+  // the same bytes either way (tests/runtime/test_host.py, test_every_format.py).
   bool reverse = false;
 };
 
