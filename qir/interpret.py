@@ -55,7 +55,8 @@ def bind_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int
     return sizes
 
 
-def dequantized(node: Node, weights: Weights) -> np.ndarray:
+def weight_buffers(node: Node, weights: Weights) -> Mapping[str, np.ndarray]:
+    """The kernel-layout buffers given for a weight node, checked against its format."""
     w = node.type
     assert isinstance(w, QWeight)
     key = node.attr("key")
@@ -63,7 +64,13 @@ def dequantized(node: Node, weights: Weights) -> np.ndarray:
         raise BindError(f"weight {key!r} was not given")
     bufs = weights[key]
     w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
-    return w.format.dequantize(bufs, w.out_features, w.in_features)
+    return bufs
+
+
+def dequantized(node: Node, weights: Weights) -> np.ndarray:
+    w = node.type
+    assert isinstance(w, QWeight)
+    return w.format.dequantize(weight_buffers(node, weights), w.out_features, w.in_features)
 
 
 def _f32(a: np.ndarray) -> np.ndarray:

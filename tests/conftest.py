@@ -25,8 +25,7 @@ DATA = Path(__file__).parent / "data"
 ON_GPU = pytest.mark.skipif(
     not available(), reason="no CUDA GPU (cupy.cuda.is_available() is false)"
 )
-GPU = [pytest.mark.gpu, ON_GPU]
-BACKENDS = ["host", pytest.param("cuda", marks=GPU)]
+BACKENDS = ["host", pytest.param("cuda", marks=[pytest.mark.gpu, ON_GPU])]
 MLX_FIXTURES = ("mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S")
 
 

@@ -42,7 +42,7 @@ def _scale_rule(graph: Graph, weights: list[str]) -> dict[str, AttrValue]:
     return rules[0] if all(r == rules[0] for r in rules) else {}
 
 
-def routes_format(tier: str, fmt: WeightFormat) -> bool:
+def _routes_format(tier: str, fmt: WeightFormat) -> bool:
     """Whether `tier` runs this format's activations 4-bit (K permitting)."""
     if tier == "declared":
         return fmt.declared_act_bits() == 4
@@ -76,7 +76,7 @@ class RouteW4A4:
         k = formats[0].in_features
         if k % 64 or k > MAX_K:
             return False
-        return all(routes_format(self.tier, t.format) for t in formats)
+        return all(_routes_format(self.tier, t.format) for t in formats)
 
     def _route(self, rw: Rewriter, m: Match) -> bool:
         graph = rw.graph

@@ -7,7 +7,8 @@ silu runs once per element.
 Why an epilogue and not down_proj's prologue (silu_prologue): a prologue recomputes silu(g) * u
 for the whole input in every warp of down_proj, one per output row: at Llama-3-8B shapes that
 is 4096 x 14336 exp and reciprocal per token (two SFU instructions per element in the SASS),
-several times the time down_proj needs to stream its weights; here it is 14336. Under W4A4
+by estimate several times the time down_proj needs to stream its weights (not yet measured:
+benchmarks/llama_shapes.py compares both); here it is 14336. Under W4A4
 the prologue would also quantize the product to NVFP4 in every warp; instead route_w4a4 gives
 down_proj one quantize_act launch of the stored product (one more launch, shared work).
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from qir.codegen.lower import Launch, Plan
-from qir.interpret import BindError, Weights, bind_inputs
+from qir.interpret import BindError, Weights, bind_inputs, weight_buffers
 from qir.runtime.backend import Backend
 from qir.types import QActType, QWeight, TensorType
 
@@ -160,11 +160,7 @@ class CompiledBlock:
             node = graph.node(wname)
             w = node.type
             assert isinstance(w, QWeight)
-            key = node.attr("key")
-            if key not in weights:
-                raise ValueError(f"weight {key!r} (%{wname}) was not given")
-            bufs = weights[key]
-            w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
+            bufs = weight_buffers(node, weights)
             self._weights[wname] = {
                 b: backend.to_device(np.ascontiguousarray(bufs[b]))
                 for b in w.format.buffers(w.out_features, w.in_features)

@@ -17,6 +17,7 @@ from qir.dtypes import F16, F32, U32
 from qir.formats.awq import GROUP_SIZES, Awq, read_gemv, repack_gemm, unpack_gemm, zeros_width
 from qir.formats.base import FormatError
 from qir.models import load
+from qir.models.checkpoint import LAYER_LINEARS
 from qir.runtime.nvrtc import check_no_spills
 from qir.types import QWeight
 from tests.conftest import DATA
@@ -32,15 +33,6 @@ from tests.formats.int_common import (
 
 CASES = ("awq_gemm_g64_S", "awq_gemv_g64_S")
 LAYER = "model.layers.0"
-LINEARS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
 # formats.md §1: logical column c of a GEMM word sits at nibble slot SLOT[c].
 SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -150,7 +142,7 @@ def test_sabotage_sequentially_packed_gemm_fails_golden() -> None:
     """A GEMM checkpoint packed in plain nibble order must not decode to the golden: this is the
     test that catches a repack which ignores AutoAWQ's interleaving."""
     tensors = load_file(str(DATA / "awq_gemm_g64_S" / "model.safetensors"))
-    module = f"{LAYER}.{LINEARS['q']}"
+    module = f"{LAYER}.{LAYER_LINEARS['q']}"
     qw, qz, s = (tensors[f"{module}.{n}"] for n in ("qweight", "qzeros", "scales"))
     want = golden("awq_gemm_g64_S")["W.0.q"]
     # The true codes, repacked sequentially, as a loader that forgot the order would store them.

@@ -17,18 +17,10 @@ from qir.formats import parse_format
 from qir.formats.base import FormatError
 from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.formats.mlx import BITS, GROUP_SIZES, SCALE_DTYPES, MlxAffine, from_config, matches_config
+from qir.models.checkpoint import LAYER_LINEARS
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CASES = ["mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S"]
-LINEARS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -36,7 +28,7 @@ def test_fixture_dequantize_matches_golden_bit_exactly(case: str) -> None:
     tensors = load_file(str(DATA / case / "model.safetensors"))
     golden = np.load(DATA / case / "golden.npz")
     qcfg = json.loads((DATA / case / "config.json").read_text())["quantization"]
-    for p, local in LINEARS.items():
+    for p, local in LAYER_LINEARS.items():
         module = f"model.layers.0.{local}"
         fmt = from_config(qcfg, module, BF16)
         assert fmt is not None
@@ -50,7 +42,7 @@ def test_fixture_dequantize_matches_golden_bit_exactly(case: str) -> None:
 def test_mixed_overrides_resolved_per_module() -> None:
     qcfg = json.loads((DATA / "mlx_mixed_3_6_S" / "config.json").read_text())["quantization"]
     bits = {}
-    for p, local in LINEARS.items():
+    for p, local in LAYER_LINEARS.items():
         fmt = from_config(qcfg, f"model.layers.0.{local}", BF16)
         assert fmt is not None and fmt.group_size == 64
         bits[p] = fmt.bits

@@ -68,7 +68,7 @@ def close(ours: dict[str, Any], ref: dict[str, np.ndarray], fmt: WeightFormat) -
 
 def host_bytes(a: Any) -> bytes:
     """The bytes of a numpy or CuPy array (capture outputs stay on the device)."""
-    return bytes(a.get().tobytes() if hasattr(a, "get") else np.asarray(a).tobytes())
+    return (a.get() if hasattr(a, "get") else np.asarray(a)).tobytes()
 
 
 def w4a4(fmt: WeightFormat) -> bool:
