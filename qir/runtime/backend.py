@@ -10,6 +10,7 @@ import numpy as np
 
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
+from qir.runtime.cache import KernelCache
 
 BACKENDS = ("reference", "host", "cuda")
 
@@ -19,8 +20,14 @@ BoundLaunch = tuple[Any, tuple[int, int, int], Sequence[Any]]
 
 class Backend(Protocol):
     name: str
+    cache: KernelCache
 
     def load(self, kernel: Kernel) -> Any: ...
+
+    def prepare(self, kernel: Kernel) -> None:
+        """Compile `kernel` into the caches without loading it. Must be safe to call from any
+        thread: a block's kernels are prepared in parallel, then loaded in order."""
+        ...
 
     def launch(
         self, loaded: Any, grid: tuple[int, int, int], args: Sequence[Any], stream: Any = None

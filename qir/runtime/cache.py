@@ -129,7 +129,10 @@ class KernelCache:
         self.lock_timeout = lock_timeout
         self.compiles = 0  # compiles done by this process (tests and benchmarks read it)
         self._memory: dict[Hashable, Any] = {}
-        self._mutex = threading.RLock()  # one compile per spec across threads, too
+        # One lock per spec being loaded: a block's kernels compile on several threads at
+        # once (see executor.prepare), and two threads asking for one spec compile it once.
+        self._pending: dict[Hashable, threading.Lock] = {}
+        self._mutex = threading.RLock()
         self._fallback: Path | None = None
 
     @classmethod
@@ -153,10 +156,20 @@ class KernelCache:
         except KeyError:
             pass
         with self._mutex:
-            if spec not in self._memory:
-                self._memory[spec] = load()
-            value: T = self._memory[spec]
-            return value
+            lock = self._pending.setdefault(spec, threading.Lock())
+        try:
+            with lock:
+                if spec not in self._memory:
+                    self._memory[spec] = load()
+                value: T = self._memory[spec]
+                return value
+        finally:
+            with self._mutex:
+                self._pending.pop(spec, None)
+
+    def holds(self, spec: Hashable) -> bool:
+        """Whether the in-process level has `spec` (nothing is loaded)."""
+        return spec in self._memory
 
     def forget(self) -> None:
         """Drop the in-process level (the disk level stays): the next load reads the disk."""

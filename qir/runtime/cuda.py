@@ -85,6 +85,12 @@ class CudaBackend:
         spec = (self.name, self.device.id, kernel)
         return self.cache.loaded(spec, lambda: self._load(kernel))
 
+    def prepare(self, kernel: Kernel) -> None:
+        """Compile `kernel` into the caches without loading it; safe on any thread (NVRTC needs
+        no device). CuPy's RawModule compiles as it loads, so that path prepares nothing."""
+        if self._compile == self._cubin_via_cache:
+            compile_cubin(kernel, self.arch, self.cache)
+
     def _load(self, kernel: Kernel) -> CudaKernel:
         with self.device:
             return CudaKernel(kernel, self._compile(kernel))

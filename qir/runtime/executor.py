@@ -1,6 +1,7 @@
 """Runs a lowered plan on a backend.
 
-Weights are uploaded once, when the block is built. Each run binds the inputs (see
+Weights are uploaded once, when the block is built, and the kernels are loaded then too: cold
+ones compile in parallel first (`load_kernels`). Each run binds the inputs (see
 `Backend.accept`), allocates one arena for the intermediates, laid out from liveness
 (`plan_memory`: a value's bytes are reused once its last reader has run; graph outputs are never
 in the arena), allocates fresh outputs, and launches the kernels in order on the given stream.
@@ -23,17 +24,25 @@ running on another stream than the block's keeps them alive until that stream ha
 from __future__ import annotations
 
 import bisect
+import logging
 import math
-from collections.abc import Callable, Mapping
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from qir.codegen.kernel import Kernel
 from qir.codegen.lower import Launch, Plan
+from qir.errors import UsageError
 from qir.interpret import BindError, Weights, bind_inputs, weight_buffers
 from qir.runtime.backend import Backend
 from qir.types import QActType, QWeight, TensorType
+
+log = logging.getLogger("qir.runtime")
 
 # Every arena slot starts on a 256-byte boundary, as cudaMalloc's own allocations do: kernels
 # issue 128-bit loads, and this keeps any view's dtype aligned.
@@ -137,6 +146,41 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
     holes[:] = merged
 
 
+def compile_jobs() -> int:
+    """Threads that compile one block's kernels: `$QIR_COMPILE_JOBS`, else the usable CPUs."""
+    raw = os.environ.get("QIR_COMPILE_JOBS", "").strip()
+    if not raw:
+        return max(1, len(os.sched_getaffinity(0)))
+    if not raw.isdigit() or int(raw) < 1:
+        raise UsageError(f"QIR_COMPILE_JOBS must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def load_kernels(backend: Backend, kernels: Sequence[Kernel]) -> list[Any]:
+    """Each kernel loaded, in order. Cold kernels compile in parallel first (g++ runs as a
+    child process, NVRTC without the GIL), then load one by one on this thread, so device
+    state (CUDA contexts, dlopen) is only touched here."""
+    distinct = list(dict.fromkeys(kernels))
+    jobs = min(compile_jobs(), len(distinct))
+    before, t0 = backend.cache.compiles, time.perf_counter()
+    if jobs > 1:
+        with ThreadPoolExecutor(jobs, thread_name_prefix="qir-compile") as pool:
+            for _ in pool.map(backend.prepare, distinct):  # re-raises the first failure
+                pass
+    loaded = [backend.load(k) for k in kernels]
+    compiled = backend.cache.compiles - before
+    if compiled:
+        log.info(
+            "%d of %d kernels compiled in %.2f s (%d %s)",
+            compiled,
+            len(distinct),
+            time.perf_counter() - t0,
+            jobs,
+            "thread" if jobs == 1 else "threads",
+        )
+    return loaded
+
+
 def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[Any]:
     """The dtype an input counts as. numpy inputs: their own (uploading may store bf16/fp8 as
     same-width ints). Device arrays: a same-width integer array stands for a bf16/fp8 input
@@ -165,7 +209,7 @@ class CompiledBlock:
                 b: backend.to_device(np.ascontiguousarray(bufs[b]))
                 for b in w.format.buffers(w.out_features, w.in_features)
             }
-        self._loaded = [backend.load(launch.kernel) for launch in plan.launches]
+        self._loaded = load_kernels(backend, [launch.kernel for launch in plan.launches])
         # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.
         self._consts = {
             a.value: backend.to_device(np.array([a.value], np.float32))

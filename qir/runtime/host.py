@@ -29,7 +29,7 @@ from numpy.typing import DTypeLike
 from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
 from qir.runtime.backend import BoundLaunch
-from qir.runtime.cache import HOST, KernelCache, key
+from qir.runtime.cache import HOST, Artifact, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
@@ -146,17 +146,13 @@ class HostBackend:
     def load(self, kernel: Kernel) -> HostKernel:
         return self.cache.loaded((self.name, self.sanitize, kernel), lambda: self._load(kernel))
 
+    def prepare(self, kernel: Kernel) -> None:
+        """Compile `kernel` into the disk cache without loading it; safe on any thread."""
+        if not self.cache.holds((self.name, self.sanitize, kernel)):
+            self._entry(kernel)
+
     def _load(self, kernel: Kernel) -> HostKernel:
-        source = host_source(kernel)
-        entry = self.cache.fetch(
-            HOST,
-            kernel.name,
-            key(self.key_parts(kernel, source)),
-            ".exe" if self.sanitize else ".so",
-            lambda: self._compile(kernel, source),
-            what="host g++",
-            executable=self.sanitize,
-        )
+        entry = self._entry(kernel)
         if self.sanitize:
             return HostKernel(kernel, entry.path, None)
         try:
@@ -167,6 +163,18 @@ class HostBackend:
             # The checksum matched, so this is what g++ produced: not a cache problem.
             raise RuntimeError(f"{kernel.name}: cannot load {entry.path}: {e}") from e
         return HostKernel(kernel, entry.path, lib)
+
+    def _entry(self, kernel: Kernel) -> Artifact:
+        source = host_source(kernel)
+        return self.cache.fetch(
+            HOST,
+            kernel.name,
+            key(self.key_parts(kernel, source)),
+            ".exe" if self.sanitize else ".so",
+            lambda: self._compile(kernel, source),
+            what="host g++",
+            executable=self.sanitize,
+        )
 
     def _compile(self, kernel: Kernel, source: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:

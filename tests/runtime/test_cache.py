@@ -9,7 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +24,13 @@ from test_host import GEMV
 from test_nvrtc import HALF_SUM
 
 from qir.codegen.kernel import Kernel
+from qir.errors import UsageError
 from qir.runtime import cache as cache_mod
 from qir.runtime import host as host_mod
 from qir.runtime import nvrtc as nvrtc_mod
 from qir.runtime.cache import KernelCache, key, read_entry
+from qir.runtime.errors import CompileError
+from qir.runtime.executor import compile_jobs, load_kernels
 from qir.runtime.host import HostBackend, HostKernel
 from qir.runtime.toolkit import cuda_include_dirs
 
@@ -211,6 +218,7 @@ def test_read_only_root_still_serves_its_entries(
     shutil.copytree(tmp_path / "host", ro / "host")
     _readonly(monkeypatch, ro, errno.EROFS)
     caplog.set_level(logging.WARNING, logger="qir.runtime")
+    caplog.clear()  # the compile above logged
     be = HostBackend(cache_dir=ro)
     np.testing.assert_array_equal(run_gemv(be.load(GEMV)), 32)
     assert be.cache.compiles == 0 and not be.cache.degraded and not caplog.records
@@ -344,3 +352,93 @@ def test_default_root_is_outside_the_package(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("QIR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
     assert cache_mod.default_root() == Path("/xdg/qir")
+
+
+# -- parallel compiles -------------------------------------------------------------------------
+
+
+def gemv_named(name: str) -> Kernel:
+    return Kernel(name, GEMV.source.replace("gemv_warp", name), GEMV.params, GEMV.block)
+
+
+def test_distinct_specs_load_at_once_and_one_spec_loads_once(tmp_path: Path) -> None:
+    store = KernelCache(tmp_path)
+    # Both loads must be inside load() together to pass the barrier: one lock for every spec
+    # would keep the second out, and the barrier would time out.
+    barrier = threading.Barrier(2, timeout=20)
+    calls: Counter[str] = Counter()
+
+    def load(spec: str) -> object:
+        calls[spec] += 1
+        barrier.wait()
+        time.sleep(0.05)  # the other threads asking for this spec arrive meanwhile
+        return object()
+
+    specs = ["a", "b"] * 4
+    with ThreadPoolExecutor(len(specs)) as pool:
+        got = list(pool.map(lambda s: store.loaded(s, partial(load, s)), specs))
+    assert calls == {"a": 1, "b": 1}
+    assert all(g is got[0] for g in got[0::2]) and all(g is got[1] for g in got[1::2])
+
+
+@needs_gxx
+def test_a_blocks_kernels_compile_on_threads_once_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("QIR_COMPILE_JOBS", "3")
+    caplog.set_level(logging.INFO, logger="qir.runtime")
+    be = HostBackend(cache_dir=tmp_path)
+    threads: set[str] = set()
+    compile_one = be._compile
+
+    def spy(kernel: Kernel, source: str) -> bytes:
+        threads.add(threading.current_thread().name)
+        return compile_one(kernel, source)
+
+    monkeypatch.setattr(be, "_compile", spy)
+    a, b, c = (gemv_named(f"gemv_par{i}") for i in range(3))
+    loaded = load_kernels(be, [a, b, a, c, b])
+    assert be.cache.compiles == 3
+    assert [k.kernel for k in loaded] == [a, b, a, c, b]
+    assert loaded[0] is loaded[2] and loaded[1] is loaded[4]
+    assert threads and all(t.startswith("qir-compile") for t in threads)
+    for k in loaded:
+        np.testing.assert_array_equal(run_gemv(k), 32)
+    summary = [r.getMessage() for r in caplog.records if "kernels compiled in" in r.getMessage()]
+    assert len(summary) == 1 and summary[0].startswith("3 of 3 kernels compiled in")
+    assert summary[0].endswith("(3 threads)")
+    caplog.clear()
+    load_kernels(be, [a, b, c])  # all loaded: no compile, no summary
+    assert be.cache.compiles == 3 and not caplog.records
+
+
+@needs_gxx
+def test_a_compile_error_on_a_compile_thread_reaches_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QIR_COMPILE_JOBS", "2")
+    broken = Kernel(
+        "broken_par", 'extern "C" __global__ void broken_par() { int x = ; }', (), (1, 1, 1)
+    )
+    be = HostBackend(cache_dir=tmp_path)
+    with pytest.raises(CompileError, match="broken_par") as e:
+        load_kernels(be, [gemv_named("gemv_ok"), broken])
+    assert "int x = ;" in str(e.value)  # the offending source line comes along
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_compile_jobs_must_be_a_positive_integer(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("QIR_COMPILE_JOBS", value)
+    with pytest.raises(
+        UsageError, match=f"QIR_COMPILE_JOBS must be a positive integer, got '{value}'"
+    ):
+        compile_jobs()
+
+
+def test_compile_jobs_defaults_to_the_usable_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QIR_COMPILE_JOBS", raising=False)
+    assert compile_jobs() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("QIR_COMPILE_JOBS", "5")
+    assert compile_jobs() == 5

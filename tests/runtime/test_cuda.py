@@ -17,6 +17,8 @@ from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
 from qir.runtime.cuda import CudaBackend, available
 from qir.runtime.errors import BackendUnavailable, CompileError
+from qir.runtime.nvrtc import available as nvrtc_available
+from qir.runtime.nvrtc import compile_cubin
 from tests.conftest import ON_GPU
 
 N = 1000  # not a multiple of any block size, so the bounds checks matter
@@ -84,11 +86,41 @@ def test_without_cuda_core_compiles_through_cupy_rawmodule(
     fake.RawModule = RawModule
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cuda.core", cuda_core)
-    loaded = CudaBackend(cache_dir=tmp_path).load(HEADER_AXPY)
+    be = CudaBackend(cache_dir=tmp_path)
+    be.prepare(HEADER_AXPY)  # CuPy compiles as it loads: nothing to prepare
+    assert not seen and be.cache.compiles == 0
+    loaded = be.load(HEADER_AXPY)
     assert loaded.function == f"function {HEADER_AXPY.name}"
     assert seen["code"] == HEADER_AXPY.source
     assert "-std=c++17" in seen["options"]
     assert seen["header"] == dict(HEADER_AXPY.headers)["ops/axpy.h"]
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-core 1.x (qir[compile])")
+def test_prepare_compiles_the_cubin_that_load_then_loads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """prepare (run on compile threads) builds the cubin without touching the device; load (on
+    the caller's thread) hands that cubin to the driver and compiles nothing."""
+    loaded: list[bytes] = []
+
+    class Module:
+        def load(self, cubin: bytes) -> None:
+            loaded.append(cubin)
+
+        def get_function(self, name: str) -> str:
+            return f"function {name}"
+
+    monkeypatch.setitem(
+        sys.modules, "cupy", fake_cupy(function=types.SimpleNamespace(Module=Module))
+    )
+    be = CudaBackend(cache_dir=tmp_path)
+    be.prepare(HALF_SUM)
+    assert be.cache.compiles == 1 and not loaded
+    assert be.load(HALF_SUM).function == "function half_sum8"
+    assert be.cache.compiles == 1
+    assert loaded == [compile_cubin(HALF_SUM, be.arch, be.cache).cubin]
+    assert loaded[0].startswith(b"\x7fELF")
 
 
 class TestForeignStreams:
