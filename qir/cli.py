@@ -22,6 +22,7 @@ from qir.codegen.lower import lower
 from qir.dump import dump, plan_json
 from qir.errors import QirError, UsageError
 from qir.graph import Graph
+from qir.logs import LOGGER
 from qir.models import load
 from qir.models.blocks import BLOCKS, Block, build
 from qir.passes.manager import PASSES, PIPELINES, PassOptions, PassRecord, run_pipeline
@@ -322,11 +323,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        format="qir: %(message)s",
-        stream=sys.stderr,
-    )
+    if args.quiet:  # else $QIR_LOG's level, info by default (see qir.logs)
+        logging.getLogger(LOGGER).setLevel(logging.WARNING)
     try:
         code: int = args.func(args)
         return code

@@ -1,0 +1,45 @@
+"""Where qir's log lines go: to stderr by default, to the application's logging once it has any.
+
+qir logs when a kernel compile starts and how long it took, and when the compile cache falls back
+to memory. A cold compile takes seconds; without a line saying so, that pause looks like a hang.
+Python's default is to drop INFO records of a library nobody configured, so qir installs one
+handler on its "qir" logger that prints `qir: <message>` to stderr, but only while the root logger
+has no handlers. An application (or the `qir` CLI, or pytest) that configures logging receives
+qir's records through propagation instead, formatted its own way, and never twice.
+
+`QIR_LOG` sets the level of the "qir" logger: debug, info (the default), warning or error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+LEVELS["error"] = logging.ERROR
+LOGGER = "qir"
+
+
+class _UntilConfigured(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the application's own handlers get the record by propagation
+        try:
+            # sys.stderr at the time of the record, so redirections (and pytest's capture) apply
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+def setup() -> None:
+    """Configure the "qir" logger from `QIR_LOG`; idempotent (runs when qir is imported)."""
+    logger = logging.getLogger(LOGGER)
+    if not any(isinstance(h, _UntilConfigured) for h in logger.handlers):
+        handler = _UntilConfigured()
+        handler.setFormatter(logging.Formatter("qir: %(message)s"))
+        logger.addHandler(handler)
+    raw = os.environ.get("QIR_LOG", "").strip().lower()
+    logger.setLevel(LEVELS.get(raw, logging.INFO))
+    if raw and raw not in LEVELS:
+        logger.warning("QIR_LOG=%s is not one of %s; logging at info", raw, ", ".join(LEVELS))
