@@ -134,3 +134,12 @@ def test_cublas_baseline_replays_graphs_or_says_it_ran_eagerly(capture_fails: bo
         # each copy: a first call outside the capture, then captured; then only replays
         assert timer.stream.log[: 3 * copies] == ["sync", "begin", "end"] * copies
         assert set(timer.stream.log[3 * copies :]) == {"launch"}
+
+
+def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    table = load("runtime").main(["--blocks", "qkv", "--repeat", "3"])
+    labels = [(block, label.split()[0]) for block, label, _ in table]
+    assert labels == [("qkv", "host"), ("qkv", "nvrtc")]
+    assert all(t > 0 for _, _, row in table for t in row)
+    out = capsys.readouterr().out
+    assert "cold compile ms" in out and "threads ms" in out and "\nqkv    host [1] " in out
