@@ -10,6 +10,7 @@ from pathlib import Path
 from qir.codegen.lower import Plan
 from qir.graph import Graph
 from qir.printer import print_graph
+from qir.runtime.executor import plan_memory
 
 
 def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = None) -> list[Path]:
@@ -33,8 +34,9 @@ def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = Non
 
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
     """One entry per launch: kernel name, block, grid, the IR nodes it covers; for a given M only
-    the launches that run at that M, with the bytes each moves, else every launch with the
-    range of M it serves."""
+    the launches that run at that M, with the bytes each moves, and the memory a run allocates
+    (the intermediates' arena planned from liveness, with each value's offset; the outputs),
+    else every launch with the range of M it serves."""
     kernels = []
     for launch in plan.launches:
         grid: object = list(launch.grid(m)) if m else [launch.grid_x, f"ceil(M/{launch.m_tile})", 1]
@@ -51,4 +53,14 @@ def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
         else:
             entry["m_range"] = list(launch.when)
         kernels.append(entry)
-    return {"graph": plan.graph.name, "kernels": kernels}
+    out: dict[str, object] = {"graph": plan.graph.name, "kernels": kernels}
+    if m:
+        mem = plan_memory(plan, m)
+        out["memory"] = {
+            "peak_bytes": mem.peak_bytes,
+            "arena_bytes": mem.arena_bytes,
+            "output_bytes": mem.output_bytes,
+            "intermediates_without_reuse_bytes": mem.unshared_bytes,
+            "arena_offsets": dict(mem.offsets),
+        }
+    return out

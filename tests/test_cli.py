@@ -75,6 +75,21 @@ def test_compile_writes_one_plan_entry_per_launch(tmp_path):
     assert kernels[0]["grid"] == [3 * 64, 1, 1] and kernels[0]["block"] == [128, 1, 1]
 
 
+def test_compile_reports_the_memory_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    argv = ["compile", str(CKPT), "--block", "mlp", "--m", "5", "--passes", "none"]
+    assert main([*argv, "--json", str(plan)]) == 0
+    mem = json.loads(plan.read_text())["memory"]
+    # Unfused: gate, up, act and h are [5, 512] bf16, down [5, 256]. gate, up and act live
+    # together; h takes gate's bytes once silu has read gate, down takes up's once mul has.
+    inter, hidden = 5 * 512 * 2, 5 * 256 * 2
+    offsets = {"gate": 0, "up": inter, "act": 2 * inter, "h": 0, "down": inter}
+    assert mem["arena_offsets"] == offsets and mem["arena_bytes"] == 3 * inter
+    assert mem["intermediates_without_reuse_bytes"] == 4 * inter + hidden
+    assert mem["output_bytes"] == hidden  # y
+    assert mem["peak_bytes"] == mem["arena_bytes"] + mem["output_bytes"]
+
+
 def _broken_checkpoint(tmp_path: Path, drop: str | None = None, **retype: str) -> Path:
     """A copy of the 4-bit fixture with one tensor removed or re-typed."""
     from safetensors.numpy import save_file
