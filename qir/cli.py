@@ -30,6 +30,9 @@ from qir.passes.route_w4a4 import TIERS
 from qir.printer import print_graph
 from qir.runtime import cache as kernel_cache
 from qir.runtime.backend import BACKENDS, best_backend
+from qir.runtime.cuda import available as cuda_available
+from qir.runtime.warm import HOST as HOST_TARGET
+from qir.runtime.warm import warm
 
 EXIT_USAGE = 2
 ACT_DTYPES = ("f16", "bf16", "f32")
@@ -241,16 +244,55 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "clear":
         print(f"removed {kernel_cache.clear(root)} entries from {root}")
         return 0
+    if args.action == "warm":
+        return _cache_warm(args, root)
     print(f"cache {root} (set QIR_CACHE_DIR to move it)")
     for ns in kernel_cache.info(root):
         print(f"  {ns.name:6} {ns.entries:5d} entries {ns.bytes / 2**20:9.2f} MiB")
     return 0
 
 
+def _cache_warm(args: argparse.Namespace, root: Path) -> int:
+    targets = [*args.arch, *([HOST_TARGET] if args.host else [])] or [_local_arch()]
+    ck = load(args.checkpoint)
+    act = dtypes.by_name(args.act_dtype) if args.act_dtype else None
+    options = PassOptions(weight_quantization=args.weight_quantization)
+    layers = args.layers if args.layers is not None else range(ck.num_layers)
+    kernels = []
+    for layer in layers:
+        for name in args.blocks:
+            graph, _ = run_pipeline(build(ck, name, layer, act).graph, args.passes, options=options)
+            kernels += [launch.kernel for launch in lower(graph).launches]
+    for w in warm(kernels, targets, root):
+        print(
+            f"{w.target}: {w.kernels} kernels, {w.compiled} compiled, "
+            f"{w.kernels - w.compiled} already cached ({w.seconds:.1f} s)"
+        )
+    print(f"cache {root}")
+    return 0
+
+
+def _local_arch() -> str:
+    if not cuda_available():
+        raise UsageError(
+            "cache warm: no GPU here to take the arch from; name the targets: "
+            "--arch sm_90 [sm_80 ...] (NVRTC, no GPU needed) and/or --host"
+        )
+    import cupy
+
+    return f"sm_{cupy.cuda.Device().compute_capability}"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--block", required=True, help=f"one of {', '.join(BLOCKS)}")
     p.add_argument("--layer", type=int, default=0, help="decoder layer index (default 0)")
+    _lowering(p)
+    p.add_argument("--print-ir", choices=("after-all",), help="print the IR after every pass")
+
+
+def _lowering(p: argparse.ArgumentParser) -> None:
+    """The options that decide which kernels a block becomes."""
     p.add_argument(
         "--act-dtype", choices=ACT_DTYPES, help="activation dtype (default: the checkpoint's)"
     )
@@ -266,7 +308,6 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="NVFP4 weights taking 4-bit activations: declared by the checkpoint (default), "
         "all, or none",
     )
-    p.add_argument("--print-ir", choices=("after-all",), help="print the IR after every pass")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -315,9 +356,27 @@ def parser() -> argparse.ArgumentParser:
     deq.add_argument("-o", "--out", type=Path, required=True, help="output W.npy")
     deq.set_defaults(func=cmd_dequant)
 
-    cch = sub.add_parser("cache", help="show or clear the compiled-kernel cache")
-    cch.add_argument("action", choices=("info", "clear"))
+    cch = sub.add_parser("cache", help="show, clear or fill the compiled-kernel cache")
     cch.set_defaults(func=cmd_cache)
+    actions = cch.add_subparsers(dest="action", required=True)
+    actions.add_parser("info", help="where the cache is, entries and size")
+    actions.add_parser("clear", help="delete qir's entries")
+    wrm = actions.add_parser(
+        "warm",
+        help="compile a checkpoint's kernels ahead of time (for --arch no GPU is needed: warm "
+        "a deployment image's cache while building it)",
+    )
+    wrm.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    wrm.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    wrm.add_argument("--layers", type=int, nargs="+", help="decoder layers (default: all)")
+    wrm.add_argument(
+        "--arch",
+        nargs="+",
+        default=[],
+        help="NVRTC targets, e.g. sm_90 sm_80 (default: this GPU's)",
+    )
+    wrm.add_argument("--host", action="store_true", help="the host backend's kernels too")
+    _lowering(wrm)
     return ap
 
 

@@ -156,17 +156,27 @@ def compile_jobs() -> int:
     return int(raw)
 
 
+def prepare_all(prepare: Callable[[Kernel], object], kernels: Sequence[Kernel]) -> int:
+    """`prepare` every kernel on up to `compile_jobs()` threads; re-raises the first failure
+    (in `kernels` order) once all have finished. Returns the threads used."""
+    jobs = max(1, min(compile_jobs(), len(kernels)))
+    if jobs == 1:
+        for k in kernels:
+            prepare(k)
+        return 1
+    with ThreadPoolExecutor(jobs, thread_name_prefix="qir-compile") as pool:
+        for _ in pool.map(prepare, kernels):
+            pass
+    return jobs
+
+
 def load_kernels(backend: Backend, kernels: Sequence[Kernel]) -> list[Any]:
     """Each kernel loaded, in order. Cold kernels compile in parallel first (g++ runs as a
     child process, NVRTC without the GIL), then load one by one on this thread, so device
     state (CUDA contexts, dlopen) is only touched here."""
     distinct = list(dict.fromkeys(kernels))
-    jobs = min(compile_jobs(), len(distinct))
     before, t0 = backend.cache.compiles, time.perf_counter()
-    if jobs > 1:
-        with ThreadPoolExecutor(jobs, thread_name_prefix="qir-compile") as pool:
-            for _ in pool.map(backend.prepare, distinct):  # re-raises the first failure
-                pass
+    jobs = prepare_all(backend.prepare, distinct) if len(distinct) > 1 else 1
     loaded = [backend.load(k) for k in kernels]
     compiled = backend.cache.compiles - before
     if compiled:

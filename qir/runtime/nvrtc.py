@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from qir.codegen.kernel import Kernel
+from qir.errors import UsageError
 from qir.runtime.cache import CUBIN, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
@@ -211,6 +212,29 @@ def check_no_spills(
             raise SpillError(kernel.name, arch, result.spill_bytes, result.log)
         results.append(result)
     return tuple(results)
+
+
+@cache
+def supported_archs() -> tuple[str, ...]:
+    """The real architectures this NVRTC compiles for, e.g. ("sm_75", ..., "sm_120")."""
+    _toolchain()
+    from cuda.bindings import nvrtc
+
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check(err, "nvrtcGetSupportedArchs")
+    return tuple(f"sm_{a}" for a in archs)
+
+
+def check_arch(arch: str) -> str:
+    """`arch` if NVRTC can target it ("sm_90"; "sm_90a" and "sm_100f" name the arch-specific
+    and family variants of a supported arch), else a UsageError listing what it can."""
+    m = re.fullmatch(r"(sm_\d+)[af]?", arch)
+    if m is None or m.group(1) not in supported_archs():
+        raise UsageError(
+            f"arch {arch!r}: NVRTC {nvrtc_version()} compiles for {', '.join(supported_archs())}"
+            " (optionally with an a or f suffix, e.g. sm_90a)"
+        )
+    return arch
 
 
 @cache

@@ -1,0 +1,60 @@
+"""Filling the compile cache ahead of time, for machines that will run the kernels later.
+
+A deployment image is usually built without a GPU, and a server that compiles on its first
+request stalls it. NVRTC needs no GPU, and a cubin's cache key depends only on the kernel, the
+arch, NVRTC and the CUDA headers (`nvrtc.key_parts`), so kernels compiled here for sm_90 are
+exactly the entries a CudaBackend on an H100/H200 loads, with no compile, provided it sees the
+same NVRTC and headers (the same qir[cuda] install). `host` fills the host backend's entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from qir.codegen.kernel import Kernel
+from qir.runtime.cache import KernelCache
+from qir.runtime.executor import prepare_all
+from qir.runtime.nvrtc import check_arch, compile_cubin
+
+log = logging.getLogger("qir.runtime")
+
+HOST = "host"
+
+
+@dataclass(frozen=True)
+class Warmed:
+    target: str  # "host" or an arch, e.g. "sm_90"
+    kernels: int  # distinct kernels
+    compiled: int  # of which were not cached yet
+    seconds: float
+
+
+def warm(
+    kernels: Sequence[Kernel], targets: Sequence[str], root: Path | None = None
+) -> list[Warmed]:
+    """Compile every distinct kernel for every target into the cache at `root` (default: the
+    configured one), on the compile thread pool. Targets are checked before anything compiles."""
+    distinct = list(dict.fromkeys(kernels))
+    prepares = [(t, _preparer(t, root)) for t in targets]
+    out = []
+    for target, (cache, prepare) in prepares:
+        before, t0 = cache.compiles, time.perf_counter()
+        log.info("warming %d kernels for %s ...", len(distinct), target)
+        prepare_all(prepare, distinct)
+        out.append(Warmed(target, len(distinct), cache.compiles - before, time.perf_counter() - t0))
+    return out
+
+
+def _preparer(target: str, root: Path | None) -> tuple[KernelCache, Callable[[Kernel], object]]:
+    if target == HOST:
+        from qir.runtime.host import HostBackend
+
+        be = HostBackend(cache_dir=root)
+        return be.cache, be.prepare
+    cache = KernelCache.at(root)
+    return cache, partial(compile_cubin, arch=check_arch(target), cache=cache)
