@@ -26,10 +26,25 @@ class BindError(QirError, ValueError):
 
 def bind_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Check inputs against the graph's declared types; return the symbolic sizes (e.g. M)."""
-    sizes: dict[str, int] = {}
+    return check_inputs(declared_inputs(graph), inputs)
+
+
+def declared_inputs(graph: Graph) -> dict[str, TensorType]:
+    """The graph's inputs and their types, in order."""
+    declared = {}
     for name in graph.inputs:
         t = graph.node(name).type
         assert isinstance(t, TensorType)
+        declared[name] = t
+    return declared
+
+
+def check_inputs(
+    declared: Mapping[str, TensorType], inputs: Mapping[str, np.ndarray]
+) -> dict[str, int]:
+    """`bind_inputs` against inputs listed once (a compiled block checks every run)."""
+    sizes: dict[str, int] = {}
+    for name, t in declared.items():
         if name not in inputs:
             raise BindError(
                 f"input %{name} ({t}) was not given; given: {', '.join(inputs) or 'none'}"
@@ -49,9 +64,9 @@ def bind_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, int
                     raise BindError(f"input %{name}: {want} must be at least 1, got {got}")
             elif got != want:
                 raise BindError(f"input %{name}: shape {list(a.shape)}, expected {t}")
-    unknown = set(inputs) - set(graph.inputs)
+    unknown = set(inputs) - set(declared)
     if unknown:
-        raise BindError(f"unknown inputs {sorted(unknown)}; the block takes {graph.inputs}")
+        raise BindError(f"unknown inputs {sorted(unknown)}; the block takes {list(declared)}")
     return sizes
 
 

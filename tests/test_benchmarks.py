@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -143,3 +144,4 @@ def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(t > 0 for _, _, row in table for t in row)
     out = capsys.readouterr().out
     assert "cold compile ms" in out and "threads ms" in out and "\nqkv    host [1] " in out
+    assert re.search(r"kernel calls stubbed out.*\nqkv +\d+\.\d\n", out)

@@ -38,7 +38,7 @@ import numpy as np
 from qir.codegen.kernel import Kernel
 from qir.codegen.lower import Launch, Plan
 from qir.errors import UsageError
-from qir.interpret import BindError, Weights, bind_inputs, weight_buffers
+from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
 from qir.runtime.backend import Backend
 from qir.types import QActType, QWeight, TensorType
 
@@ -62,6 +62,16 @@ class MemoryPlan:
     def peak_bytes(self) -> int:
         """Bytes one run allocates besides its inputs and the weights."""
         return self.arena_bytes + self.output_bytes
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A run at one M: its memory plan, every buffer it allocates (value, shape, dtype, offset
+    in the arena or None for an output of its own) and its launches (index, grid)."""
+
+    mem: MemoryPlan
+    buffers: tuple[tuple[str, tuple[int, ...], Any, int | None], ...]
+    launches: tuple[tuple[int, tuple[int, int, int]], ...]
 
 
 def _tensor(plan: Plan, value: str) -> TensorType:
@@ -227,14 +237,29 @@ class CompiledBlock:
             for a in launch.args
             if a.kind == "const"
         }
-        self._memory: dict[int, MemoryPlan] = {}
+        # What every run needs from the graph, looked up once: a run's CPU time is the launch
+        # overhead a decode step pays when it is not replayed from a capture.
+        self._inputs = declared_inputs(graph)
+        self._outputs = [(name, v, _tensor(plan, v).dtype.np) for name, v in graph.outputs]
+        self._templates = [self._arg_template(launch) for launch in plan.launches]
+        self._layouts: dict[int, _Layout] = {}
         # Uploads ran on the current stream; a run may launch on another that does not wait.
         backend.synchronize()
 
     def memory_plan(self, m: int) -> MemoryPlan:
-        if m not in self._memory:
-            self._memory[m] = plan_memory(self.plan, m)
-        return self._memory[m]
+        return self._layout(m).mem
+
+    def _layout(self, m: int) -> _Layout:
+        if m not in self._layouts:
+            mem, sizes = plan_memory(self.plan, m), {"M": m}
+            buffers = tuple(
+                (v, *_storage(self.plan, v, sizes), mem.offsets.get(v))
+                for i in mem.active
+                for v in self.plan.launches[i].outputs
+            )
+            grids = tuple((i, self.plan.launches[i].grid(m)) for i in mem.active)
+            self._layouts[m] = _Layout(mem, buffers, grids)
+        return self._layouts[m]
 
     def run(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
         """Run the block once on `stream` (cuda: a CuPy or torch stream; None: the current one).
@@ -243,16 +268,13 @@ class CompiledBlock:
         with be.on(stream) as s:
             env, sizes, on_device = self._bind(inputs)
             m = sizes.get("M", 1)
-            mem = self.memory_plan(m)
-            self._allocate(env, mem, sizes)
-            for i in mem.active:
-                launch = self.plan.launches[i]
-                be.launch(self._loaded[i], launch.grid(m), self._args(launch, env, m), s)
-            results = {}
-            for name, v in self.plan.graph.outputs:
-                dtype = _tensor(self.plan, v).dtype.np
-                results[name] = env[v] if on_device else be.from_device(env[v]).view(dtype)
-            return results
+            layout = self._layout(m)
+            self._allocate(env, layout)
+            for i, grid in layout.launches:
+                be.launch(self._loaded[i], grid, self._args(i, env, m), s)
+            if on_device:
+                return {name: env[v] for name, v, _ in self._outputs}
+            return {name: be.from_device(env[v]).view(dt) for name, v, dt in self._outputs}
 
     def capture(self, m: int, stream: Any = None) -> CapturedBlock:
         """Bind every launch for M=`m` to fixed buffers and record them for replay."""
@@ -264,10 +286,9 @@ class CompiledBlock:
             for n in graph.inputs:
                 t = _tensor(self.plan, n)
                 env[n] = be.empty(t.concrete(sizes), t.dtype.np)
-            mem = self.memory_plan(m)
-            self._allocate(env, mem, sizes)
-            launches = [(self.plan.launches[i], self._loaded[i]) for i in mem.active]
-            bound = [(k, launch.grid(m), self._args(launch, env, m)) for launch, k in launches]
+            layout = self._layout(m)
+            self._allocate(env, layout)
+            bound = [(self._loaded[i], grid, self._args(i, env, m)) for i, grid in layout.launches]
             replay = be.record(bound)
         # The buffers may be memory a run on this stream freed while its kernels were still
         # queued (CuPy's pool reuses per stream without waiting); a replay on another stream
@@ -282,47 +303,47 @@ class CompiledBlock:
         )
 
     def _bind(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, int], bool]:
-        graph = self.plan.graph
         env: dict[str, Any] = {}
         stand_ins: dict[str, np.ndarray] = {}
         on_device = False
         for name, raw in inputs.items():
             env[name], device = self.backend.accept(raw)
             on_device |= device
-            declared = (
-                np.dtype(_tensor(self.plan, name).dtype.np)
-                if name in graph.inputs
-                else np.dtype(env[name].dtype)
-            )
-            # bind_inputs checks shapes and dtypes; a zero-stride numpy stand-in carries both
+            t = self._inputs.get(name)
+            declared = np.dtype(t.dtype.np if t is not None else env[name].dtype)
+            # check_inputs checks shapes and dtypes; a zero-stride numpy stand-in carries both
             # without touching (or copying) a device array.
             dtype = _logical_dtype(raw, env[name], declared)
             stand_ins[name] = np.broadcast_to(np.empty((), dtype), env[name].shape)
-        return env, bind_inputs(graph, stand_ins), on_device
+        return env, check_inputs(self._inputs, stand_ins), on_device
 
-    def _allocate(self, env: dict[str, Any], mem: MemoryPlan, sizes: dict[str, int]) -> None:
+    def _allocate(self, env: dict[str, Any], layout: _Layout) -> None:
         be = self.backend
-        arena = be.empty((max(mem.arena_bytes, 1),), np.uint8)
-        for i in mem.active:
-            for v in self.plan.launches[i].outputs:
-                shape, dtype = _storage(self.plan, v, sizes)
-                if v in mem.offsets:
-                    env[v] = be.view(arena, mem.offsets[v], shape, dtype)
-                else:
-                    env[v] = be.empty(shape, dtype)
+        arena = be.empty((max(layout.mem.arena_bytes, 1),), np.uint8)
+        for v, shape, dtype, offset in layout.buffers:
+            env[v] = (
+                be.empty(shape, dtype) if offset is None else be.view(arena, offset, shape, dtype)
+            )
 
-    def _args(self, launch: Launch, env: dict[str, Any], m: int) -> list[Any]:
-        args: list[Any] = []
+    def _arg_template(self, launch: Launch) -> list[tuple[str, Any]]:
+        """Each argument as ("value", name) to look up in the run's buffers, ("m", None), or
+        ("fixed", array): a weight buffer or a constant, the same every run."""
+        out: list[tuple[str, Any]] = []
         for a in launch.args:
             if a.kind == "value":
-                args.append(env[a.ref])
+                out.append(("value", a.ref))
             elif a.kind == "weight":
-                args.append(self._weights[a.ref][a.buffer])
+                out.append(("fixed", self._weights[a.ref][a.buffer]))
             elif a.kind == "const":
-                args.append(self._consts[a.value])
+                out.append(("fixed", self._consts[a.value]))
             else:
-                args.append(m)
-        return args
+                out.append(("m", None))
+        return out
+
+    def _args(self, i: int, env: dict[str, Any], m: int) -> list[Any]:
+        return [
+            env[x] if kind == "value" else m if kind == "m" else x for kind, x in self._templates[i]
+        ]
 
 
 class CapturedBlock:
