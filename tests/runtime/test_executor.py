@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import resource
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -155,6 +156,17 @@ def test_a_run_does_not_walk_the_graph(
     assert host_block({"x": x_of(70)})["y"].shape == (70, HIDDEN)  # a batch size not seen yet
     with pytest.raises(BindError, match=r"input %x: shape \[128\], expected"):
         host_block({"x": x_of(3)[0]})
+
+
+@needs_gxx
+def test_runs_from_several_threads_agree(host_block: qir.Compiled) -> None:
+    """A server may call one block from several threads: each run has its own arena."""
+    xs = [x_of(m, seed=m) for m in (1, 3, 5, 9, 70, 2, 7, 4)]
+    want = [host_block({"x": x})["y"] for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: host_block({"x": x})["y"], xs * 3))
+    for i, y in enumerate(got):
+        np.testing.assert_array_equal(y, want[i % len(xs)])
 
 
 @needs_gxx
