@@ -382,8 +382,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    logger = logging.getLogger(LOGGER)
+    level = logger.level
     if args.quiet:  # else $QIR_LOG's level, info by default (see qir.logs)
-        logging.getLogger(LOGGER).setLevel(logging.WARNING)
+        logger.setLevel(logging.WARNING)
     try:
         code: int = args.func(args)
         return code
@@ -394,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # compile errors carry the compiler output and source excerpt on further lines
             print("\n".join(first[1:]), file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        logger.setLevel(level)  # main() may be called in a process that goes on
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ fresh interpreter, because where the lines go is decided when qir is imported.""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -78,6 +79,39 @@ def test_an_application_that_configures_logging_gets_them_once_in_its_format(
     lines = compile_lines(p.stderr)
     assert lines and all(line.startswith("app| qir.runtime ") for line in lines), p.stderr
     assert sum("compiling qgemv_" in line for line in lines) == 1
+
+
+@needs_gxx
+def test_a_handler_the_application_put_on_qir_gets_them_once(tmp_path: Path) -> None:
+    configure = (
+        'h = logging.StreamHandler(sys.stderr); h.setFormatter(logging.Formatter("mine| %(message)s"));'
+        ' logging.getLogger("qir").addHandler(h)'
+    )
+    p = run(tmp_path, configure)
+    assert p.returncode == 0, p.stderr
+    lines = compile_lines(p.stderr)
+    assert lines and all(line.startswith("mine| ") for line in lines), p.stderr
+
+
+def test_a_level_set_before_import_is_kept() -> None:
+    code = (
+        'import logging; logging.getLogger("qir").setLevel(logging.ERROR); import qir;'
+        ' print(logging.getLevelName(logging.getLogger("qir").level))'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "QIR_LOG"}
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (p.returncode, p.stdout.strip()) == (0, "ERROR"), p.stderr
+
+
+def test_cli_quiet_lasts_one_call() -> None:
+    from qir.cli import main
+
+    logger = logging.getLogger("qir")
+    before = logger.level
+    assert main(["-q", "cache", "info"]) == 0
+    assert logger.level == before
 
 
 def test_an_unknown_qir_log_level_is_named() -> None:

@@ -157,15 +157,15 @@ class KernelCache:
             pass
         with self._mutex:
             lock = self._pending.setdefault(spec, threading.Lock())
-        try:
-            with lock:
-                if spec not in self._memory:
-                    self._memory[spec] = load()
-                value: T = self._memory[spec]
-                return value
-        finally:
-            with self._mutex:
-                self._pending.pop(spec, None)
+        with lock:
+            if spec not in self._memory:
+                self._memory[spec] = load()
+                # Only a success retires the lock: after a failure, a retry and a newcomer
+                # still queue on the same one.
+                with self._mutex:
+                    self._pending.pop(spec, None)
+            value: T = self._memory[spec]
+            return value
 
     def holds(self, spec: Hashable) -> bool:
         """Whether the in-process level has `spec` (nothing is loaded)."""
@@ -204,7 +204,8 @@ class KernelCache:
             log.info("compiling %s (%s) ...", name, what)
             t0 = time.perf_counter()
             payload = build()
-            self.compiles += 1
+            with self._mutex:  # builds run on several threads
+                self.compiles += 1
             log.info("compiled %s (%s) in %.2f s", name, what, time.perf_counter() - t0)
             return Artifact(self._store(namespace, path, payload, executable), payload)
 

@@ -160,10 +160,15 @@ def compile_jobs() -> int:
     """Threads that compile one block's kernels: `$QIR_COMPILE_JOBS`, else the usable CPUs."""
     raw = os.environ.get("QIR_COMPILE_JOBS", "").strip()
     if not raw:
-        return max(1, len(os.sched_getaffinity(0)))
-    if not raw.isdigit() or int(raw) < 1:
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        return max(1, len(usable) if usable is not None else os.cpu_count() or 1)
+    try:
+        jobs = int(raw, 10)
+    except ValueError:
+        jobs = 0
+    if jobs < 1 or not raw.isascii():
         raise UsageError(f"QIR_COMPILE_JOBS must be a positive integer, got {raw!r}")
-    return int(raw)
+    return jobs
 
 
 def prepare_all(prepare: Callable[[Kernel], object], kernels: Sequence[Kernel]) -> int:
@@ -174,9 +179,15 @@ def prepare_all(prepare: Callable[[Kernel], object], kernels: Sequence[Kernel]) 
         for k in kernels:
             prepare(k)
         return 1
-    with ThreadPoolExecutor(jobs, thread_name_prefix="qir-compile") as pool:
+    pool = ThreadPoolExecutor(jobs, thread_name_prefix="qir-compile")
+    try:
         for _ in pool.map(prepare, kernels):
             pass
+    except BaseException:
+        # A failure (or Ctrl-C) drops the compiles still queued; those running finish.
+        pool.shutdown(cancel_futures=True)
+        raise
+    pool.shutdown()
     return jobs
 
 

@@ -226,15 +226,29 @@ def supported_archs() -> tuple[str, ...]:
 
 
 def check_arch(arch: str) -> str:
-    """`arch` if NVRTC can target it ("sm_90"; "sm_90a" and "sm_100f" name the arch-specific
-    and family variants of a supported arch), else a UsageError listing what it can."""
-    m = re.fullmatch(r"(sm_\d+)[af]?", arch)
-    if m is None or m.group(1) not in supported_archs():
+    """`arch` if NVRTC builds cubins for it, else a UsageError listing the archs it can. The
+    arch-specific ("sm_90a") and family ("sm_100f") variants exist for some archs only, so the
+    answer comes from NVRTC itself: an empty program compiled for `arch`."""
+    if re.fullmatch(r"sm_\d+[af]?", arch) is None or not _accepts(arch):
         raise UsageError(
             f"arch {arch!r}: NVRTC {nvrtc_version()} compiles for {', '.join(supported_archs())}"
-            " (optionally with an a or f suffix, e.g. sm_90a)"
+            " (and, for some, their a or f variants, e.g. sm_90a)"
         )
     return arch
+
+
+@cache
+def _accepts(arch: str) -> bool:
+    _toolchain()
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(b"", b"arch_probe.cu", 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, 1, [f"-arch={arch}".encode()])
+        return bool(err == nvrtc.nvrtcResult.NVRTC_SUCCESS)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 @cache

@@ -10,6 +10,7 @@ same NVRTC and headers (the same qir[cuda] install). `host` fills the host backe
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from qir.codegen.kernel import Kernel
+from qir.errors import UsageError
 from qir.runtime.cache import KernelCache
 from qir.runtime.executor import prepare_all
 from qir.runtime.nvrtc import check_arch, compile_cubin
@@ -43,11 +45,31 @@ def warm(
     prepares = [(t, _preparer(t, root)) for t in targets]
     out = []
     for target, (cache, prepare) in prepares:
+        _check_writable(cache)
         before, t0 = cache.compiles, time.perf_counter()
         log.info("warming %d kernels for %s ...", len(distinct), target)
         prepare_all(prepare, distinct)
+        # A cache that cannot be written keeps its builds in a directory deleted at exit:
+        # for a warm that is a failure, not a fallback.
+        _check_writable(cache)
         out.append(Warmed(target, len(distinct), cache.compiles - before, time.perf_counter() - t0))
     return out
+
+
+def _check_writable(cache: KernelCache) -> None:
+    problem = "its writes failed" if cache.degraded else None
+    if problem is None:
+        try:
+            cache.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=cache.root):
+                pass
+        except OSError as e:
+            problem = e.strerror or str(e)
+    if problem is not None:
+        raise UsageError(
+            f"cache warm: cannot write to the cache directory {cache.root} ({problem}); "
+            "set QIR_CACHE_DIR to a writable directory"
+        )
 
 
 def _preparer(target: str, root: Path | None) -> tuple[KernelCache, Callable[[Kernel], object]]:

@@ -381,6 +381,37 @@ def test_distinct_specs_load_at_once_and_one_spec_loads_once(tmp_path: Path) -> 
     assert all(g is got[0] for g in got[0::2]) and all(g is got[1] for g in got[1::2])
 
 
+def test_after_a_failed_load_retries_still_load_one_at_a_time(tmp_path: Path) -> None:
+    store = KernelCache(tmp_path)
+    guard = threading.Lock()
+    running, most, calls = 0, 0, 0
+
+    def load() -> object:
+        nonlocal running, most, calls
+        with guard:
+            running += 1
+            calls += 1
+            first, most = calls == 1, max(most, running)
+        time.sleep(0.1)  # every other thread asks meanwhile
+        with guard:
+            running -= 1
+        if first:
+            raise RuntimeError("the first load fails")
+        return object()
+
+    def ask(_: int) -> object:
+        try:
+            return store.loaded("spec", load)
+        except RuntimeError:
+            return None
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, range(6)))
+    assert most == 1 and calls == 2
+    assert got.count(None) == 1
+    assert len({id(g) for g in got if g is not None}) == 1
+
+
 @needs_gxx
 def test_a_blocks_kernels_compile_on_threads_once_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -421,12 +452,17 @@ def test_a_compile_error_on_a_compile_thread_reaches_the_caller(
         "broken_par", 'extern "C" __global__ void broken_par() { int x = ; }', (), (1, 1, 1)
     )
     be = HostBackend(cache_dir=tmp_path)
+
+    def load(kernel: Kernel) -> None:  # the error must come from the compile threads
+        raise AssertionError(f"{kernel.name} reached load")
+
+    monkeypatch.setattr(be, "load", load)
     with pytest.raises(CompileError, match="broken_par") as e:
         load_kernels(be, [gemv_named("gemv_ok"), broken])
     assert "int x = ;" in str(e.value)  # the offending source line comes along
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", "\u00b2", "\u0663"])
 def test_compile_jobs_must_be_a_positive_integer(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:

@@ -6,14 +6,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from qir.cli import main
+from qir.codegen.lower import lower
 from qir.errors import UsageError
+from qir.models import load as load_checkpoint
+from qir.models.blocks import build
+from qir.passes.manager import run_pipeline
 from qir.runtime import nvrtc
+from qir.runtime.cache import KernelCache
+from qir.runtime.cuda import CudaBackend
+from qir.runtime.executor import load_kernels
 from qir.runtime.nvrtc import check_arch
+from tests.runtime.test_cuda import fake_cupy
 from tests.runtime.test_executor import needs_gxx
 
 ROOT = Path(__file__).parent.parent.parent
@@ -80,7 +89,9 @@ def test_arch_names_nvrtc_takes(arch: str) -> None:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_12", "sm90", "compute_90", "sm_90x", "90"])
+@pytest.mark.parametrize(
+    "arch", ["sm_12", "sm90", "compute_90", "sm_90x", "90", "sm_80a", "sm_90f", "sm_75f"]
+)
 def test_an_arch_nvrtc_cannot_target_lists_those_it_can(arch: str) -> None:
     with pytest.raises(UsageError, match=rf"arch '{arch}': NVRTC \S+.* compiles for sm_75, "):
         check_arch(arch)
@@ -112,3 +123,47 @@ def test_a_layer_out_of_range_is_named(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["-q", "cache", "warm", str(CKPT), "--host", "--layers", "0", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "qir: error: layer 3 is out of range: the checkpoint has 1 layer(s)"
+
+
+@needs_nvrtc
+def test_an_unwritable_cache_fails_the_warm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels kept in a temporary directory would vanish at exit: an image build must fail."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("QIR_CACHE_DIR", str(blocker / "cache"))
+    assert main(["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--blocks", "qkv"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"qir: error: cache warm: cannot write to the cache directory {blocker}")
+    assert "QIR_CACHE_DIR" in err
+
+
+@needs_nvrtc
+def test_a_cuda_backend_loads_warmed_cubins_without_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend names its arch after the device (compute capability "90": sm_90) and finds
+    the cubins `cache warm --arch sm_90` wrote (CuPy faked: the driver only gets the bytes)."""
+    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
+    assert main(["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--blocks", "mlp"]) == 0
+    KernelCache.at(tmp_path).forget()  # what a new process would have: the disk only
+    loaded: list[bytes] = []
+
+    class Module:
+        def load(self, cubin: bytes) -> None:
+            loaded.append(cubin)
+
+        def get_function(self, name: str) -> str:
+            return name
+
+    monkeypatch.setitem(
+        sys.modules, "cupy", fake_cupy(function=types.SimpleNamespace(Module=Module))
+    )
+    be = CudaBackend(cache_dir=tmp_path)
+    assert be.arch == "sm_90"
+    graph, _ = run_pipeline(build(load_checkpoint(CKPT), "mlp", 0).graph, "default")
+    kernels = [launch.kernel for launch in lower(graph).launches]
+    before = be.cache.compiles
+    assert [k.function for k in load_kernels(be, kernels)] == [k.name for k in kernels]
+    assert be.cache.compiles == before and len(loaded) == len(set(kernels))
