@@ -249,7 +249,30 @@ def cmd_cache(args: argparse.Namespace) -> int:
     print(f"cache {root} (set QIR_CACHE_DIR to move it)")
     for ns in kernel_cache.info(root):
         print(f"  {ns.name:6} {ns.entries:5d} entries {ns.bytes / 2**20:9.2f} MiB")
+    # A cache warmed elsewhere is only hit where these agree: compare them on both machines.
+    print("keys here depend on")
+    for what, value in _key_facts():
+        print(f"  {what:8} {value}")
     return 0
+
+
+def _key_facts() -> list[tuple[str, str]]:
+    from qir.runtime import host, nvrtc
+    from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
+
+    include = cuda_include_dirs()
+    facts = [("codegen", kernel_cache.codegen_hash()[:16])]
+    facts.append(
+        ("headers", f"{toolkit_fingerprint()[:16]} ({include[0]})" if include else "none found")
+    )
+    try:
+        facts.append(("g++", host.compiler_version().splitlines()[0]))
+    except OSError:
+        facts.append(("g++", "not found"))
+    facts.append(
+        ("nvrtc", nvrtc.nvrtc_version() if nvrtc.available() else "no cuda-core 1.x (qir[compile])")
+    )
+    return facts
 
 
 def _cache_warm(args: argparse.Namespace, root: Path) -> int:

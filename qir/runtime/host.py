@@ -84,7 +84,8 @@ def _share_runtime(lib: ctypes.CDLL) -> None:
 
 
 @cache
-def _compiler_version() -> str:
+def compiler_version() -> str:
+    """`g++ --version`, whole: part of every host cache key."""
     return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
 
 
@@ -139,7 +140,7 @@ class HostBackend:
             "headers": repr(kernel.headers),
             "runtime_header": HEADER.read_text(),
             "options": repr(flags),
-            "compiler": _compiler_version(),
+            "compiler": compiler_version(),
             "toolkit": toolkit_fingerprint(),
         }
 

@@ -131,7 +131,7 @@ def test_new_compiler_version_is_a_miss(tmp_path: Path, monkeypatch: pytest.Monk
     be = HostBackend(cache_dir=tmp_path)
     be.load(GEMV)
     be.cache.forget()
-    monkeypatch.setattr(host_mod, "_compiler_version", lambda: "g++ (imaginary) 99.0")
+    monkeypatch.setattr(host_mod, "compiler_version", lambda: "g++ (imaginary) 99.0")
     be.load(GEMV)
     assert be.cache.compiles == 2
     assert len(list((tmp_path / "host").glob("gemv_warp-*.so"))) == 2

@@ -13,13 +13,15 @@ import pytest
 
 from qir.cli import embedded_checkpoints, main
 from qir.codegen.kernel import Kernel
-from qir.runtime.cache import KernelCache
+from qir.runtime import host as host_mod
+from qir.runtime import nvrtc as nvrtc_mod
+from qir.runtime.cache import KernelCache, codegen_hash
 from qir.runtime.cuda import available
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
 from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin
-from qir.runtime.toolkit import cuda_include_dirs
+from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 BAD_LINE = "  y[i] = undeclared_thing * 2.0f;"
 SOURCE = "\n".join(
@@ -100,13 +102,20 @@ def test_cache_info_and_clear(
     out = capsys.readouterr().out
     assert str(tmp_path) in out
     assert re.search(r"cubin\s+1 entries", out) and re.search(r"host\s+0 entries", out)
+    # What the keys depend on, to compare a build machine's cache with a server's.
+    facts = dict(re.findall(r"^  (codegen|headers|g\+\+|nvrtc) +(.+)$", out, flags=re.M))
+    assert facts["codegen"] == codegen_hash()[:16]
+    assert facts["headers"].startswith(toolkit_fingerprint()[:16])
+    assert facts["g++"] == host_mod.compiler_version().splitlines()[0]
+    assert facts["nvrtc"] == (
+        nvrtc_mod.nvrtc_version() if nvrtc_mod.available() else "no cuda-core 1.x (qir[compile])"
+    )
     assert main(["cache", "clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert not (tmp_path / "cubin").exists()
 
 
 def test_host_backend_without_cuda_headers_says_what_to_install(monkeypatch) -> None:
-    import qir.runtime.host as host_mod
     from qir.runtime.errors import BackendUnavailable
 
     monkeypatch.setattr(host_mod, "cuda_include_dirs", lambda: ())
