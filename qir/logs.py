@@ -3,9 +3,9 @@
 qir logs when a kernel compile starts and how long it took, and when the compile cache falls back
 to memory. A cold compile takes seconds; without a line saying so, that pause looks like a hang.
 Python's default is to drop INFO records of a library nobody configured, so qir installs one
-handler on its "qir" logger that prints `qir: <message>` to stderr, but only while the root logger
-has no handlers. An application (or the `qir` CLI, or pytest) that configures logging receives
-qir's records through propagation instead, formatted its own way, and never twice.
+handler on its "qir" logger that prints `qir: <message>` to stderr, but only while no other
+handler would see the record. An application (or pytest) that configures logging, on the root
+logger or on "qir", receives qir's records there instead, formatted its own way, and never twice.
 
 `QIR_LOG` sets the level of the "qir" logger: debug, info (the default), warning or error. The
 default is info even where the application set its root logger to warning: compile lines are
@@ -18,8 +18,12 @@ import logging
 import os
 import sys
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
-LEVELS["error"] = logging.ERROR
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 LOGGER = "qir"
 
 

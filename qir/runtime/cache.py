@@ -130,7 +130,7 @@ class KernelCache:
         self.compiles = 0  # compiles done by this process (tests and benchmarks read it)
         self._memory: dict[Hashable, Any] = {}
         # One lock per spec being loaded: a block's kernels compile on several threads at
-        # once (see executor.prepare), and two threads asking for one spec compile it once.
+        # once (see executor.load_kernels), and two threads asking for one spec compile it once.
         self._pending: dict[Hashable, threading.Lock] = {}
         self._mutex = threading.RLock()
         self._fallback: Path | None = None
