@@ -12,7 +12,7 @@ from qir.graph import Graph
 from qir.interpret import Weights, interpret
 from qir.passes.manager import PassOptions, PassRecord, run_pipeline
 from qir.runtime.backend import BACKENDS, get_backend
-from qir.runtime.executor import CapturedBlock, CompiledBlock
+from qir.runtime.executor import CapturedBatches, CapturedBlock, CompiledBlock
 
 
 @dataclass
@@ -39,6 +39,12 @@ class Compiled:
         """The block bound to fixed buffers for M=`m`, replayed by calling it (a CUDA graph on
         the cuda backend): the decode path."""
         return self._executor("capture").capture(m, stream)
+
+    def capture_batches(self, sizes: Sequence[int], stream: Any = None) -> CapturedBatches:
+        """One capture per batch size in `sizes` (e.g. 1, 2, 4, 8, 16, 32, 64); calling the
+        result with M rows replays the nearest capture that serves M, padded: decode with a
+        batch that changes from step to step. See qir.runtime.executor.CapturedBatches."""
+        return self._executor("capture_batches").capture_batches(sizes, stream)
 
     def peak_bytes(self, m: int) -> int:
         """Bytes a run at M=`m` allocates besides inputs and weights (intermediates share an

@@ -287,8 +287,14 @@ class CompiledBlock:
                 return {name: env[v] for name, v, _ in self._outputs}
             return {name: be.from_device(env[v]).view(dt) for name, v, dt in self._outputs}
 
+    def capture_batches(self, sizes: Sequence[int], stream: Any = None) -> CapturedBatches:
+        """A capture per batch size in `sizes`; a call pads to the nearest (see CapturedBatches)."""
+        return CapturedBatches(self, sizes, stream)
+
     def capture(self, m: int, stream: Any = None) -> CapturedBlock:
         """Bind every launch for M=`m` to fixed buffers and record them for replay."""
+        if isinstance(m, bool) or not isinstance(m, int):
+            raise BindError(f"M must be an int, got {m!r}")
         if m < 1:
             raise BindError(f"M must be at least 1, got {m}")
         be, graph, sizes = self.backend, self.plan.graph, {"M": m}
@@ -376,25 +382,78 @@ class CapturedBlock:
         self.inputs = inputs
         self.outputs = outputs
         self._replay = replay
+        self.active = block.memory_plan(m).active  # the launches it replays
 
     def __call__(
         self, inputs: Mapping[str, Any] | None = None, stream: Any = None
     ) -> dict[str, Any]:
-        be = self.block.backend
-        with be.on(stream) as s:
-            for name, value in (inputs or {}).items():
-                if name not in self.inputs:
-                    raise BindError(f"unknown input {name!r}; the block takes {list(self.inputs)}")
-                dst = self.inputs[name]
-                src = value if isinstance(value, np.ndarray) else be.accept(value)[0]
-                declared = np.dtype(_tensor(self.block.plan, name).dtype.np)
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise BindError(
-                        f"input %{name}: shape {list(src.shape)}, captured for "
-                        f"{list(dst.shape)} (M={self.m})"
-                    )
-                if _logical_dtype(value, src, declared) != declared:
-                    raise BindError(f"input %{name}: dtype {src.dtype}, expected {declared}")
-                be.copy_into(dst, src)
+        with self.block.backend.on(stream) as s:
+            self._copy_in(inputs or {}, self.m)
             self._replay(s)
         return dict(self.outputs)
+
+    def _copy_in(self, inputs: Mapping[str, Any], rows: int) -> None:
+        """Copy `inputs` of `rows` rows (at most M) into the first rows of `self.inputs`."""
+        be = self.block.backend
+        for name, value in inputs.items():
+            if name not in self.inputs:
+                raise BindError(f"unknown input {name!r}; the block takes {list(self.inputs)}")
+            dst = self.inputs[name]
+            src = value if isinstance(value, np.ndarray) else be.accept(value)[0]
+            declared = np.dtype(_tensor(self.block.plan, name).dtype.np)
+            if tuple(src.shape) != (rows, *dst.shape[1:]):
+                raise BindError(
+                    f"input %{name}: shape {list(src.shape)}, expected {[rows, *dst.shape[1:]]}"
+                    f" (captured for M={self.m})"
+                )
+            if _logical_dtype(value, src, declared) != declared:
+                raise BindError(f"input %{name}: dtype {src.dtype}, expected {declared}")
+            be.copy_into(dst if rows == self.m else dst[:rows], src)
+
+
+class CapturedBatches:
+    """Captures of one block for several batch sizes, the decode path when the batch changes
+    from step to step. A call with M rows replays the smallest capture of at least M rows that
+    runs the same kernels as M does (W4A4 blocks switch to 16-bit twins above 64 rows, so 64 is
+    worth capturing), its rows past M left as they are. Every kernel computes each row from that
+    row alone, so the first M rows are what a run at M gives, bit for bit. Returns views of
+    those rows: overwritten by the next call of the same capture."""
+
+    def __init__(self, block: CompiledBlock, sizes: Sequence[int], stream: Any = None) -> None:
+        if not sizes or any(isinstance(m, bool) or not isinstance(m, int) for m in sizes):
+            raise BindError(f"batch sizes must be a non-empty list of ints, got {sizes!r}")
+        self.block = block
+        self.captures = {m: block.capture(m, stream) for m in sorted(set(sizes))}
+        self._picked: dict[int, CapturedBlock] = {}
+
+    def capture_for(self, m: int) -> CapturedBlock:
+        """The capture a call with `m` rows replays."""
+        if m not in self._picked:
+            if not 1 <= m <= max(self.captures):
+                raise BindError(
+                    f"M={m}: the captured batch sizes are {list(self.captures)}; "
+                    "run the block directly or capture a larger size"
+                )
+            active = self.block.memory_plan(m).active
+            same = [c for size, c in self.captures.items() if size >= m and c.active == active]
+            if not same:
+                raise BindError(
+                    f"M={m}: no captured batch size of at least {m} rows runs the same kernels "
+                    f"(captured: {list(self.captures)}); capture one that does, e.g. {m}"
+                )
+            self._picked[m] = same[0]
+        return self._picked[m]
+
+    def __call__(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
+        names = list(self.block._inputs)
+        if set(inputs) != set(names):
+            raise BindError(f"inputs {sorted(inputs)}; the block takes {names}")
+        shape = tuple(getattr(inputs[names[0]], "shape", ()))
+        if not shape:
+            raise BindError(f"input %{names[0]}: expected an array of [M, ...] rows")
+        m = int(shape[0])
+        cap = self.capture_for(m)
+        with self.block.backend.on(stream) as s:
+            cap._copy_in(inputs, m)
+            cap._replay(s)
+        return {name: out[:m] for name, out in cap.outputs.items()}

@@ -185,6 +185,54 @@ def test_capture_replays_identically(host_block: qir.Compiled) -> None:
 
 
 @needs_gxx
+def test_captured_batches_pad_to_the_nearest_size(host_block: qir.Compiled) -> None:
+    batches = host_block.capture_batches([16, 1, 4])
+    assert list(batches.captures) == [1, 4, 16]
+    for m, size in [(1, 1), (2, 4), (4, 4), (5, 16), (16, 16)]:
+        assert batches.capture_for(m) is batches.captures[size]
+        x = x_of(m, seed=m)
+        got = batches({"x": x})["y"]
+        assert got.shape == (m, HIDDEN)
+        np.testing.assert_array_equal(got, host_block({"x": x})["y"])
+    first = batches({"x": x_of(2, seed=1)})["y"]
+    kept = first.copy()
+    batches({"x": x_of(3, seed=2)})  # the same capture of 4 rows: its outputs are overwritten
+    assert not np.array_equal(first, kept)
+
+
+@needs_gxx
+def test_captured_batches_refuse_what_they_cannot_serve(host_block: qir.Compiled) -> None:
+    batches = host_block.capture_batches([4])
+    with pytest.raises(BindError, match=r"M=5: the captured batch sizes are \[4\]"):
+        batches({"x": x_of(5)})
+    with pytest.raises(BindError, match=r"M=0: the captured batch sizes are \[4\]"):
+        batches({"x": x_of(0)})
+    with pytest.raises(BindError, match=r"input %x: shape \[2, 64\], expected \[2, 128\]"):
+        batches({"x": x_of(2)[:, :64]})
+    with pytest.raises(BindError, match=r"inputs \['y'\]; the block takes \['x'\]"):
+        batches({"y": x_of(2)})
+    with pytest.raises(BindError, match="batch sizes must be a non-empty list of ints"):
+        host_block.capture_batches([])
+    with pytest.raises(BindError, match="batch sizes must be a non-empty list of ints"):
+        host_block.capture_batches([2.0])  # type: ignore[list-item]
+
+
+@needs_gxx
+def test_captured_batches_only_pad_within_the_same_kernels() -> None:
+    """Above 64 rows a W4A4 block runs 16-bit twins: a batch of 5 padded to 72 rows would take
+    other kernels (and other numerics) than a run of 5 does, so it is refused."""
+    from qir.formats.nvfp4 import Nvfp4
+
+    graph, weights = mlp_graph(np.random.default_rng(0), HIDDEN, INTER, Nvfp4("div", 4), F16)
+    block = qir.compile(graph, weights, backend="host")
+    with pytest.raises(BindError, match=r"M=5: no captured batch size of at least 5 rows runs"):
+        block.capture_batches([72])({"x": x_of(5)})
+    both = block.capture_batches([8, 72])
+    for m in (5, 70):
+        np.testing.assert_array_equal(both({"x": x_of(m)})["y"], block({"x": x_of(m)})["y"])
+
+
+@needs_gxx
 def test_capture_waits_for_work_already_queued(
     host_block: qir.Compiled, monkeypatch: pytest.MonkeyPatch
 ) -> None:
