@@ -293,12 +293,17 @@ def test_gpu_capture_replays_identically(cuda_block: qir.Compiled, m: int) -> No
 
     stream = cupy.cuda.Stream(non_blocking=True)
     g = cuda_block.capture(m, stream=stream)
+    batches = cuda_block.capture_batches([2, 16], stream=stream)  # m=1 and 8 are padded
     for seed in (1, 2):
         x = x_of(m, seed)
         plain = cuda_block({"x": x}, stream=stream)["y"]
         replayed = g({"x": x}, stream=stream)["y"]
+        with stream:  # uploaded on the stream that reads it
+            x_device = cupy.asarray(x)
+        padded = batches({"x": x_device}, stream=stream)["y"]
         stream.synchronize()
         np.testing.assert_array_equal(cupy.asnumpy(replayed), plain)
+        np.testing.assert_array_equal(cupy.asnumpy(padded), plain)
 
 
 @pytest.mark.gpu
