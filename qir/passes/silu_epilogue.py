@@ -51,9 +51,8 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     weights = operands[ws]
     # Two different gets: the verifier allows one get per result, so i != j.
     i, j = graph.node(m["g"]).attr("index"), graph.node(m["u"]).attr("index")
-    silu = graph.operands(m.root)[0 if graph.node(graph.operands(m.root)[0]).op == "silu" else 1]
     # The gets carry the names of the projections merge_parallel merged: listed once.
-    fused = tuple(dict.fromkeys((*q.attr("fused", ()), m["q"], m["g"], silu, m["u"])))
+    fused = tuple(dict.fromkeys((*q.attr("fused", ()), m["q"], m["g"], m["silu"], m["u"])))
     node = dataclasses.replace(q, type=graph.node(m.root).type).with_attrs(
         epilogue="silu_mul", fused=fused
     )
@@ -63,7 +62,7 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 def _pattern(silu_first: bool) -> Pat:
     q = Pat("qlinear", name="q", check=_pair)
-    g = Pat("silu", (Pat("get", (q,), name="g", one_use=True),), one_use=True)
+    g = Pat("silu", (Pat("get", (q,), name="g", one_use=True),), name="silu", one_use=True)
     u = Pat("get", (Pat(name="q"),), name="u", one_use=True)
     return Pat("mul", (g, u) if silu_first else (u, g))
 

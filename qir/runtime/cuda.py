@@ -9,7 +9,8 @@ no notion of qir's codegen version, it needs a driver to compile, and sharing th
 path means a CI machine without a GPU warms exactly the entries a GPU machine loads. What CuPy
 does provide: module loading, launches, its stream-ordered memory pool (a run's arena is reused
 from the pool, so repeated runs do not grow it) and graph capture (`Stream.begin_capture`).
-Without a usable cuda-core (a machine with only CuPy, or cuda-core before 1.0) kernels compile through `cupy.RawModule` instead.
+Without a usable cuda-core (a machine with only CuPy, or cuda-core before 1.0) kernels compile
+through `cupy.RawModule` instead.
 """
 
 from __future__ import annotations

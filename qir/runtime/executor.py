@@ -400,7 +400,7 @@ class CapturedBlock:
                 raise BindError(f"unknown input {name!r}; the block takes {list(self.inputs)}")
             dst = self.inputs[name]
             src = value if isinstance(value, np.ndarray) else be.accept(value)[0]
-            declared = np.dtype(_tensor(self.block.plan, name).dtype.np)
+            declared = np.dtype(self.block._inputs[name].dtype.np)
             if tuple(src.shape) != (rows, *dst.shape[1:]):
                 raise BindError(
                     f"input %{name}: shape {list(src.shape)}, expected {[rows, *dst.shape[1:]]}"

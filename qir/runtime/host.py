@@ -117,6 +117,9 @@ class HostBackend:
             )
         self.cache = KernelCache.at(cache_dir)
         self.sanitize = sanitize
+        # Entries prepare() fetched (compiled or read and checksummed), for load() to take
+        # instead of reading them again.
+        self._prepared: dict[Kernel, Artifact] = {}
 
     # -- compile -------------------------------------------------------------------------------
 
@@ -150,10 +153,10 @@ class HostBackend:
     def prepare(self, kernel: Kernel) -> None:
         """Compile `kernel` into the disk cache without loading it; safe on any thread."""
         if not self.cache.holds((self.name, self.sanitize, kernel)):
-            self._entry(kernel)
+            self._prepared[kernel] = self._entry(kernel)
 
     def _load(self, kernel: Kernel) -> HostKernel:
-        entry = self._entry(kernel)
+        entry = self._prepared.pop(kernel, None) or self._entry(kernel)
         if self.sanitize:
             return HostKernel(kernel, entry.path, None)
         try:

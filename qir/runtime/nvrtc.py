@@ -242,11 +242,21 @@ def _accepts(arch: str) -> bool:
     _toolchain()
     from cuda.bindings import nvrtc
 
-    err, prog = nvrtc.nvrtcCreateProgram(b"", b"arch_probe.cu", 0, [], [])
-    _check(err, "nvrtcCreateProgram")
-    try:
+    with _empty_program() as prog:
         (err,) = nvrtc.nvrtcCompileProgram(prog, 1, [f"-arch={arch}".encode()])
         return bool(err == nvrtc.nvrtcResult.NVRTC_SUCCESS)
+
+
+@contextmanager
+def _empty_program() -> Iterator[object]:
+    """An empty NVRTC program, for probing NVRTC itself. Through cuda.bindings, not cuda.core:
+    cuda.core's PTX path asks the driver whether it can load the result."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(b"", b"probe.cu", 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        yield prog
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -257,10 +267,7 @@ def nvrtc_version() -> str:
     need more than nvrtcVersion()'s major.minor. Read from the banner NVRTC writes into PTX."""
     from cuda.bindings import nvrtc
 
-    # cuda.core's PTX path asks the driver whether it can load the result; cuda.bindings does not.
-    err, prog = nvrtc.nvrtcCreateProgram(b"", b"version_probe.cu", 0, [], [])
-    _check(err, "nvrtcCreateProgram")
-    try:
+    with _empty_program() as prog:
         (err,) = nvrtc.nvrtcCompileProgram(prog, 1, [b"-arch=compute_80"])
         _check(err, "nvrtcCompileProgram")
         err, size = nvrtc.nvrtcGetPTXSize(prog)
@@ -268,8 +275,6 @@ def nvrtc_version() -> str:
         ptx = b" " * size
         (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
         _check(err, "nvrtcGetPTX")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
     banner = ptx.decode(errors="replace")
     release = re.search(r"release [\d.]+, V([\d.]+)", banner)
     build = re.search(r"Build ID: (\S+)", banner)

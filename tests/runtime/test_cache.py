@@ -441,6 +441,16 @@ def test_a_blocks_kernels_compile_on_threads_once_each(
     caplog.clear()
     load_kernels(be, [a, b, c])  # all loaded: no compile, no summary
     assert be.cache.compiles == 3 and not caplog.records
+    # From disk: the compile threads read and check each entry, and loading takes what they
+    # read instead of reading it again.
+    be.cache.forget()
+    reads: list[Path] = []
+    read = cache_mod.read_entry
+    monkeypatch.setattr(cache_mod, "read_entry", lambda path: reads.append(path) or read(path))
+    again = load_kernels(be, [a, b, c])
+    assert be.cache.compiles == 3 and len(reads) == 3 and len(set(reads)) == 3
+    for k in again:
+        np.testing.assert_array_equal(run_gemv(k), 32)
 
 
 @needs_gxx
