@@ -4,6 +4,7 @@ W4A16 format (MLX affine 4-bit) and a W4A4 one (compressed-tensors NVFP4), then 
 step's time at 80 layers to its time at 8: 10 when the step grows linearly with the model.
 
     python benchmarks/compile_scale.py [--layers 8 16 32 80 160] [--repeat 5] [--formats w4a16 w4a4]
+                                       [--clock wall|cpu]
 
 The graphs carry weight types only (no data): passes, lowering and rendering never read weights.
 There is no attention op yet, so a layer's q projection stands in for the attention output: the
@@ -11,6 +12,7 @@ MLP reads it and adds it back (h' = q + down(silu(gate(q)) * up(q))); k and v ar
 "rendering" is the time spent in the Jinja templates (`render` of qir.codegen), "lowering" the
 rest of `lower()`; each repetition starts with lowering's kernel memo empty, as a fresh process
 does. Timings are printed, never asserted (tests/test_benchmarks.py runs a tiny L as a smoke test).
+On a machine other jobs share, `--clock cpu` (this process's CPU time) moves less than wall time.
 """
 
 from __future__ import annotations
@@ -75,18 +77,18 @@ def build_layers(layers: int, fmt: WeightFormat, rule: dict[str, float], d: Dims
 
 
 @contextmanager
-def render_timer() -> Iterator[list[float]]:
+def render_timer(clock: Callable[[], float]) -> Iterator[list[float]]:
     """Accumulates the seconds spent in qir.codegen's `render` (wherever a kernel module
     imported it) into the yielded one-element list."""
     spent = [0.0]
     original = rendering.render
 
     def timed(template: str, **context: Any) -> str:
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return original(template, **context)
         finally:
-            spent[0] += time.perf_counter() - t0
+            spent[0] += clock() - t0
 
     patched = [
         m
@@ -125,20 +127,24 @@ class Row:
         return self.passes + self.lower + self.render
 
 
-def measure(name: str, layers: int, repeat: int, d: Dims) -> Row:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def measure(name: str, layers: int, repeat: int, d: Dims, clock: str = "wall") -> Row:
+    now = CLOCKS[clock]
     fmt, rule = FORMATS[name]
     graph = build_layers(layers, fmt, rule, d)
     passes, lowers, renders = [], [], []
     launches = 0
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = now()
         passed, _ = run_pipeline(graph, "default")
-        passes.append(time.perf_counter() - t0)
+        passes.append(now() - t0)
         clear_kernel_memo()
-        with render_timer() as spent:
-            t0 = time.perf_counter()
+        with render_timer(now) as spent:
+            t0 = now()
             plan = lowering.lower(passed)
-            elapsed = time.perf_counter() - t0
+            elapsed = now() - t0
         renders.append(spent[0])
         lowers.append(elapsed - spent[0])
         launches = len(plan.launches)
@@ -154,19 +160,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument(
         "--scale", type=int, default=1, help="divide the Llama-3-8B widths by this (smoke tests)"
     )
+    ap.add_argument("--clock", choices=CLOCKS, default="wall", help="wall time or CPU time")
     args = ap.parse_args(argv)
     d = Dims(*(getattr(LLAMA3_8B, f) // args.scale for f in ("hidden", "q", "kv", "intermediate")))
-    print(f"Llama-3-8B layer shapes {d}; median of {args.repeat}; ms")
+    print(f"Llama-3-8B layer shapes {d}; median of {args.repeat}; {args.clock} ms")
     print(
         f"{'format':6} {'layers':>6} {'nodes':>6} {'launches':>8} {'passes':>9} {'lower':>9} "
         f"{'render':>9} {'total':>9} {'ms/layer':>9}"
     )
     # Jinja parses each template on first use: not a cost of the model's size.
-    measure(args.formats[0], 1, 1, d)
+    measure(args.formats[0], 1, 1, d, args.clock)
     rows = []
     for name in args.formats:
         for layers in args.layers:
-            r = measure(name, layers, args.repeat, d)
+            r = measure(name, layers, args.repeat, d, args.clock)
             rows.append(r)
             print(f"{r.format:6} {r.layers:>6} {r.nodes:>6} {r.launches:>8} "
                   f"{r.passes * 1e3:>9.1f} {r.lower * 1e3:>9.1f} {r.render * 1e3:>9.1f} "

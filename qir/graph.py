@@ -110,14 +110,26 @@ class Graph:
     # (output name, value name), in the order the block returns them.
     outputs: list[tuple[str, str]] = field(default_factory=list)
     _order: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+    # Values whose definition or operand types changed since verify last passed (None: all).
+    _unverified: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, key: str, value: Any) -> None:
         if key == "outputs" and not isinstance(value, _Outputs):
             value = _Outputs(value)
         super().__setattr__(key, value)
 
-    def _changed(self) -> None:
+    def _changed(self, *redefined: str) -> None:
         self._order = None
+        if self._unverified is not None:
+            self._unverified.update(redefined)
+
+    def unverified(self) -> set[str] | None:
+        """The values verify must check again: those defined, redefined or re-pointed, and the
+        users of a value whose type changed, since `verified()` (None: every value)."""
+        return self._unverified
+
+    def verified(self) -> None:
+        self._unverified = set()
 
     # --- structure -------------------------------------------------------------------------
     def add(
@@ -136,7 +148,7 @@ class Graph:
         self.g.add_node(name, node=node, key=key, operands=tuple(operands))
         for i, o in enumerate(operands):
             self.g.add_edge(o, name, idx=i)
-        self._changed()
+        self._changed(name)
         return name
 
     def next_seq(self) -> int:
@@ -168,6 +180,9 @@ class Graph:
 
     def set_node(self, name: str, node: Node) -> None:
         self._nodes[name]["node"] = node
+        if self._unverified is not None:
+            self._unverified.add(name)
+            self._unverified.update(self._succ[name])  # their types are inferred from its type
 
     def operands(self, name: str) -> tuple[str, ...]:
         # The edges hold the same (with their index); the tuple saves sorting them per call.
@@ -179,10 +194,11 @@ class Graph:
         for i, o in enumerate(operands):
             self.g.add_edge(o, name, idx=i)
         self._nodes[name]["operands"] = tuple(operands)
-        self._changed()
+        self._changed(name)
 
     def users(self, name: str) -> tuple[str, ...]:
-        """Distinct consumers, in program order; an output reference is not a user."""
+        """Distinct consumers by order key (definition order, for nodes no rewrite made); an
+        output reference is not a user."""
         return tuple(sorted(self._succ[name], key=self.order_key))
 
     def user_set(self, name: str) -> KeysView[str]:
@@ -200,11 +216,15 @@ class Graph:
         for _, user, key, idx in uses:
             self.g.remove_edge(old, user, key)
             self.g.add_edge(new, user, idx=idx)
-        for user in {u for _, u, _, _ in uses}:
+        users = {u for _, u, _, _ in uses}
+        for user in users:
             data = self._nodes[user]
             data["operands"] = tuple(new if o == old else o for o in data["operands"])
-        self.outputs = [(n, new if v == old else v) for n, v in self.outputs]
-        self._changed()
+        outputs = self.outputs
+        assert isinstance(outputs, _Outputs)
+        if outputs.refs()[old]:
+            self.outputs = [(n, new if v == old else v) for n, v in outputs]
+        self._changed(*users)
 
     def remove(self, name: str) -> None:
         if self.use_count(name):
@@ -285,6 +305,8 @@ class Graph:
         g = Graph(self.name, self.g.copy(), list(self.outputs))
         if self._order is not None:
             g._order = list(self._order)
+        if self._unverified is not None:
+            g._unverified = set(self._unverified)
         return g
 
     def weight_keys(self) -> Mapping[str, str]:

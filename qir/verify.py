@@ -1,5 +1,9 @@
-"""Verifier: every node re-checked against the op table, in one pass over the program order
-(linear in the graph: the pass manager runs it after every pass)."""
+"""Verifier: every node checked against the op table, in one pass over the program order.
+
+The pass manager verifies after every pass, and a pass changes a few nodes of a model: a node
+is checked again only when the graph says its definition, its operands or an operand's type
+changed since verify last passed on it (Graph.unverified); the graph-wide checks (acyclic,
+one get per result, outputs defined) run every time. Linear in the graph either way."""
 
 from __future__ import annotations
 
@@ -28,9 +32,14 @@ def verify(graph: Graph) -> None:
         order = graph.order()
     except CycleError:
         raise VerifyError(f"graph {graph.name} has a cycle") from None
+    todo = graph.unverified()
     qlinears = []
     for name in order:
         node = graph.node(name)
+        if node.op == "qlinear":
+            qlinears.append(name)
+        if todo is not None and name not in todo:
+            continue
         operands = graph.operands(name)
         types = tuple(graph.node(o).type for o in operands)
         signature: tuple[Any, ...] = (node.op, node.attrs, types, node.type)
@@ -44,8 +53,6 @@ def verify(graph: Graph) -> None:
                 if len(_PASSED) >= _PASSED_MAX:
                     _PASSED.clear()
                 _PASSED.add(signature)
-        if node.op == "qlinear":
-            qlinears.append(name)
     for name in qlinears:
         indices = [
             graph.node(u).attr("index") for u in graph.users(name) if graph.node(u).op == "get"
@@ -57,6 +64,7 @@ def verify(graph: Graph) -> None:
     for out, value in graph.outputs:
         if value not in graph:
             raise VerifyError(f"output {out} refers to undefined %{value}")
+    graph.verified()
 
 
 def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueType, ...]) -> None:
