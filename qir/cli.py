@@ -19,6 +19,7 @@ from qir import dtypes
 from qir.api import Compiled, compile
 from qir.audit import audit
 from qir.codegen.lower import lower
+from qir.draw import SUFFIXES, draw
 from qir.dump import dump, plan_json
 from qir.errors import QirError, UsageError
 from qir.graph import Graph
@@ -128,6 +129,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
         args.json.write_text(text)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    block = _block(args)
+    after, _ = _pipeline(args, block)
+    files, missing = draw(block.graph, after, lower(after), args.out)
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    if missing:
+        print(f"qir: {missing}", file=sys.stderr)
     return 0
 
 
@@ -360,6 +371,13 @@ def parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--m", type=int, default=None, help="batch rows M to size the grids for")
     cmp_.add_argument("--json", type=Path, help="write the plan here instead of stdout")
     cmp_.set_defaults(func=cmd_compile)
+
+    gph = sub.add_parser(
+        "graph", help="draw a block before and after the passes, each kernel launch boxed"
+    )
+    _common(gph)
+    gph.add_argument("--out", type=Path, required=True, help=f"picture file: {', '.join(SUFFIXES)}")
+    gph.set_defaults(func=cmd_graph)
 
     demo = sub.add_parser(
         "demo", help="run the embedded checkpoints and check against the reference"
