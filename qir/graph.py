@@ -112,10 +112,19 @@ class Graph:
     _order: list[str] | None = field(default=None, init=False, repr=False, compare=False)
     # Values whose definition or operand types changed since verify last passed (None: all).
     _unverified: set[str] | None = field(default=None, init=False, repr=False, compare=False)
+    # networkx's own dicts, read directly: its views are built per call, which made verify and
+    # the rewrite driver several times slower. They follow `g` when it is replaced.
+    _nodes: dict[str, dict[str, Any]] = field(init=False, repr=False, compare=False)
+    _succ: dict[str, dict[str, dict[int, dict[str, Any]]]] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __setattr__(self, key: str, value: Any) -> None:
         if key == "outputs" and not isinstance(value, _Outputs):
             value = _Outputs(value)
+        elif key == "g":
+            super().__setattr__("_nodes", value._node)
+            super().__setattr__("_succ", value._succ)
         super().__setattr__(key, value)
 
     def _changed(self, *redefined: str) -> None:
@@ -158,18 +167,6 @@ class Graph:
         self.g.graph["next_seq"] = seq + 1
         return seq
 
-    # The accessors below read networkx's own dicts rather than its views: a view is built per
-    # call, which made verify and the rewrite driver several times slower.
-    @property
-    def _nodes(self) -> dict[str, dict[str, Any]]:
-        nodes: dict[str, dict[str, Any]] = self.g._node  # type: ignore[attr-defined]
-        return nodes
-
-    @property
-    def _succ(self) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
-        succ: dict[str, dict[str, dict[int, dict[str, Any]]]] = self.g._succ  # type: ignore[attr-defined]
-        return succ
-
     def order_key(self, name: str) -> OrderKey:
         key: OrderKey = self._nodes[name]["key"]
         return key
@@ -190,10 +187,10 @@ class Graph:
         return operands
 
     def set_operands(self, name: str, operands: tuple[str, ...]) -> None:
-        self.g.remove_edges_from(list(self.g.in_edges(name, keys=True)))
-        for i, o in enumerate(operands):
-            self.g.add_edge(o, name, idx=i)
-        self._nodes[name]["operands"] = tuple(operands)
+        data = self._nodes[name]
+        self.g.remove_edges_from([(o, name) for o in data["operands"]])  # one edge per use
+        self.g.add_edges_from([(o, name, {"idx": i}) for i, o in enumerate(operands)])
+        data["operands"] = tuple(operands)
         self._changed(name)
 
     def users(self, name: str) -> tuple[str, ...]:
@@ -235,6 +232,8 @@ class Graph:
     def remove_all(self, names: Iterable[str]) -> None:
         """Remove values used only by each other (what DCE found dead)."""
         doomed = set(names)
+        if not doomed:
+            return
         for name in doomed:
             users = set(self.g.successors(name)) - doomed
             outputs = self.outputs
@@ -260,20 +259,26 @@ class Graph:
 
     def _sort(self) -> list[str]:
         """Kahn's algorithm with the ready values in a heap by order key (what networkx's
-        lexicographical_topological_sort does), over distinct operands."""
-        keys: dict[str, OrderKey] = {n: data["key"] for n, data in self._nodes.items()}
-        pending = {n: len(set(data["operands"])) for n, data in self._nodes.items()}
-        ready = [(keys[n], n) for n, d in pending.items() if d == 0]
+        lexicographical_topological_sort does), over distinct operands. Keys are ranked once
+        (a C sort), so the heap compares ints; when that ranking is itself topological (a
+        graph no rewrite has reordered) it is the answer."""
+        nodes = self._nodes
+        by_key = sorted(nodes, key=lambda n: nodes[n]["key"])
+        rank = {n: i for i, n in enumerate(by_key)}
+        if all(rank[o] < rank[n] for n in by_key for o in nodes[n]["operands"]):
+            return by_key
+        pending = {n: len(set(data["operands"])) for n, data in nodes.items()}
+        ready = [rank[n] for n, d in pending.items() if d == 0]
         heapq.heapify(ready)
         out = []
         succ = self._succ
         while ready:
-            _, n = heapq.heappop(ready)
+            n = by_key[heapq.heappop(ready)]
             out.append(n)
             for user in succ[n]:
                 pending[user] -= 1
                 if pending[user] == 0:
-                    heapq.heappush(ready, (keys[user], user))
+                    heapq.heappush(ready, rank[user])
         if len(out) != len(pending):
             raise CycleError(f"graph {self.name} has a cycle")
         return out

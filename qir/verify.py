@@ -7,8 +7,6 @@ one get per result, outputs defined) run every time. Linear in the graph either 
 
 from __future__ import annotations
 
-from typing import Any
-
 from qir.errors import QirError
 from qir.graph import CycleError, Graph, Node
 from qir.ops import VARIADIC, IRTypeError, activation_problem, spec
@@ -17,14 +15,6 @@ from qir.types import QWeight, ValueType
 
 class VerifyError(QirError, ValueError):
     pass
-
-
-# A node's check depends only on its op, attributes, operand types and declared type, and the
-# op table is pure, so a signature that passed once passes again: the layers of a model repeat a
-# few dozen signatures, checked once each instead of once per node per pass. Failures are not
-# kept (their message names the values).
-_PASSED: set[tuple[Any, ...]] = set()
-_PASSED_MAX = 4096
 
 
 def verify(graph: Graph) -> None:
@@ -42,17 +32,7 @@ def verify(graph: Graph) -> None:
             continue
         operands = graph.operands(name)
         types = tuple(graph.node(o).type for o in operands)
-        signature: tuple[Any, ...] = (node.op, node.attrs, types, node.type)
-        try:
-            known = signature in _PASSED
-        except TypeError:  # an attribute holding a list (parsed from nested JSON)
-            known, signature = False, ()
-        if not known:
-            _check(name, node, operands, types)
-            if signature:
-                if len(_PASSED) >= _PASSED_MAX:
-                    _PASSED.clear()
-                _PASSED.add(signature)
+        _check(name, node, operands, types)
     for name in qlinears:
         indices = [
             graph.node(u).attr("index") for u in graph.users(name) if graph.node(u).op == "get"
