@@ -14,7 +14,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import networkx as nx
 
@@ -177,5 +176,4 @@ def svg(before: Graph, after: Graph, plan: Plan | None) -> str | None:
     """The picture as SVG text, or None without Graphviz."""
     if not dot_available():
         return None
-    data: Any = render_dot(to_dot(before, after, plan), "svg")
-    return str(data.decode())
+    return render_dot(to_dot(before, after, plan), "svg").decode()
