@@ -82,28 +82,28 @@ class Checkpoint:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.field("hidden_size"))
+        return self.field("hidden_size")
 
     @property
     def intermediate_size(self) -> int:
-        return int(self.field("intermediate_size"))
+        return self.field("intermediate_size")
 
     @property
     def num_layers(self) -> int:
-        return int(self.field("num_hidden_layers"))
+        return self.field("num_hidden_layers")
 
     @property
     def num_heads(self) -> int:
-        return int(self.field("num_attention_heads"))
+        return self.field("num_attention_heads")
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.field("num_key_value_heads") or self.num_heads)
+        return self.field("num_key_value_heads") or self.num_heads
 
     @property
     def head_dim(self) -> int:
         # Absent or null means the HF default, hidden_size / num_heads.
-        return int(self.field("head_dim") or self.hidden_size // self.num_heads)
+        return self.field("head_dim") or self.hidden_size // self.num_heads
 
     @property
     def act_dtype(self) -> DType:
@@ -177,7 +177,8 @@ def _unsupported(config: Mapping[str, Any]) -> str:
 
 
 def load(path: str | Path) -> Checkpoint:
-    """Open a checkpoint directory: read config.json and detect its format (tensors stay lazy)."""
+    """Open a checkpoint directory: read and check config.json, detect its format, validate every
+    safetensors header (tensors stay lazy)."""
     path = Path(path)
     try:
         is_dir, exists = path.is_dir(), path.exists()

@@ -92,14 +92,17 @@ class TensorInfo(NamedTuple):  # a NamedTuple: made once per tensor of a large h
 
 
 def _show(value: Any, limit: int = 60) -> str:
-    """A bad header value for an error message: JSON-like, one line, short."""
+    """A bad header value for an error message: JSON-like, one line, short, whatever its size
+    or depth (the header parse leaves nesting to the reader: see strict_json.check)."""
 
-    def plain(v: Any) -> Any:
+    def plain(v: Any, depth: int) -> Any:
+        if isinstance(v, list) and depth > 3:
+            return "..."
         if isinstance(v, strict_json.Pairs):
-            return {k: plain(x) for k, x in v}
-        return [plain(x) for x in v] if isinstance(v, list) else v
+            return {k: plain(x, depth + 1) for k, x in v[:8]}
+        return [plain(x, depth + 1) for x in v[:8]] if isinstance(v, list) else v
 
-    text = json.dumps(plain(value), ensure_ascii=True)
+    text = json.dumps(plain(value, 0), ensure_ascii=True)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

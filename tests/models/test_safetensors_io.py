@@ -4,6 +4,7 @@ release that changes its rules fails here first)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,14 @@ def test_reader_missing_tensor(tmp_path: Path) -> None:
         SafetensorsFile(tmp_path / "model.safetensors").get("b")
     with pytest.raises(FormatError, match="no tensor 'b' in the checkpoint"):
         TensorStore(tmp_path).get("b")
+
+
+def test_open_benchmark_runs_at_a_tiny_scale(capsys: pytest.CaptureFixture[str]) -> None:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_open.py"
+    spec = importlib.util.spec_from_file_location("benchmarks.checkpoint_open", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--layers", "2", "--shards", "2", "--repeat", "1"])
+    assert len(rows) == 2 and all(q > 0 and o > 0 for q, o in rows.values())
+    assert "49 tensors, 2 layers" in capsys.readouterr().out
