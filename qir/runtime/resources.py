@@ -234,12 +234,13 @@ def _stream_cost(
     outer = [lp for lp in holding if not any(lp.inside(o) for o in holding)]
     notes: list[str] = []
     if outer:
-        region = max(outer, key=lambda lp: sum(i in lp for i in loads))
-        where = f"loop {region.head * 16:#x}-{region.tail * 16:#x}"
+        span = max(outer, key=lambda lp: sum(i in lp for i in loads))
+        where = f"loop {span.head * 16:#x}-{span.tail * 16:#x}"
     else:
-        region = sass.Loop(0, len(instrs) - 1)
+        span = sass.Loop(0, len(instrs) - 1)
         where = "unrolled"
-    code_bytes = sass.loaded_bytes(instrs, region, flow, loops, set(stream.codes))
+    r = sass.region(instrs, span, flow, loops, "M")
+    code_bytes = sass.loaded_bytes(instrs, r, flow, set(stream.codes))
     chunks = code_bytes / stream.chunk_code_bytes
     expected = stream.chunks_per_lane * stream.weights_per_warp
     if chunks != int(chunks) or chunks < 1 or chunks > expected:
@@ -257,24 +258,20 @@ def _stream_cost(
         else WARP * chunks * stream.chunk_elems * stream.bytes_per_weight
     )
     mix: dict[str, float] = {}
-    rows_covered = 0
-    unknown: tuple[sass.Loop, ...] = ()
     for tile in range(launch.grid(m)[1]):
         rows = min(stream.m_tile, m - tile * stream.m_tile)
-        c = sass.cost(instrs, region, flow, loops, "M", rows / stream.m_tile)
-        rows_covered, unknown = c.rows_covered, c.unknown_loops
-        for op, n in c.mix.items():
+        for op, n in sass.cost(instrs, r, rows / stream.m_tile).items():
             mix[op] = mix.get(op, 0.0) + n * 512 / per_pass
-    if unknown:
-        spans = ", ".join(f"{lp.head * 16:#x}-{lp.tail * 16:#x}" for lp in unknown)
+    if r.unknown_loops:
+        spans = ", ".join(f"{lp.head * 16:#x}-{lp.tail * 16:#x}" for lp in r.unknown_loops)
         notes.append(f"loops with an unknown trip count counted once: {spans}")
-    if rows_covered % stream.m_tile:
+    if r.rows_covered % stream.m_tile:
         notes.append(
-            f"{rows_covered} branches on M per pass, not a multiple of the kernel's "
+            f"{r.rows_covered} branches on M per pass, not a multiple of the kernel's "
             f"{stream.m_tile} rows: the cost below {stream.m_tile} rows is approximate"
         )
     lanes_in_flight = sass.in_flight(
-        instrs, region, flow, set(stream.buffers), passes=2 if outer else 1
+        instrs, span, flow, set(stream.buffers), passes=2 if outer else 1
     )
     grid_blocks = launch.grid(m)[0] * launch.grid(m)[1]
     resident = min(base.blocks_per_sm, -(-grid_blocks // base.gpu.sms))
@@ -286,7 +283,7 @@ def _stream_cost(
         instr_per_512=sum(mix.values()),
         mix_per_512=dict(sorted(mix.items(), key=lambda kv: -kv[1])),
         in_flight_per_sm=lanes_in_flight * WARP * warps,
-        at_least=bool(unknown),
+        at_least=bool(r.unknown_loops),
         notes=tuple(notes),
     )
 

@@ -27,6 +27,7 @@ are weight buffers and which is M.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,11 +36,12 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from qir.runtime.cache import CUBIN, KernelCache, key
 from qir.runtime.errors import BackendUnavailable
 
 INSTRUCTION_BYTES = 16  # every SASS instruction since Volta
@@ -101,6 +103,7 @@ class Instr:
         addr = re.search(r"0x[0-9a-f]+", self.operands[-1])
         return int(addr.group(0), 16) // INSTRUCTION_BYTES if addr else None
 
+    @cached_property
     def _dest_operands(self) -> int:
         """How many leading operands are written: 0, 1 or 2 (the predicate of ISETP/PLOP3 or
         of a carry-out add beside its register; the data register of SHFL beside its
@@ -110,16 +113,18 @@ class Instr:
             return 0
         return 2 if len(ops) > 1 and (_is_pred(ops[1]) or _is_pred(ops[0])) else 1
 
+    @cached_property
     def dests(self) -> tuple[str, ...]:
-        n = self._dest_operands()
+        n = self._dest_operands
         names = [*_reg_names(self.operands[0], self.width)] if n else []
         if n == 2:
             names += _reg_names(self.operands[1], 1)
         return tuple(r for r in names if r not in _ZERO)
 
+    @cached_property
     def sources(self) -> tuple[str, ...]:
         """The operands read (after the destinations)."""
-        return self.operands[self._dest_operands() :]
+        return self.operands[self._dest_operands :]
 
 
 def _is_pred(tok: str) -> bool:
@@ -164,26 +169,38 @@ def available() -> bool:
     return nvdisasm() is not None
 
 
+@lru_cache(maxsize=64)
 def disassemble(cubin: bytes, function: str) -> tuple[Instr, ...]:
-    """The SASS of `function` in `cubin`, in address order (instruction i at byte 16 i)."""
+    """The SASS of `function` in `cubin`, in address order (instruction i at byte 16 i). The
+    listing is kept in the compile cache (nvdisasm takes seconds to start)."""
     tool = nvdisasm()
     if tool is None:
         raise BackendUnavailable(
             "reading SASS needs nvdisasm: pip install 'qir[sass]' (the nvidia-cuda-nvdisasm wheel)"
         )
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run(
-            [str(tool), "-c", "-json", f.name], capture_output=True, text=True, check=False
-        )
-    if out.returncode != 0:
-        raise RuntimeError(f"nvdisasm failed on {function}: {out.stderr.strip()}")
-    _, functions = json.loads(out.stdout)
+    stat = tool.stat()
+    parts = {
+        "cubin": hashlib.sha256(cubin).hexdigest(),
+        "compiler": f"nvdisasm {tool} {stat.st_size} {stat.st_mtime_ns}",
+    }
+    entry = KernelCache.at().fetch(
+        CUBIN, function, key(parts), ".sass.json", lambda: _listing(tool, cubin), "nvdisasm"
+    )
+    _, functions = json.loads(entry.payload)
     for fn in functions:
         if fn["function-name"] == function:
             return tuple(_instr(i, raw) for i, raw in enumerate(fn["sass-instructions"]))
     raise KeyError(f"{function} is not in the cubin")
+
+
+def _listing(tool: Path, cubin: bytes) -> bytes:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-c", "-json", f.name], capture_output=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {out.stderr.decode(errors='replace').strip()}")
+    return out.stdout
 
 
 def _instr(index: int, raw: Mapping[str, object]) -> Instr:
@@ -225,11 +242,11 @@ def labels(instrs: Sequence[Instr], slots: Mapping[int, str]) -> Flow:
     reads, address, guard, writes = [], [], [], []
     none: frozenset[str] = frozenset()
     for ins in instrs:
-        dests = ins.dests()
+        dests = ins.dests
         src_l: set[str] = set()
         addr_l: set[str] = set()
         loaded: dict[str, frozenset[str]] = {}
-        for tok in ins.sources():
+        for tok in ins.sources:
             for off in _CBANK.findall(tok):
                 word = int(off, 16)
                 if ins.op in ("LDC", "ULDC", "LDCU"):  # destination j <- constant word j
@@ -298,7 +315,7 @@ def trip_count(instrs: Sequence[Instr], loop: Loop) -> int | None:
     if test is None:
         return None
     reg, op, bound, unsigned = test
-    steps = [i for i in range(loop.head, loop.tail) if reg in instrs[i].dests()]
+    steps = [i for i in range(loop.head, loop.tail) if reg in instrs[i].dests]
     if len(steps) != 1 or (step := _step(instrs[steps[0]], reg)) is None:
         return None
     init_at = _last_def(instrs, reg, 0, loop.head)
@@ -320,7 +337,7 @@ def _negate(guard: str) -> str:
 
 def _last_def(instrs: Sequence[Instr], reg: str, start: int, end: int) -> int | None:
     for i in range(end - 1, start - 1, -1):
-        if reg in instrs[i].dests():
+        if reg in instrs[i].dests:
             return i
     return None
 
@@ -395,72 +412,60 @@ def _constant(ins: Instr, reg: str) -> int | None:
 # Cost of one pass over a region
 
 
-def multiplicity(
-    instrs: Sequence[Instr], region: Loop, all_loops: Iterable[Loop]
-) -> tuple[dict[int, int], tuple[Loop, ...]]:
-    """How many times each instruction of `region` runs per pass over it (the trip counts of
-    the loops nested in it), and the nested loops whose trip count is unknown (counted once)."""
-    trips = {lp: trip_count(instrs, lp) for lp in all_loops if lp.inside(region)}
-    weights = {}
-    for i in range(region.head, region.tail + 1):
-        w = 1
-        for lp, t in trips.items():
-            if i in lp:
-                w *= t or 1
-        weights[i] = w
-    return weights, tuple(lp for lp, t in trips.items() if t is None)
-
-
-def row_ranges(instrs: Sequence[Instr], region: Loop, flow: Flow, m: str) -> list[tuple[int, int]]:
-    """(branch, target) of the forward branches in `region` that test M (label `m`), outside
-    each other's ranges: each jumps over the work of one row of the batch."""
-    ranges: list[tuple[int, int]] = []
-    for i in range(region.head, region.tail + 1):
-        t = instrs[i].target()
-        if t is None or t <= i or m not in flow.guard[i] or any(a < i < b for a, b in ranges):
-            continue
-        ranges.append((i, min(t, region.tail + 1)))
-    return ranges
-
-
 @dataclass(frozen=True)
-class RegionCost:
-    mix: dict[str, float]  # warp instructions per pass, by mnemonic
-    rows_covered: int  # rows of the batch the M-tests cover per pass (0: none branch on M)
-    unknown_loops: tuple[Loop, ...]  # nested loops counted once: trip count unknown
+class Region:
+    """A stretch of code and how often each of its instructions runs per pass over it."""
+
+    loop: Loop
+    runs: dict[int, int]  # instruction -> times per pass (trip counts of nested loops)
+    unknown_loops: tuple[Loop, ...]  # nested loops with an unknown trip count (counted once)
+    rows: tuple[tuple[int, int], ...]  # (branch, target) of each M-branch: one row of the batch
 
     @property
-    def total(self) -> float:
-        return sum(self.mix.values())
+    def rows_covered(self) -> int:
+        return sum(self.runs[a] for a, _ in self.rows)
+
+    def skippable(self, i: int) -> bool:
+        return any(a < i < b for a, b in self.rows)
 
 
-def cost(
-    instrs: Sequence[Instr],
-    region: Loop,
-    flow: Flow,
-    all_loops: Sequence[Loop],
-    m: str,
-    share: float,
-) -> RegionCost:
-    """Warp instructions one pass over `region` issues when a `share` (0 to 1) of the rows
-    of the batch that its M-branches guard run."""
-    weights, unknown = multiplicity(instrs, region, all_loops)
-    ranges = row_ranges(instrs, region, flow, m)
+def region(
+    instrs: Sequence[Instr], loop: Loop, flow: Flow, all_loops: Iterable[Loop], m: str
+) -> Region:
+    """`loop` (or any span) with its nested loops' trip counts and its forward branches that
+    test M (label `m`), outside each other's ranges: each jumps over the work of one row."""
+    trips = {lp: trip_count(instrs, lp) for lp in all_loops if lp.inside(loop)}
+    runs = {}
+    for i in range(loop.head, loop.tail + 1):
+        n = 1
+        for lp, t in trips.items():
+            if i in lp:
+                n *= t or 1
+        runs[i] = n
+    rows: list[tuple[int, int]] = []
+    for i in range(loop.head, loop.tail + 1):
+        t = instrs[i].target()
+        if t is None or t <= i or m not in flow.guard[i] or any(a < i < b for a, b in rows):
+            continue
+        rows.append((i, min(t, loop.tail + 1)))
+    unknown = tuple(lp for lp, t in trips.items() if t is None)
+    return Region(loop, runs, unknown, tuple(rows))
+
+
+def cost(instrs: Sequence[Instr], r: Region, share: float) -> dict[str, float]:
+    """Warp instructions one pass over `r` issues, by mnemonic, when a `share` (0 to 1) of the
+    rows of the batch that its M-branches guard run."""
     mix: dict[str, float] = {}
-    for i, w in weights.items():
-        skippable = any(a < i < b for a, b in ranges)
-        mix[instrs[i].op] = mix.get(instrs[i].op, 0.0) + w * (share if skippable else 1.0)
-    return RegionCost(mix, sum(weights[a] for a, _ in ranges), unknown)
+    for i, n in r.runs.items():
+        mix[instrs[i].op] = mix.get(instrs[i].op, 0.0) + n * (share if r.skippable(i) else 1.0)
+    return mix
 
 
-def loaded_bytes(
-    instrs: Sequence[Instr], region: Loop, flow: Flow, all_loops: Sequence[Loop], buffers: set[str]
-) -> int:
-    """Bytes one pass over `region` loads per thread from the buffers labelled `buffers`."""
-    weights, _ = multiplicity(instrs, region, all_loops)
+def loaded_bytes(instrs: Sequence[Instr], r: Region, flow: Flow, buffers: set[str]) -> int:
+    """Bytes one pass over `r` loads per thread from the buffers labelled `buffers`."""
     return sum(
-        instrs[i].load_bytes * w
-        for i, w in weights.items()
+        instrs[i].load_bytes * n
+        for i, n in r.runs.items()
         if instrs[i].op in GLOBAL_LOADS and flow.address[i] & buffers
     )
 
@@ -475,7 +480,7 @@ def in_flight(
     for _ in range(passes):
         for i in range(region.head, region.tail + 1):
             ins = instrs[i]
-            touched = {r for tok in ins.sources() for r in _reg_names(tok, 1)} | flow.writes[i]
+            touched = {r for tok in ins.sources for r in _reg_names(tok, 1)} | flow.writes[i]
             for r in touched & pending.keys():
                 del pending[r]
             if ins.op in GLOBAL_LOADS and flow.address[i] & buffers and flow.writes[i]:

@@ -130,15 +130,15 @@ def test_dataflow_labels_loads_by_buffer_and_branches_on_m() -> None:
     flow = sass.labels(code, slots)
     assert flow.address[4] == {"w"} and flow.address[9] == {"x"}
     assert flow.guard[8] == {"M"}
-    region = sass.Loop(0, len(code) - 1)
-    assert sass.row_ranges(code, region, flow, "M") == [(8, 11)]
+    span = sass.Loop(0, len(code) - 1)
+    region = sass.region(code, span, flow, (), "M")
+    assert region.rows == ((8, 11),) and region.rows_covered == 1
     # Rows that do not run skip the x load and the FFMA: half the rows, half of those two.
-    full = sass.cost(code, region, flow, (), "M", 1.0)
-    half = sass.cost(code, region, flow, (), "M", 0.5)
-    assert full.total - half.total == pytest.approx(1.0)
-    assert sass.loaded_bytes(code, region, flow, (), {"w"}) == 16
+    full, half = (sum(sass.cost(code, region, share).values()) for share in (1.0, 0.5))
+    assert full - half == pytest.approx(1.0) and full == len(code)
+    assert sass.loaded_bytes(code, region, flow, {"w"}) == 16
     # The weight load is outstanding until the FFMA reads R8: 16 bytes per thread.
-    assert sass.in_flight(code, region, flow, {"w"}, passes=1) == 16
+    assert sass.in_flight(code, span, flow, {"w"}, passes=1) == 16
 
 
 def _down(fmt, hidden: int, inter: int, act=BF16) -> Plan:
