@@ -13,17 +13,20 @@ loop that streams them, read off the SASS (nvdisasm, the `sass` extra; qir.runti
    loads of the weight buffers (the one with the most such loads, if several). If no loop
    holds them, the compiler unrolled the K loop entirely (each lane's few chunks), and the
    whole kernel is the region.
-3. Bytes per pass: Python knows the format's chunk (weights a lane dequantizes at once, the
-   bytes of packed codes that takes) and the bytes per weight with scales; the SASS tells how
-   many bytes of codes one pass loads. Their ratio is the chunks per pass (the compiler's unroll,
-   times two for a gate/up pair): it must be a whole number, and for an unrolled kernel every
-   chunk of the lane's row; otherwise the cost is not given and the note says why. A warp's
-   pass then consumes 32 lanes x chunks x chunk weights x bytes per weight of DRAM.
-4. Cost per pass at M: every instruction of the region once, nested loops times their trip
-   counts, and the code that branches on M (one row of the batch per branch; the table checks
-   that they cover the kernel's m_tile rows) in proportion to the rows that run in each block
-   of rows. Warp instructions per 512 B of weights = cost / bytes per pass x 512, summed over
-   the blocks of rows (grid.y) that each read the same weights.
+3. Chunks per pass: Python knows the format's chunk (weights a lane dequantizes at once, the
+   bytes of packed codes that takes), the chunks of a row each lane handles and the DRAM bytes
+   per weight with scales; the SASS tells how many bytes of codes one pass loads. Their ratio
+   is the chunks per pass (the compiler's unroll, times two for a gate/up pair): it must be a
+   whole number, and for an unrolled kernel every chunk of the lane's row; otherwise the cost
+   is not given and the note says why.
+4. Cost at M: every instruction of the weight loop once per pass, nested loops times their
+   trip counts, and the code that branches on M (one row of the batch per branch; the table
+   checks that a pass's branches cover whole multiples of the kernel's m_tile rows) in
+   proportion to the rows that run in each block of rows; a warp makes (its row's chunks /
+   chunks per pass) passes, and runs the rest of the kernel (set-up, shuffle reductions,
+   stores) once, counted the same way. Warp instructions per 512 B of weights = that total /
+   the DRAM bytes of the warp's rows x 512, summed over the blocks of rows (grid.y) that each
+   read the same weights.
 5. Bytes of weights in flight per SM: the most bytes of weight loads a warp has issued and not
    yet used in a pass (the loads it issues before it first needs one), times 32 lanes, times
    the warps resident per SM (occupancy, or fewer if the grid is small).
@@ -239,7 +242,8 @@ def _stream_cost(
     else:
         span = sass.Loop(0, len(instrs) - 1)
         where = "unrolled"
-    r = sass.region(instrs, span, flow, loops, "M")
+    whole = sass.region(instrs, sass.Loop(0, len(instrs) - 1), flow, loops, "M")
+    r = sass.region(instrs, span, flow, loops, "M") if outer else whole
     code_bytes = sass.loaded_bytes(instrs, r, flow, set(stream.codes))
     chunks = code_bytes / stream.chunk_code_bytes
     expected = stream.chunks_per_lane * stream.weights_per_warp
@@ -252,20 +256,24 @@ def _stream_cost(
     if not outer and chunks != expected:
         notes.append(f"unrolled kernel loads {chunks:.0f} chunks per lane, expected {expected}")
         return _replace(base, region=where, notes=tuple(notes))
-    per_pass = (
-        stream.row_bytes
-        if not outer
-        else WARP * chunks * stream.chunk_elems * stream.bytes_per_weight
-    )
+    # A warp runs the weight loop once per `chunks` of its row's chunks, and the rest of the
+    # kernel (index set-up, the shuffle reductions, the stores) once.
+    passes = expected / chunks
     mix: dict[str, float] = {}
     for tile in range(launch.grid(m)[1]):
-        rows = min(stream.m_tile, m - tile * stream.m_tile)
-        for op, n in sass.cost(instrs, r, rows / stream.m_tile).items():
-            mix[op] = mix.get(op, 0.0) + n * 512 / per_pass
-    if r.unknown_loops:
-        spans = ", ".join(f"{lp.head * 16:#x}-{lp.tail * 16:#x}" for lp in r.unknown_loops)
+        share = min(stream.m_tile, m - tile * stream.m_tile) / stream.m_tile
+        loop_mix = sass.cost(instrs, r, share) if outer else {}
+        for mix_part, times in (
+            (loop_mix, passes),
+            (sass.cost(instrs, whole, share, span if outer else None), 1.0),
+        ):
+            for op, n in mix_part.items():
+                mix[op] = mix.get(op, 0.0) + n * times * 512 / stream.row_bytes
+    unknown = [lp for lp in (*whole.unknown_loops, *r.unknown_loops) if lp != span]
+    if unknown:
+        spans = ", ".join(sorted({f"{lp.head * 16:#x}-{lp.tail * 16:#x}" for lp in unknown}))
         notes.append(f"loops with an unknown trip count counted once: {spans}")
-    if r.rows_covered % stream.m_tile:
+    if outer and r.rows_covered % stream.m_tile:
         notes.append(
             f"{r.rows_covered} branches on M per pass, not a multiple of the kernel's "
             f"{stream.m_tile} rows: the cost below {stream.m_tile} rows is approximate"
@@ -283,7 +291,7 @@ def _stream_cost(
         instr_per_512=sum(mix.values()),
         mix_per_512=dict(sorted(mix.items(), key=lambda kv: -kv[1])),
         in_flight_per_sm=lanes_in_flight * WARP * warps,
-        at_least=bool(r.unknown_loops),
+        at_least=bool(unknown),
         notes=tuple(notes),
     )
 

@@ -11,15 +11,17 @@ are weight buffers and which is M.
   test M. The pass does not merge along control flow: a register redefined later in address
   order but reaching an earlier use through a back edge keeps its first labels (pointer
   increments redefine a register from itself, so they keep theirs).
-- Loops are back edges: a BRA whose target is at or before it (the self-branch after the last
+- Loops are back edges: a BRA to an earlier instruction (the self-branch after the last
   EXIT is padding, not a loop). Two back edges to one head are one loop.
 - A loop's trip count is solved when its back edge tests an induction register against an
   immediate, the register is stepped by one immediate add in the body and set to a constant
-  before the loop; anything else (a lane-dependent start, a bound in a register) is "unknown".
-- `cost` counts the warp instructions one pass over a region issues: each instruction once,
-  times the trip counts of the loops nested in the region. Branches that test M skip whole
-  rows of the batch; the instructions they jump over count in proportion to the rows that run
-  (rows / all rows the region covers). Predicated-off instructions still issue, so they count.
+  before the loop (sm_80 code leaves by `@P CALL.REL.NOINC` just before a plain back branch: the
+  same test, negated); anything else (a lane-dependent start, a bound in a register, an
+  induction register spilled to the stack) is "unknown".
+- `region` and `cost` count the warp instructions one pass over a region issues: each
+  instruction once, times the trip counts of the loops nested in the region. A forward branch
+  that tests M skips one row of the batch; the instructions it jumps over count in proportion to
+  the rows that run. Predicated-off instructions still issue, so they count.
 - `in_flight` is the most bytes of loads of a given set of buffers that a warp has issued and
   not yet used, walking the region twice in address order (twice, so that loads issued for the
   next pass of a loop are counted where they wait).
@@ -229,7 +231,6 @@ def _split(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Flow:
-    reads: tuple[frozenset[str], ...]  # per instruction: labels of every source operand
     address: tuple[frozenset[str], ...]  # of the registers inside memory brackets
     guard: tuple[frozenset[str], ...]  # of the instruction's guard predicate
     writes: tuple[frozenset[str], ...]  # registers each instruction writes
@@ -239,7 +240,7 @@ def labels(instrs: Sequence[Instr], slots: Mapping[int, str]) -> Flow:
     """`slots` maps constant-bank byte offsets (4-byte words) to a label, e.g. the word(s) of
     a kernel parameter to its name."""
     state: dict[str, frozenset[str]] = {}
-    reads, address, guard, writes = [], [], [], []
+    address, guard, writes = [], [], []
     none: frozenset[str] = frozenset()
     for ins in instrs:
         dests = ins.dests
@@ -265,11 +266,10 @@ def labels(instrs: Sequence[Instr], slots: Mapping[int, str]) -> Flow:
             new = loaded.get(d, frozenset(src_l))
             # A guarded write may not happen: the register keeps what it had too.
             state[d] = new | state.get(d, none) if ins.guard else new
-        reads.append(frozenset(src_l))
         address.append(frozenset(addr_l))
         guard.append(state.get(ins.guard.lstrip("@!"), none) if ins.guard else none)
         writes.append(frozenset(dests))
-    return Flow(tuple(reads), tuple(address), tuple(guard), tuple(writes))
+    return Flow(tuple(address), tuple(guard), tuple(writes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def trip_count(instrs: Sequence[Instr], loop: Loop) -> int | None:
     if len(steps) != 1 or (step := _step(instrs[steps[0]], reg)) is None:
         return None
     init_at = _last_def(instrs, reg, 0, loop.head)
-    value = _constant(instrs[init_at], reg) if init_at is not None else None
+    value = _constant(instrs[init_at]) if init_at is not None else None
     if value is None:
         return None
     stepped_first = steps[0] < cmp_at
@@ -390,7 +390,7 @@ def _step(ins: Instr, reg: str) -> int | None:
     return imms[0] if regs == [reg] and len(imms) == 1 else None
 
 
-def _constant(ins: Instr, reg: str) -> int | None:
+def _constant(ins: Instr) -> int | None:
     """The value an unguarded instruction gives `reg`, if it is a constant."""
     if ins.guard:
         return None
@@ -452,12 +452,15 @@ def region(
     return Region(loop, runs, unknown, tuple(rows))
 
 
-def cost(instrs: Sequence[Instr], r: Region, share: float) -> dict[str, float]:
+def cost(
+    instrs: Sequence[Instr], r: Region, share: float, outside: Loop | None = None
+) -> dict[str, float]:
     """Warp instructions one pass over `r` issues, by mnemonic, when a `share` (0 to 1) of the
-    rows of the batch that its M-branches guard run."""
+    rows of the batch that its M-branches guard run; only those outside `outside`, if given."""
     mix: dict[str, float] = {}
     for i, n in r.runs.items():
-        mix[instrs[i].op] = mix.get(instrs[i].op, 0.0) + n * (share if r.skippable(i) else 1.0)
+        if outside is None or i not in outside:
+            mix[instrs[i].op] = mix.get(instrs[i].op, 0.0) + n * (share if r.skippable(i) else 1)
     return mix
 
 
