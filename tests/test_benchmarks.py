@@ -149,6 +149,19 @@ def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"kernel calls stubbed out.*\nqkv +\d+\.\d\n", out)
 
 
+def test_compile_scale_on_tiny_models(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("compile_scale").main(["--layers", "1", "2", "--repeat", "1", "--scale", "32"])
+    # a layer is 3 launches (q/k/v, gate/up, down); W4A4 adds 3 quantize_act and 3 16-bit twins
+    assert [(r.format, r.layers, r.launches) for r in rows] == [
+        ("w4a16", 1, 3),
+        ("w4a16", 2, 6),
+        ("w4a4", 1, 9),
+        ("w4a4", 2, 18),
+    ]
+    assert all(r.passes > 0 and r.lower > 0 and r.render > 0 for r in rows)
+    assert "time at 2 layers / time at 1 (2 if linear)" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
 def test_static_roofline_on_one_format(capsys: pytest.CaptureFixture[str]) -> None:
     """The o projection (4096 -> 4096) of one format at M = 1 and 8 for sm_90: one kernel,
