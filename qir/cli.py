@@ -37,6 +37,8 @@ from qir.runtime.warm import warm
 EXIT_USAGE = 2
 ACT_DTYPES = ("f16", "bf16", "f32")
 DEMO_M = (1, 5)
+# The sub-blocks `demo` and `cache warm` cover by default.
+PARTS = ("mlp", "qkv")
 
 
 def _block(args: argparse.Namespace) -> Block:
@@ -151,7 +153,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = []
     for path in embedded_checkpoints():
         ck = load(path)
-        for name in BLOCKS:
+        for name in PARTS:
             block = build(ck, name, 0)
             c: Compiled = compile(block.graph, block.weights, backend=backend)
             ref = compile(block.graph, block.weights, backend="reference")
@@ -390,7 +392,7 @@ def parser() -> argparse.ArgumentParser:
         "a deployment image's cache while building it)",
     )
     wrm.add_argument("checkpoint", type=Path, help="checkpoint directory")
-    wrm.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    wrm.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(PARTS))
     wrm.add_argument("--layers", type=int, nargs="+", help="decoder layers (default: all)")
     wrm.add_argument(
         "--arch",

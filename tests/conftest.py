@@ -123,3 +123,13 @@ def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     mp.setenv("QIR_CACHE_DIR", str(tmp_path_factory.mktemp("qir-cache")))
     yield
     mp.undo()
+
+
+def greedy_prefix(step_logits: np.ndarray, abs_err: float) -> int:
+    """How many greedy steps of a reference are decided beyond an error of `abs_err`: steps up
+    to (not including) the first whose top-2 logit margin is within twice the error (both
+    logits may move by it). Random-init models have near-ties that 16-bit arithmetic may break
+    the other way."""
+    top2 = np.sort(step_logits.astype(np.float32), axis=-1)[:, -2:]
+    close = np.flatnonzero(top2[:, 1] - top2[:, 0] <= 2 * abs_err)
+    return int(close[0]) if close.size else len(step_logits)

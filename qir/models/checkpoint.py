@@ -19,6 +19,7 @@ from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.base import FormatError
 from qir.models.families import FAMILIES, Family, load_all
 from qir.models.safetensors_io import TensorStore
+from qir.rope import REQUIRED, rope_problem
 from qir.types import QWeight
 
 _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
@@ -115,6 +116,97 @@ class Checkpoint:
                     )
                 return _ACT_DTYPES[name]
         return F16
+
+    # ---- what a whole layer and model need (see qir.models.blocks) -------------------------
+    def _where(self) -> str:
+        return f"{self.path}/config.json"
+
+    @property
+    def rms_norm_eps(self) -> float:
+        eps = self.config.get("rms_norm_eps")
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+            what = "lacks rms_norm_eps" if eps is None else f"rms_norm_eps is {eps!r}"
+            raise FormatError(f"{self._where()}: {what} (the layer's RMSNorm needs a positive eps)")
+        return float(eps)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._int("vocab_size")
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        tie = self.config.get("tie_word_embeddings", False)  # transformers' Llama default
+        if not isinstance(tie, bool):
+            raise FormatError(f"{self._where()}: tie_word_embeddings is {tie!r}, expected a bool")
+        return tie
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        if self.config.get("max_position_embeddings") is None:
+            return None
+        return self._int("max_position_embeddings")
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """The `rope` op's attributes (qir.rope): transformers 5's `rope_parameters`, or the
+        older top-level `rope_theta` with `rope_scaling`."""
+        params = self.config.get("rope_parameters")
+        if params is not None:
+            where = "rope_parameters"
+            theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+        else:
+            where = "rope_scaling"
+            params = self.config.get("rope_scaling") or {}
+            theta = self.config.get("rope_theta", 10000.0)  # transformers' Llama default
+        if not isinstance(params, Mapping):
+            raise FormatError(f"{self._where()}: {where} is {params!r}, expected an object")
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+            raise FormatError(
+                f"{self._where()}: rope_theta is {theta!r}, expected a positive number"
+            )
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in REQUIRED:
+            raise FormatError(
+                f"{self._where()}: {where} rope_type {kind!r} is not supported "
+                f"(supported: {', '.join(REQUIRED)})"
+            )
+        partial = params.get("partial_rotary_factor", self.config.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise FormatError(
+                f"{self._where()}: partial_rotary_factor {partial!r} is not supported"
+            )
+        attrs: dict[str, Any] = {
+            "head_dim": self.head_dim,
+            "theta": float(theta),
+            "rope_type": kind,
+        }
+        for p in REQUIRED[kind]:
+            v = params.get(p)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p} (got {v!r})")
+            attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
+        problem = rope_problem(attrs)
+        if problem:
+            raise FormatError(f"{self._where()}: {where}: {problem}")
+        return attrs
+
+    def attention_problem(self) -> str | None:
+        """Why qir cannot run this checkpoint's attention and MLP as Llama's, or None: biases,
+        sliding windows, an activation other than SiLU, per-head q/k norms."""
+        cfg = self.config
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                return f"{key} is true (biased projections are not supported)"
+        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
+            return f"sliding_window {cfg['sliding_window']!r} (sliding-window attention is not supported)"
+        for key in ("hidden_act", "hidden_activation"):
+            if cfg.get(key, "silu") != "silu":
+                return f"{key} {cfg[key]!r} (only silu MLPs are supported)"
+        for suffix in ("self_attn.q_proj.bias", "self_attn.q_norm.weight"):
+            name = f"model.layers.0.{suffix}"
+            if name in self.store:
+                return f"{name} is present (q/k/v biases and q/k norms are not supported)"
+        return None
 
     def layer_module(self, layer: int, name: str) -> str:
         return layer_module(layer, name, self.num_layers)
