@@ -304,9 +304,7 @@ class CompiledBlock:
     @property
     def state_bytes(self) -> int:
         """Bytes the states (KV caches) hold, for the block's lifetime."""
-        return sum(
-            math.prod(t.concrete({})) * t.dtype.itemsize for t in self._state_types.values()
-        )
+        return sum(math.prod(t.concrete({})) * t.dtype.itemsize for t in self._state_types.values())
 
     def memory_plan(self, m: int) -> MemoryPlan:
         return self._layout(m).mem
