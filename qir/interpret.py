@@ -265,7 +265,9 @@ def evaluate(
             env[name] = _qlinear(node, args)
         elif node.op == "quantize_act":
             # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
-            (x,) = args
+            # With an RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel
+            # forms from the rms_norm's own operands, the same way.
+            x = args[0]
             env[name] = (
                 quantize_act(node.attr("scheme"), x, dict(node.attrs))
                 if x.shape[0] <= W4A4_MAX_M

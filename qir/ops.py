@@ -250,7 +250,17 @@ def _check_act_rule(op: str, attrs: Mapping[str, Any], key: str) -> None:
 def _infer_quantize_act(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
+    """(x) -> x quantized; or, with an RMSNorm prologue (attribute eps), (xn, x, w) -> xn
+    quantized, computed from x and w in the same launch: xn = rms_norm(x, w) is the 16-bit
+    value it stands for (what batches above W4A4_MAX_M read instead)."""
     x = _activation("quantize_act", names, types, 0)
+    if len(types) not in (1, 3) or (len(types) == 3) != ("eps" in attrs):
+        raise IRTypeError("quantize_act: takes (x), or (xn, x, w) with an rms_norm eps")
+    if len(types) == 3 and _infer_rms_norm(types[1:], names[1:], attrs) != x:
+        raise IRTypeError(
+            f"quantize_act: rms_norm({_desc(names[1], types[1])}) does not match "
+            f"{_desc(names[0], x)}"
+        )
     _check_act_rule("quantize_act", attrs, "scheme")
     k = x.shape[1]
     if not isinstance(k, int) or k % 64:
@@ -421,7 +431,12 @@ OPS: dict[str, OpSpec] = {
             _infer_qlinear,
             frozenset({"prologue", "epilogue", "kernel", "fused", "act_quant"}) | ACT_SCALE_ATTRS,
         ),
-        OpSpec("quantize_act", 1, _infer_quantize_act, frozenset({"scheme"}) | ACT_SCALE_ATTRS),
+        OpSpec(
+            "quantize_act",
+            VARIADIC,
+            _infer_quantize_act,
+            frozenset({"scheme", "eps"}) | ACT_SCALE_ATTRS,
+        ),
         OpSpec("get", 1, _infer_get, frozenset({"index"})),
         OpSpec("silu", 1, _infer_unary("silu"), elementwise=True),
         OpSpec("mul", 2, _infer_binary("mul"), elementwise=True),

@@ -171,10 +171,16 @@ def _lower_quantize_act(graph: Graph, name: str) -> Launch:
     node = graph.node(name)
     assert isinstance(node.type, QActType)
     attrs = dict(node.attrs)
-    spec = QuantizeActSpec(node.type, act_quant_mode(attrs))
+    operands = graph.operands(name)
+    # With an RMSNorm prologue the kernel reads x and the norm's weight (operands 1, 2).
+    norm = graph.node(operands[2]).type if len(operands) == 3 else None
+    assert norm is None or isinstance(norm, TensorType)
+    spec = QuantizeActSpec(
+        node.type, act_quant_mode(attrs), (norm.dtype, node.attr("eps")) if norm else None
+    )
     scale = _scale_args(attrs)
-    (x,) = graph.operands(name)
-    args = (Arg("value", x), Arg("value", name), *scale, Arg("M"))
+    ins = (Arg("value", operands[1]), Arg("weight", operands[2], "weight")) if norm else ()
+    args = (*(ins or (Arg("value", operands[0]),)), Arg("value", name), *scale, Arg("M"))
     return Launch(quantize_act_kernel(spec), 1, 1, args, (name,), (name,), (1, W4A4_MAX_M))
 
 

@@ -1,8 +1,8 @@
 """Dead code elimination.
 
 Preconditions: a verified graph. Removes every node from which no output is reachable, except
-inputs: they are the block's calling signature, which passes must not change. Fires once per
-removed node.
+inputs (the block's calling signature, which passes must not change) and kv_appends with what
+they read (writing a KV cache is an effect the next run sees). Fires once per removed node.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ class DCE:
 
     def run(self, graph: Graph) -> int:
         live: set[str] = set()
-        for _, value in graph.outputs:
+        effects = [n for n in graph.g if graph.node(n).op == "kv_append"]
+        for value in [v for _, v in graph.outputs] + effects:
             live.add(value)
             live |= nx.ancestors(graph.g, value)
         dead = [n for n in graph.g if n not in live and graph.node(n).op != "input"]

@@ -175,6 +175,11 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
     holes[:] = merged
 
 
+def _format_buffers(w: object) -> dict[str, TensorType]:
+    assert isinstance(w, QWeight)
+    return w.format.buffers(w.out_features, w.in_features)
+
+
 def compile_jobs() -> int:
     """Threads that compile one block's kernels: `$QIR_COMPILE_JOBS`, else the usable CPUs."""
     raw = os.environ.get("QIR_COMPILE_JOBS", "").strip()
@@ -253,11 +258,10 @@ class CompiledBlock:
         for wname in graph.weights:
             node = graph.node(wname)
             w = node.type
-            assert isinstance(w, QWeight)
             bufs = weight_buffers(node, weights)
+            names = ["weight"] if isinstance(w, TensorType) else list(_format_buffers(w))
             self._weights[wname] = {
-                b: backend.to_device(np.ascontiguousarray(bufs[b]))
-                for b in w.format.buffers(w.out_features, w.in_features)
+                b: backend.to_device(np.ascontiguousarray(bufs[b])) for b in names
             }
         self._loaded = load_kernels(backend, [launch.kernel for launch in plan.launches])
         # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.
