@@ -41,11 +41,27 @@ class Block:
     graph: Graph
     weights: Weights  # weight key (module path) -> kernel-layout buffers
 
+    @property
+    def max_seq(self) -> int:
+        """Rows of the block's KV caches (0 without attention)."""
+        sizes = [
+            int(t.shape[0])
+            for n in self.graph.of_op("state")
+            if isinstance(t := self.graph.node(n).type, TensorType)
+        ]
+        return min(sizes, default=0)
+
     def inputs(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """The inputs of a block that starts at activations x [M, hidden]: x itself and, for
         blocks with attention, positions 0..M-1 (a fresh sequence)."""
         out = {"x": x}
         if "pos" in self.graph:
+            capacity = self.max_seq
+            if len(x) > capacity:
+                raise UsageError(
+                    f"{len(x)} rows are {len(x)} positions: past --max-seq {capacity} (the "
+                    "KV cache's rows)"
+                )
             out["pos"] = np.arange(len(x), dtype=np.int32)
         return out
 

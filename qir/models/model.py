@@ -46,9 +46,7 @@ class Model:
     ) -> None:
         self.checkpoint = ck
         self.block: Block = build(ck, "model", 0, act, max_seq)
-        cache = self.block.graph.node("l0.k_cache").type
-        assert isinstance(cache, TensorType) and isinstance(cache.shape[0], int)
-        self.max_seq: int = cache.shape[0]
+        self.max_seq = self.block.max_seq
         self.vocab_size = ck.vocab_size
         self.compiled: Compiled = compile(
             self.block.graph,
