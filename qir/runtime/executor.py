@@ -491,6 +491,12 @@ class CapturedBatches:
                 )
             active = self.block.memory_plan(m).active
             same = [c for size, c in self.captures.items() if size >= m and c.active == active]
+            if self.block._state and m not in self.captures:
+                # Padding rows would append whatever their stale inputs hold to the KV cache.
+                raise BindError(
+                    f"M={m}: a block with state (KV caches) replays only the batch sizes it "
+                    f"captured ({list(self.captures)}), never padded"
+                )
             if not same:
                 raise BindError(
                     f"M={m}: no captured batch size of at least {m} rows runs the same kernels "

@@ -22,6 +22,7 @@ from qir.codegen.layer_kernels import (
 )
 from qir.codegen.lower import lower
 from qir.dtypes import BF16, F16, F32
+from qir.interpret import BindError
 from qir.models import Model, load
 from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
@@ -265,3 +266,13 @@ def test_layer_kernels_build_with_nvrtc_without_spills():
     }
     for kernel in kernels:
         nvrtc.check_no_spills(kernel, archs=ARCHS)
+
+
+def test_blocks_with_state_replay_only_captured_batch_sizes(gqa):
+    b = build(load(gqa), "layer", 0, F16)
+    batches = compiled(b, "host").capture_batches([1, 4])
+    x = np.zeros((2, 128), F16.np)
+    with pytest.raises(BindError, match=r"M=2: a block with state .* never padded"):
+        batches({"x": x, "pos": np.arange(2, dtype=np.int32)})
+    out = batches({"x": x[:1], "pos": np.array([0], np.int32)})
+    assert out["y"].shape == (1, 128)
