@@ -118,8 +118,15 @@ graph g {{
 def test_states_are_read_only_through_their_kv_append():
     assert parse(STATE_TEXT.format(k="%kv.k", v="%kv.v"))
     # Reading a cache before (or besides) its append would race with the in-place write.
-    with pytest.raises(VerifyError, match=r"%kc: a state must be read by exactly one kv_append"):
+    with pytest.raises(VerifyError, match=r"%y = attention: reads state %kc; a state must be read"):
         parse(STATE_TEXT.format(k="%kc", v="%kv.v"))
+    # Two appends of one cache would race with each other.
+    twice = STATE_TEXT.format(k="%kv.k", v="%kv.v").replace(
+        "  output y",
+        "  %kv2 = kv_append %kc, %vc, %k, %k, %pos : (f16[16, 2, 32], f16[16, 2, 32])\n  output y",
+    )
+    with pytest.raises(VerifyError, match=r"%kc: a state must be read by exactly one kv_append"):
+        parse(twice)
     # Appending to what is not a state (here: the written cache again) is refused too.
     text = STATE_TEXT.format(k="%kv.k", v="%kv.v").replace(
         "  output y",

@@ -1,12 +1,13 @@
 """Checkpoint directories: config.json, format detection, and lazily read quantized linears.
 
-`load(dir)` reads config.json only; tensors are memory-mapped per module when `linear()` asks
-for them, so opening a large checkpoint to build one block touches just that block's bytes.
+`load(dir)` reads config.json, checks every field qir reads against one table
+(qir.models.config_fields) and validates every safetensors header; tensors are memory-mapped per
+module when `linear()` asks for them, so opening a large checkpoint to build one block touches
+just that block's bytes.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.base import FormatError
+from qir.models import strict_json
+from qir.models.checkpoint_dir import find, read_bytes
+from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
 from qir.models.safetensors_io import TensorStore
 from qir.rope import REQUIRED, rope_problem
@@ -71,43 +75,41 @@ class Checkpoint:
         self.family = family
         self.store = TensorStore(path)
 
-    def _int(self, key: str, default: int | None = None) -> int:
-        value = self.config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise FormatError(f"{self.path}/config.json: {key} is {value!r}, expected an int >= 1")
-        return value
+    def field(self, key: str) -> Any:
+        """config.json's `key`, a top-level entry of config_fields.FIELDS (checked when the
+        checkpoint was opened); the entry's default where it is absent or null."""
+        value = self.config.get(key)
+        return BY_KEY[key].default if value is None else value
 
     @property
     def hidden_size(self) -> int:
-        return self._int("hidden_size")
+        return self.field("hidden_size")
 
     @property
     def intermediate_size(self) -> int:
-        return self._int("intermediate_size")
+        return self.field("intermediate_size")
 
     @property
     def num_layers(self) -> int:
-        return self._int("num_hidden_layers")
+        return self.field("num_hidden_layers")
 
     @property
     def num_heads(self) -> int:
-        return self._int("num_attention_heads")
+        return self.field("num_attention_heads")
 
     @property
     def num_kv_heads(self) -> int:
-        return self._int("num_key_value_heads", self.num_heads)
+        return self.field("num_key_value_heads") or self.num_heads
 
     @property
     def head_dim(self) -> int:
         # Absent or null means the HF default, hidden_size / num_heads.
-        if self.config.get("head_dim") is None:
-            return self.hidden_size // self.num_heads
-        return self._int("head_dim")
+        return self.field("head_dim") or self.hidden_size // self.num_heads
 
     @property
     def act_dtype(self) -> DType:
         for key in ("torch_dtype", "dtype"):
-            name = self.config.get(key)
+            name = self.field(key)
             if name is not None:
                 if name not in _ACT_DTYPES:
                     raise FormatError(
@@ -118,59 +120,51 @@ class Checkpoint:
         return F16
 
     # ---- what a whole layer and model need (see qir.models.blocks) -------------------------
+    # Types and ranges are config_fields' (checked at open); what qir does not support is
+    # refused here, when a block needs it.
     def _where(self) -> str:
         return f"{self.path}/config.json"
 
     @property
     def rms_norm_eps(self) -> float:
-        eps = self.config.get("rms_norm_eps")
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
-            what = "lacks rms_norm_eps" if eps is None else f"rms_norm_eps is {eps!r}"
-            raise FormatError(f"{self._where()}: {what} (the layer's RMSNorm needs a positive eps)")
+        eps = self.field("rms_norm_eps")
+        if eps is None:
+            raise FormatError(f"{self._where()}: lacks rms_norm_eps (the layer's RMSNorm needs it)")
         return float(eps)
 
     @property
     def vocab_size(self) -> int:
-        return self._int("vocab_size")
+        vocab = self.field("vocab_size")
+        if vocab is None:
+            raise FormatError(f"{self._where()}: lacks vocab_size (the embedding needs it)")
+        return int(vocab)
 
     @property
     def tie_word_embeddings(self) -> bool:
-        tie = self.config.get("tie_word_embeddings", False)  # transformers' Llama default
-        if not isinstance(tie, bool):
-            raise FormatError(f"{self._where()}: tie_word_embeddings is {tie!r}, expected a bool")
-        return tie
+        return bool(self.field("tie_word_embeddings"))
 
     @property
     def max_position_embeddings(self) -> int | None:
-        if self.config.get("max_position_embeddings") is None:
-            return None
-        return self._int("max_position_embeddings")
+        value = self.field("max_position_embeddings")
+        return None if value is None else int(value)
 
     @property
     def rope(self) -> dict[str, Any]:
         """The `rope` op's attributes (qir.rope): transformers 5's `rope_parameters`, or the
         older top-level `rope_theta` with `rope_scaling`."""
-        params = self.config.get("rope_parameters")
-        if params is not None:
-            where = "rope_parameters"
-            theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+        if self.field("rope_parameters") is not None:
+            where, params = "rope_parameters", self.field("rope_parameters")
+            theta = params.get("rope_theta", BY_KEY["rope_theta"].default)
         else:
-            where = "rope_scaling"
-            params = self.config.get("rope_scaling") or {}
-            theta = self.config.get("rope_theta", 10000.0)  # transformers' Llama default
-        if not isinstance(params, Mapping):
-            raise FormatError(f"{self._where()}: {where} is {params!r}, expected an object")
-        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
-            raise FormatError(
-                f"{self._where()}: rope_theta is {theta!r}, expected a positive number"
-            )
+            where, params = "rope_scaling", self.field("rope_scaling") or {}
+            theta = self.field("rope_theta")
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in REQUIRED:
             raise FormatError(
                 f"{self._where()}: {where} rope_type {kind!r} is not supported "
                 f"(supported: {', '.join(REQUIRED)})"
             )
-        partial = params.get("partial_rotary_factor", self.config.get("partial_rotary_factor"))
+        partial = params.get("partial_rotary_factor", self.field("partial_rotary_factor"))
         if partial not in (None, 1, 1.0):
             raise FormatError(
                 f"{self._where()}: partial_rotary_factor {partial!r} is not supported"
@@ -182,8 +176,8 @@ class Checkpoint:
         }
         for p in REQUIRED[kind]:
             v = params.get(p)
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p} (got {v!r})")
+            if v is None:
+                raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p}")
             attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
         problem = rope_problem(attrs)
         if problem:
@@ -193,15 +187,15 @@ class Checkpoint:
     def attention_problem(self) -> str | None:
         """Why qir cannot run this checkpoint's attention and MLP as Llama's, or None: biases,
         sliding windows, an activation other than SiLU, per-head q/k norms."""
-        cfg = self.config
         for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
+            if self.field(key):
                 return f"{key} is true (biased projections are not supported)"
-        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
-            return f"sliding_window {cfg['sliding_window']!r} (sliding-window attention is not supported)"
+        window = self.field("sliding_window")
+        if window is not None and self.field("use_sliding_window"):
+            return f"sliding_window {window!r} (sliding-window attention is not supported)"
         for key in ("hidden_act", "hidden_activation"):
-            if cfg.get(key, "silu") != "silu":
-                return f"{key} {cfg[key]!r} (only silu MLPs are supported)"
+            if self.field(key) not in (None, "silu"):
+                return f"{key} {self.field(key)!r} (only silu MLPs are supported)"
         for suffix in ("self_attn.q_proj.bias", "self_attn.q_norm.weight"):
             name = f"model.layers.0.{suffix}"
             if name in self.store:
@@ -267,28 +261,31 @@ def _unsupported(config: Mapping[str, Any]) -> str:
 
 
 def load(path: str | Path) -> Checkpoint:
-    """Open a checkpoint directory: read config.json and detect its format (tensors stay lazy)."""
+    """Open a checkpoint directory: read and check config.json, detect its format, validate every
+    safetensors header (tensors stay lazy)."""
     path = Path(path)
-    if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise FormatError(f"{path}: checkpoint {what}")
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise FormatError(f"{cfg_path}: missing (a checkpoint directory needs config.json)")
     try:
-        config = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{cfg_path}: not JSON ({e})") from None
+        is_dir, exists = path.is_dir(), path.exists()
+    except OSError as e:  # a name too long, say
+        raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+    if not is_dir:
+        raise FormatError(
+            f"{path}: checkpoint {'is not a directory' if exists else 'does not exist'}"
+        )
+    cfg_path = find(path, "config.json", "config.json")
+    if cfg_path is None:
+        raise FormatError(
+            f"{path / 'config.json'}: missing (a checkpoint directory needs config.json)"
+        )
+    config = strict_json.loads(read_bytes(cfg_path), str(cfg_path))
     if not isinstance(config, dict):
         raise FormatError(f"{cfg_path}: not a JSON object")
     # ModelOpt exports describe the quantization in hf_quant_config.json beside config.json
     # (older ones only there); matchers see it as config["hf_quant_config"].
-    hf_quant = path / "hf_quant_config.json"
-    if hf_quant.is_file():
-        try:
-            config.setdefault("hf_quant_config", json.loads(hf_quant.read_text()))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{hf_quant}: not JSON ({e})") from None
+    hf_quant = find(path, "hf_quant_config.json", "hf_quant_config.json")
+    if hf_quant is not None:
+        config.setdefault("hf_quant_config", strict_json.loads(read_bytes(hf_quant), str(hf_quant)))
+    check_config(config, str(cfg_path))
     load_all()
     for family in FAMILIES:
         if family.matches(config):

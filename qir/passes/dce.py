@@ -2,14 +2,13 @@
 
 Preconditions: a verified graph. Removes every node from which no output is reachable, except
 inputs (the block's calling signature, which passes must not change) and kv_appends with what
-they read (writing a KV cache is an effect the next run sees). Fires once per removed node.
+they read (writing a KV cache is an effect the next run sees). Fires once per removed node. One
+walk from the outputs and kv_appends towards the inputs: linear in the graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import networkx as nx
 
 from qir.graph import Graph
 
@@ -19,11 +18,14 @@ class DCE:
     name: str = "dce"
 
     def run(self, graph: Graph) -> int:
-        live: set[str] = set()
-        effects = [n for n in graph.g if graph.node(n).op == "kv_append"]
-        for value in [v for _, v in graph.outputs] + effects:
-            live.add(value)
-            live |= nx.ancestors(graph.g, value)
+        live = {value for _, value in graph.outputs}
+        live |= {n for n in graph.g if graph.node(n).op == "kv_append"}
+        work = list(live)
+        while work:
+            for o in graph.operands(work.pop()):
+                if o not in live:
+                    live.add(o)
+                    work.append(o)
         dead = [n for n in graph.g if n not in live and graph.node(n).op != "input"]
-        graph.g.remove_nodes_from(dead)
+        graph.remove_all(dead)
         return len(dead)
