@@ -12,7 +12,7 @@ from qir import draw
 from qir.codegen.lower import DEFAULT_M_TILE, Plan, lower
 from qir.errors import UsageError
 from qir.graph import Graph
-from qir.interpret import Weights, interpret
+from qir.interpret import Weights, empty_state, interpret
 from qir.passes.manager import PassOptions, PassRecord, run_pipeline
 from qir.runtime.backend import BACKENDS, get_backend
 from qir.runtime.executor import CapturedBatches, CapturedBlock, CompiledBlock
@@ -30,13 +30,33 @@ class Compiled:
     records: list[PassRecord] = field(default_factory=list)
     plan: Plan | None = None
     _exec: CompiledBlock | None = None
+    # The reference backend's states (KV caches) by key; kernel backends keep theirs on the
+    # device (CompiledBlock.state).
+    _state: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
         """Run once. Kernel backends take numpy, CuPy or DLPack inputs and launch on `stream`
-        (cuda); see qir.runtime.executor for what comes back."""
+        (cuda); see qir.runtime.executor for what comes back. A block with state (KV caches)
+        starts from what the previous run left in it: see `reset_state`."""
         if self._exec is None:
-            return interpret(self.graph, inputs, self.weights)
+            if not self._state:
+                self._state = empty_state(self.graph)
+            return interpret(self.graph, inputs, self.weights, self._state)
         return self._exec.run(inputs, stream)
+
+    def reset_state(self) -> None:
+        """Empty the KV caches (zeros): the next run starts a new sequence. Positions decide what
+        attention reads, so this is only needed to forget, not for correctness."""
+        if self._exec is None:
+            self._state = empty_state(self.graph)
+        else:
+            self._exec.reset_state()
+
+    def state(self) -> dict[str, Any]:
+        """The states (KV caches) by key, as numpy copies."""
+        if self._exec is None:
+            return {k: v.copy() for k, v in (self._state or empty_state(self.graph)).items()}
+        return self._exec.read_state()
 
     def capture(self, m: int, stream: Any = None) -> CapturedBlock:
         """The block bound to fixed buffers for M=`m`, replayed by calling it (a CUDA graph on

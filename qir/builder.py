@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.dtypes import DType
-from qir.graph import Graph, Node, check_name, make_attrs
-from qir.ops import IRTypeError, activation_problem, spec
-from qir.types import Dim, QWeight, TensorType, ValueType
+from qir.graph import AttrValue, Graph, Node, check_name, make_attrs
+from qir.ops import IRTypeError, cache_problem, input_problem, param_problem, spec
+from qir.types import Dim, QWeight, TensorType, TupleType, ValueType
 
 
 @dataclass(frozen=True)
@@ -35,24 +35,44 @@ class Builder:
             i += 1
         return f"{op}{i}"
 
-    def _op(self, op: str, operands: tuple[Value, ...], name: str | None) -> Value:
+    def _op(
+        self, op: str, operands: tuple[Value, ...], name: str | None, **attrs: AttrValue
+    ) -> Value:
         types = [o.type for o in operands]
         names = [o.name for o in operands]
         for o in operands:
-            if self.graph.node(o.name).type != o.type:
+            if o.name not in self.graph or self.graph.node(o.name).type != o.type:
                 raise ValueError(f"{o} does not belong to graph {self.graph.name}")
-        result = spec(op).infer(types, names, {})
-        assert isinstance(result, TensorType)
-        n = self.graph.add(self._fresh(name, op), Node(op, result), tuple(names))
+        result = spec(op).infer(types, names, attrs)
+        node = Node(op, result, make_attrs(**attrs))
+        n = self.graph.add(self._fresh(name, op), node, tuple(names))
         return Value(n, result)
 
     def input(self, name: str, shape: tuple[Dim, ...], dtype: DType) -> Value:
-        """An activation input, shape ("M", features): M is bound by each run."""
+        """A block input: an activation ("M", features), or i32 ("M",) token ids or positions;
+        M is bound by each run."""
         t = TensorType(tuple(shape), dtype)
-        problem = activation_problem(t)
+        problem = input_problem(t)
         if problem:
             raise IRTypeError(f"input %{name}: {t} {problem}")
         return Value(self.graph.add(self._fresh(name, "x"), Node("input", t)), t)
+
+    def param(self, key: str, t: TensorType, name: str | None = None) -> Value:
+        """An unquantized parameter vector (a norm's weight): weights[key]["weight"]."""
+        problem = param_problem(t)
+        if problem:
+            raise IRTypeError(f"parameter {key!r}: {t} {problem}")
+        node = Node("weight", t, make_attrs(key=key))
+        return Value(self.graph.add(self._fresh(name, "p"), node), t)
+
+    def state(self, key: str, t: TensorType, name: str | None = None) -> Value:
+        """A KV cache [capacity, kv_heads, head_dim]: state a compiled block keeps across runs
+        (a run starts from what the previous one left), written by one kv_append."""
+        problem = cache_problem(t)
+        if problem:
+            raise IRTypeError(f"state {key!r}: {t} {problem}")
+        node = Node("state", t, make_attrs(key=key))
+        return Value(self.graph.add(self._fresh(name, "s"), node), t)
 
     def weight(
         self,
@@ -79,6 +99,55 @@ class Builder:
 
     def add(self, a: Value, b: Value, name: str | None = None) -> Value:
         return self._op("add", (a, b), name)
+
+    def rms_norm(self, x: Value, w: Value, eps: float, name: str | None = None) -> Value:
+        """x / sqrt(mean(x^2) + eps) * w per row, in float32, rounded once to x's dtype."""
+        return self._op("rms_norm", (x, w), name, eps=float(eps))
+
+    def rope(
+        self, x: Value, positions: Value, rope: dict[str, AttrValue], name: str | None = None
+    ) -> Value:
+        """x rotated per head by its row's position; `rope` holds head_dim, theta, rope_type and
+        the type's scaling parameters (qir.rope)."""
+        return self._op("rope", (x, positions), name, **rope)
+
+    def kv_append(
+        self,
+        k_cache: Value,
+        v_cache: Value,
+        k: Value,
+        v: Value,
+        positions: Value,
+        name: str | None = None,
+    ) -> tuple[Value, Value]:
+        """Writes row m of k and v at positions[m] of the caches; returns the written caches,
+        which attention must read (not the states themselves)."""
+        both = self._op("kv_append", (k_cache, v_cache, k, v, positions), name)
+        assert isinstance(both.type, TupleType)
+        return self.get(both, 0, f"{both.name}.k"), self.get(both, 1, f"{both.name}.v")
+
+    def get(self, t: Value, index: int, name: str | None = None) -> Value:
+        return self._op("get", (t,), name, index=index)
+
+    def attention(
+        self,
+        q: Value,
+        k_cache: Value,
+        v_cache: Value,
+        positions: Value,
+        scale: float | None = None,
+        name: str | None = None,
+    ) -> Value:
+        """Causal grouped-query attention of each row over cache rows 0..positions[m];
+        `scale` defaults to 1/sqrt(head_dim)."""
+        head_dim = k_cache.type.shape[2] if isinstance(k_cache.type, TensorType) else 1
+        assert isinstance(head_dim, int)
+        s = float(scale) if scale is not None else float(head_dim) ** -0.5
+        return self._op("attention", (q, k_cache, v_cache, positions), name, scale=s)
+
+    def embedding(self, ids: Value, table: Value, dtype: DType, name: str | None = None) -> Value:
+        """Row ids[m] of the (dequantized) table [vocab, features], in `dtype`."""
+        return self._op("embedding", (ids, table), name, dtype=dtype.name)
 
     def output(self, name: str, value: Value) -> None:
         check_name(name, "output")

@@ -24,8 +24,8 @@ from qir.dump import dump, plan_json
 from qir.errors import QirError, UsageError
 from qir.graph import Graph
 from qir.logs import LOGGER
-from qir.models import load
-from qir.models.blocks import BLOCKS, Block, build
+from qir.models import Model, load
+from qir.models.blocks import BLOCKS, MAX_SEQ_CAP, Block, build
 from qir.models.goldens import DemoGolden
 from qir.passes.manager import PASSES, PIPELINES, PassOptions, PassRecord, run_pipeline
 from qir.passes.route_w4a4 import TIERS
@@ -39,12 +39,14 @@ from qir.runtime.warm import warm
 EXIT_USAGE = 2
 ACT_DTYPES = ("f16", "bf16", "f32")
 DEMO_M = (1, 5)
+# The sub-blocks `demo` and `cache warm` cover by default.
+PARTS = ("mlp", "qkv")
 
 
 def _block(args: argparse.Namespace) -> Block:
     ck = load(args.checkpoint)
     act = dtypes.by_name(args.act_dtype) if args.act_dtype else None
-    return build(ck, args.block, args.layer, act)
+    return build(ck, args.block, args.layer, act, args.max_seq)
 
 
 def _read_input(path: Path, block: Block) -> np.ndarray:
@@ -83,8 +85,15 @@ def _pipeline(args: argparse.Namespace, block: Block) -> tuple[Graph, list[PassR
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.block == "model":
+        return _run_model(args)
+    if args.tokens is not None:
+        raise UsageError(f"--tokens is for --block model; --block {args.block} takes --input")
+    if args.input is None:
+        raise UsageError(f"--block {args.block} needs --input X.npy ([M, hidden])")
     block = _block(args)
     x = _read_input(args.input, block)
+    inputs = block.inputs(x)
     c = compile(
         block.graph,
         block.weights,
@@ -93,12 +102,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         weight_quantization=args.weight_quantization,
         after_each=_print_ir(args),
     )
-    out = c({"x": x})
+    out = c(inputs)
     arrays: dict[str, Any] = {k: np.asarray(v).astype(np.float32) for k, v in out.items()}
     np.savez(args.out, **arrays)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in out.items()))
     if args.audit:
-        rows = audit(block.graph, block.weights, {"x": x}, args.weight_quantization)
+        rows = audit(block.graph, block.weights, inputs, args.weight_quantization)
         if not rows:
             print(
                 f"audit: no projection runs W4A4 (--weight-quantization {args.weight_quantization}, M={len(x)})"
@@ -108,6 +117,61 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(
                 f"{r.node:8} {r.w4a4_vs_w4a16:>14.3e} {r.w4a4_vs_f32:>12.3e} {r.w4a16_vs_f32:>13.3e}"
             )
+    return 0
+
+
+def _tokens(spec: str) -> np.ndarray:
+    """--tokens: comma-separated ids, or a .npy file of a 1-D int array."""
+    path = Path(spec)
+    if spec.endswith(".npy") or path.is_file():
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--tokens {spec}: cannot read a .npy array ({e})") from None
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise UsageError(
+                f"--tokens {spec}: {ids.dtype} {list(ids.shape)}, expected a 1-D int array"
+            )
+        return ids
+    try:
+        return np.array([int(t) for t in spec.split(",")], np.int64)
+    except ValueError:
+        raise UsageError(
+            f"--tokens {spec!r}: expected comma-separated token ids (e.g. 3,10,17) or a .npy file"
+        ) from None
+
+
+def _model(args: argparse.Namespace, backend: str) -> Model:
+    return Model.load(
+        args.checkpoint,
+        backend=backend,
+        act=dtypes.by_name(args.act_dtype) if args.act_dtype else None,
+        max_seq=args.max_seq,
+        passes=args.passes,
+        weight_quantization=args.weight_quantization,
+    )
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    if args.tokens is None or args.input is not None:
+        raise UsageError("--block model takes --tokens (ids, or an int .npy), not --input")
+    if args.audit:
+        raise UsageError("--audit takes blocks with an --input, not --block model")
+    tokens = _tokens(args.tokens)
+    logits = _model(args, args.backend).logits(tokens)
+    np.savez(args.out, logits=logits)
+    print(f"wrote {args.out}: logits {list(logits.shape)}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    tokens = _tokens(args.tokens)
+    model = _model(args, args.backend or best_backend())
+    gen = model.generate(tokens, args.max_new_tokens, lambda t: print(t, end=" ", flush=True))
+    print()
+    if args.out:
+        np.savez(args.out, tokens=gen.tokens, logits=gen.logits)
+        print(f"wrote {args.out}: tokens {list(gen.tokens.shape)}, logits {list(gen.logits.shape)}")
     return 0
 
 
@@ -179,7 +243,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for path in embedded_checkpoints():
         ck = load(path)
         golden = DemoGolden.of(path)
-        for name in BLOCKS:
+        for name in PARTS:
             block = build(ck, name, 0)
             c: Compiled = compile(block.graph, block.weights, backend=backend)
             ref = compile(block.graph, block.weights, backend="reference")
@@ -317,8 +381,10 @@ def _cache_warm(args: argparse.Namespace, root: Path) -> int:
     options = PassOptions(weight_quantization=args.weight_quantization)
     layers = args.layers if args.layers is not None else range(ck.num_layers)
     kernels = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         for name in args.blocks:
+            if name == "model" and i:  # every layer's kernels already
+                continue
             graph, _ = run_pipeline(build(ck, name, layer, act).graph, args.passes, options=options)
             kernels += [launch.kernel for launch in lower(graph).launches]
     for w in warm(kernels, targets, root):
@@ -346,7 +412,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", required=True, help=f"one of {', '.join(BLOCKS)}")
     p.add_argument("--layer", type=int, default=0, help="decoder layer index (default 0)")
     _lowering(p)
+    _max_seq(p)
     p.add_argument("--print-ir", choices=("after-all",), help="print the IR after every pass")
+
+
+def _max_seq(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        help="KV cache rows of blocks with attention (default: the config's "
+        f"max_position_embeddings, at most {MAX_SEQ_CAP})",
+    )
 
 
 def _lowering(p: argparse.ArgumentParser) -> None:
@@ -379,8 +455,13 @@ def parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a block of a checkpoint on an input")
     _common(run)
-    run.add_argument("--input", type=Path, required=True, help="X.npy, [M, hidden] float16/float32")
-    run.add_argument("--out", type=Path, required=True, help="OUT.npz (float32 y, or q/k/v)")
+    run.add_argument("--input", type=Path, help="X.npy, [M, hidden] float16/float32")
+    run.add_argument(
+        "--tokens", help="--block model: token ids, comma-separated (3,10,17) or an int .npy"
+    )
+    run.add_argument(
+        "--out", type=Path, required=True, help="OUT.npz (float32 y, q/k/v, or logits)"
+    )
     run.add_argument("--backend", choices=BACKENDS, default="reference")
     run.add_argument(
         "--audit",
@@ -388,6 +469,22 @@ def parser() -> argparse.ArgumentParser:
         help="per W4A4 projection: error vs its W4A16 twin and vs a float32 reference",
     )
     run.set_defaults(func=cmd_run)
+
+    gen = sub.add_parser(
+        "generate", help="greedy generation: prefill the tokens, then decode with the KV cache"
+    )
+    gen.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    gen.add_argument(
+        "--tokens", required=True, help="prompt ids, comma-separated (3,10,17) or an int .npy"
+    )
+    gen.add_argument("--max-new-tokens", type=int, required=True, help="ids to generate")
+    gen.add_argument("--out", type=Path, help="G.npz: int64 tokens [N], float32 logits [N, vocab]")
+    gen.add_argument(
+        "--backend", choices=BACKENDS, help="default: cuda if a GPU is present, else host"
+    )
+    _lowering(gen)
+    _max_seq(gen)
+    gen.set_defaults(func=cmd_generate)
 
     dmp = sub.add_parser("dump", help="write the IR and the generated CUDA of a block")
     _common(dmp)
@@ -443,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
         "a deployment image's cache while building it)",
     )
     wrm.add_argument("checkpoint", type=Path, help="checkpoint directory")
-    wrm.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    wrm.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(PARTS))
     wrm.add_argument("--layers", type=int, nargs="+", help="decoder layers (default: all)")
     wrm.add_argument(
         "--arch",

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qir.codegen.lower import Plan
+from qir.codegen.lower import Plan, value_bytes
 from qir.graph import Graph
 from qir.printer import print_graph
 from qir.runtime.executor import plan_memory
+from qir.types import QWeight
 
 
 def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = None) -> list[Path]:
@@ -30,6 +31,20 @@ def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = Non
     written.append(out / "plan.json")
     written[-1].write_text(json.dumps(plan_json(plan, m), indent=2) + "\n")
     return written
+
+
+def weights_bytes(graph: Graph) -> int:
+    """Bytes of every weight buffer the graph reads (each weight node once)."""
+    total = 0
+    for n in graph.weights:
+        t = graph.node(n).type
+        if isinstance(t, QWeight):
+            total += sum(
+                value_bytes(b, {}) for b in t.format.buffers(t.out_features, t.in_features).values()
+            )
+        else:
+            total += value_bytes(t, {})
+    return total
 
 
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
@@ -57,6 +72,10 @@ def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
     if m:
         mem = plan_memory(plan, m)
         out["memory"] = {
+            "weights_bytes": weights_bytes(plan.graph),
+            "kv_cache_bytes": sum(
+                value_bytes(plan.graph.node(n).type, {}) for n in plan.graph.of_op("state")
+            ),
             "peak_bytes": mem.peak_bytes,
             "arena_bytes": mem.arena_bytes,
             "output_bytes": mem.output_bytes,

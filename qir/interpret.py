@@ -6,11 +6,12 @@ just as the kernels store f16 between launches)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
+from qir import rope
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
@@ -71,21 +72,45 @@ def check_inputs(
 
 
 def weight_buffers(node: Node, weights: Weights) -> Mapping[str, np.ndarray]:
-    """The kernel-layout buffers given for a weight node, checked against its format."""
+    """The kernel-layout buffers given for a weight node, checked against its format (a
+    parameter tensor is one buffer, "weight", of its declared shape and dtype)."""
     w = node.type
-    assert isinstance(w, QWeight)
     key = node.attr("key")
     if key not in weights:
         raise BindError(f"weight {key!r} was not given")
     bufs = weights[key]
+    if isinstance(w, TensorType):
+        a = bufs.get("weight")
+        if a is None or a.shape != w.shape or a.dtype != w.dtype.np:
+            got = "nothing" if a is None else f"{a.dtype} {list(a.shape)}"
+            raise BindError(f"weight {key!r}: buffer 'weight' is {got}, expected {w}")
+        return bufs
+    assert isinstance(w, QWeight)
     w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
     return bufs
 
 
 def dequantized(node: Node, weights: Weights) -> np.ndarray:
     w = node.type
+    if isinstance(w, TensorType):
+        return _f32(weight_buffers(node, weights)["weight"])
     assert isinstance(w, QWeight)
     return w.format.dequantize(weight_buffers(node, weights), w.out_features, w.in_features)
+
+
+def state_keys(graph: Graph) -> dict[str, TensorType]:
+    """The graph's states (KV caches) by key, with their types."""
+    out = {}
+    for name in graph.of_op("state"):
+        node = graph.node(name)
+        assert isinstance(node.type, TensorType)
+        out[node.attr("key")] = node.type
+    return out
+
+
+def empty_state(graph: Graph) -> dict[str, np.ndarray]:
+    """Zeroed states for `graph` (an empty KV cache)."""
+    return {k: np.zeros(t.concrete({}), t.dtype.np) for k, t in state_keys(graph).items()}
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -141,21 +166,108 @@ def _silu_mul(g: np.ndarray, u: np.ndarray, dt: Any) -> np.ndarray:
     return (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
 
 
-def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights) -> dict[str, Any]:
-    """Every value of the graph (weights dequantized, tuples as tuples), by value name."""
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """float32: x / sqrt(mean(x^2) + eps) * w, per row."""
+    x = _f32(x)
+    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return x / np.sqrt(ms + np.float32(eps)) * _f32(w)
+
+
+def _check_positions(positions: np.ndarray, capacity: int, what: str) -> None:
+    if positions.size and (positions.min() < 0 or positions.max() >= capacity):
+        raise BindError(
+            f"{what}: positions {positions.min()}..{positions.max()} are outside the KV cache "
+            f"of {capacity} rows"
+        )
+
+
+def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """New caches (copies) with row m of k and v at positions[m]; k rotated by a rope
+    prologue."""
+    kc, vc, k, v, positions = args
+    attrs = dict(node.attrs)
+    _check_positions(positions, kc.shape[0], "kv_append")
+    if "rope_type" in attrs:
+        k = rope.rotate(k, positions, attrs).astype(kc.dtype)
+    kc, vc = kc.copy(), vc.copy()
+    kc[positions] = k.reshape(len(positions), *kc.shape[1:])
+    vc[positions] = v.reshape(len(positions), *vc.shape[1:])
+    return kc, vc
+
+
+def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """float32 softmax(q k^T * scale) v per head, row m over cache rows 0..positions[m]."""
+    q, kc, vc, positions = args
+    attrs = dict(node.attrs)
+    _check_positions(positions, kc.shape[0], "attention")
+    m, (_, kv_heads, d) = q.shape[0], kc.shape
+    if "rope_type" in attrs:
+        q = rope.rotate(q, positions, attrs).astype(q.dtype)
+    qh = _f32(q).reshape(m, kv_heads, -1, d)  # [M, kv_heads, group, D]
+    scores = np.einsum("mkgd,ckd->mkgc", qh, _f32(kc)) * np.float32(node.attr("scale"))
+    visible = np.arange(kc.shape[0])[None, :] <= positions[:, None]  # [M, C]
+    scores = np.where(visible[:, None, None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    out: np.ndarray = np.einsum("mkgc,ckd->mkgd", p, _f32(vc)).reshape(m, -1)
+    return out
+
+
+def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    ids, table = args
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        raise BindError(
+            f"embedding: token ids {ids.min()}..{ids.max()} are outside the vocabulary of "
+            f"{table.shape[0]}"
+        )
+    rows: np.ndarray = table[ids]
+    return rows
+
+
+def evaluate(
+    graph: Graph,
+    inputs: Mapping[str, np.ndarray],
+    weights: Weights,
+    state: MutableMapping[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """Every value of the graph (weights dequantized, tuples as tuples), by value name.
+
+    `state`: the KV caches by key; a run reads them and stores the caches its kv_appends wrote
+    back into the mapping (it is the block's state, not an input). Missing keys start empty
+    (zeros); None: every state starts empty and nothing is kept."""
     bind_inputs(graph, inputs)
     env: dict[str, Any] = {}
+    states = state if state is not None else {}
+    declared = state_keys(graph)
+    for key, value in states.items():
+        if key in declared and value.shape != declared[key].concrete({}):
+            raise BindError(f"state {key!r}: shape {list(value.shape)}, expected {declared[key]}")
+    written: dict[str, np.ndarray] = {}
     for name, node in graph.items():
         args = [env[o] for o in graph.operands(name)]
         if node.op == "input":
             env[name] = inputs[name]
         elif node.op == "weight":
             env[name] = dequantized(node, weights)
+        elif node.op == "state":
+            t = node.type
+            assert isinstance(t, TensorType)
+            key = node.attr("key")
+            env[name] = states.get(key, np.zeros(t.concrete({}), t.dtype.np))
+        elif node.op == "kv_append":
+            env[name] = kv_append(node, args)
+            for i in (0, 1):
+                written[graph.node(graph.operands(name)[i]).attr("key")] = env[name][i]
+        elif node.op in _LAYER_OPS:
+            assert isinstance(node.type, TensorType)
+            env[name] = _LAYER_OPS[node.op](node, args).astype(node.type.dtype.np)
         elif node.op == "qlinear":
             env[name] = _qlinear(node, args)
         elif node.op == "quantize_act":
             # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
-            (x,) = args
+            # With an RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel
+            # forms from the rms_norm's own operands, the same way.
+            x = args[0]
             env[name] = (
                 quantize_act(node.attr("scheme"), x, dict(node.attrs))
                 if x.shape[0] <= W4A4_MAX_M
@@ -167,12 +279,25 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights) -
             assert isinstance(node.type, TensorType)
             result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
             env[name] = result.astype(node.type.dtype.np)
+    if state is not None:
+        state.update(written)
     return env
 
 
+_LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
+    "rms_norm": lambda node, args: rms_norm(args[0], args[1], node.attr("eps")),
+    "rope": lambda node, args: rope.rotate(args[0], args[1], dict(node.attrs)),
+    "attention": attention,
+    "embedding": embedding,
+}
+
+
 def interpret(
-    graph: Graph, inputs: Mapping[str, np.ndarray], weights: Weights
+    graph: Graph,
+    inputs: Mapping[str, np.ndarray],
+    weights: Weights,
+    state: MutableMapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The block's outputs, by output name."""
-    env = evaluate(graph, inputs, weights)
+    """The block's outputs, by output name (see `evaluate` for `state`)."""
+    env = evaluate(graph, inputs, weights, state)
     return {out: env[value] for out, value in graph.outputs}

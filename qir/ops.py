@@ -10,6 +10,8 @@ from typing import Any
 
 from qir import dtypes
 from qir.errors import QirError
+from qir.rope import ATTRS as ROPE_ATTRS
+from qir.rope import rope_problem
 from qir.types import QActType, QWeight, TensorType, TupleType, ValueType
 
 
@@ -60,12 +62,60 @@ def activation_problem(t: ValueType) -> str | None:
 
 
 def _activation(op: str, names: Sequence[str], types: Sequence[ValueType], i: int) -> TensorType:
+    return _checked(op, names, types, i, activation_problem)
+
+
+def _checked(
+    op: str,
+    names: Sequence[str],
+    types: Sequence[ValueType],
+    i: int,
+    problem_of: Callable[[ValueType], str | None],
+) -> TensorType:
     t = types[i]
-    problem = activation_problem(t)
+    problem = problem_of(t)
     if problem:
         raise IRTypeError(f"{op}: operand {i} ({_desc(names[i], t)}) {problem}")
     assert isinstance(t, TensorType)
     return t
+
+
+# Besides activations, a layer's values are of three more kinds, each with its own rule so that
+# none of them can reach a qlinear: token ids and positions (one int32 per row), parameter
+# tensors (a norm's weight), and KV caches (state that outlives a run).
+INDEX_DTYPE = dtypes.I32
+
+
+def index_problem(t: ValueType) -> str | None:
+    """Why `t` is not a per-row index vector i32[M] (token ids, positions), or None."""
+    if not isinstance(t, TensorType) or t.dtype != INDEX_DTYPE or t.shape != (BATCH,):
+        return f"must be {INDEX_DTYPE.name}[{BATCH}] (one index per row)"
+    return None
+
+
+def input_problem(t: ValueType) -> str | None:
+    """Why `t` cannot be a block input (an activation or an index vector), or None."""
+    if isinstance(t, TensorType) and t.dtype == INDEX_DTYPE:
+        return index_problem(t)
+    return activation_problem(t)
+
+
+def param_problem(t: ValueType) -> str | None:
+    """Why `t` is not an unquantized parameter vector [features] (a norm weight), or None."""
+    if not isinstance(t, TensorType) or t.dtype not in dtypes.ACTIVATION:
+        return f"must be a parameter tensor of {', '.join(d.name for d in dtypes.ACTIVATION)}"
+    if t.rank != 1 or not isinstance(t.shape[0], int) or t.shape[0] < 1:
+        return "must be 1-D [features]"
+    return None
+
+
+def cache_problem(t: ValueType) -> str | None:
+    """Why `t` is not a KV cache [capacity, kv_heads, head_dim] of an activation dtype, or None."""
+    if not isinstance(t, TensorType) or t.dtype not in dtypes.ACTIVATION:
+        return f"must be a KV cache of {', '.join(d.name for d in dtypes.ACTIVATION)}"
+    if t.rank != 3 or not all(isinstance(d, int) and d >= 1 for d in t.shape):
+        return "must be 3-D [capacity, kv_heads, head_dim] with concrete sizes"
+    return None
 
 
 def _infer_leaf(
@@ -200,7 +250,17 @@ def _check_act_rule(op: str, attrs: Mapping[str, Any], key: str) -> None:
 def _infer_quantize_act(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
+    """(x) -> x quantized; or, with an RMSNorm prologue (attribute eps), (xn, x, w) -> xn
+    quantized, computed from x and w in the same launch: xn = rms_norm(x, w) is the 16-bit
+    value it stands for (what batches above W4A4_MAX_M read instead)."""
     x = _activation("quantize_act", names, types, 0)
+    if len(types) not in (1, 3) or (len(types) == 3) != ("eps" in attrs):
+        raise IRTypeError("quantize_act: takes (x), or (xn, x, w) with an rms_norm eps")
+    if len(types) == 3 and _infer_rms_norm(types[1:], names[1:], attrs) != x:
+        raise IRTypeError(
+            f"quantize_act: rms_norm({_desc(names[1], types[1])}) does not match "
+            f"{_desc(names[0], x)}"
+        )
     _check_act_rule("quantize_act", attrs, "scheme")
     k = x.shape[1]
     if not isinstance(k, int) or k % 64:
@@ -245,6 +305,120 @@ def _infer_binary(op: str) -> Infer:
     return infer
 
 
+def _infer_rms_norm(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    x = _activation("rms_norm", names, types, 0)
+    w = _checked("rms_norm", names, types, 1, param_problem)
+    if w.shape[0] != x.shape[1]:
+        raise IRTypeError(
+            f"rms_norm: weight {_desc(names[1], w)} does not match the features of "
+            f"{_desc(names[0], x)}"
+        )
+    eps = attrs.get("eps")
+    if not isinstance(eps, float) or not eps > 0:
+        raise IRTypeError(f"rms_norm: eps must be a positive float, got {eps!r}")
+    return x
+
+
+def _heads(op: str, name: str, x: TensorType, head_dim: int) -> int:
+    width = x.shape[1]
+    assert isinstance(width, int)
+    if width % head_dim:
+        raise IRTypeError(f"{op}: {_desc(name, x)} is not a whole number of heads of {head_dim}")
+    return width // head_dim
+
+
+def _infer_rope(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    x = _activation("rope", names, types, 0)
+    _checked("rope", names, types, 1, index_problem)
+    problem = rope_problem(attrs)
+    if problem:
+        raise IRTypeError(f"rope: {problem}")
+    _heads("rope", names[0], x, attrs["head_dim"])
+    return x
+
+
+def _caches(
+    op: str, names: Sequence[str], types: Sequence[ValueType], k_at: int, v_at: int
+) -> TensorType:
+    kc = _checked(op, names, types, k_at, cache_problem)
+    vc = _checked(op, names, types, v_at, cache_problem)
+    if kc != vc:
+        raise IRTypeError(
+            f"{op}: caches {_desc(names[k_at], kc)} and {_desc(names[v_at], vc)} differ"
+        )
+    return kc
+
+
+def _infer_kv_append(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(k_cache, v_cache, k, v, positions) -> the two caches with row m of k and v written at
+    positions[m]. A rope prologue (its attributes) rotates k as it is written."""
+    cache = _caches("kv_append", names, types, 0, 1)
+    _, kv_heads, head_dim = cache.shape
+    assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+    for i in (2, 3):
+        t = _activation("kv_append", names, types, i)
+        if t.shape[1] != kv_heads * head_dim or t.dtype != cache.dtype:
+            raise IRTypeError(
+                f"kv_append: {_desc(names[i], t)} does not fit a row of {_desc(names[0], cache)}"
+            )
+    _checked("kv_append", names, types, 4, index_problem)
+    if "rope_type" in attrs or "theta" in attrs:
+        problem = rope_problem(attrs)
+        if problem or attrs["head_dim"] != head_dim:
+            raise IRTypeError(f"kv_append rope prologue: {problem or 'head_dim differs'}")
+    return TupleType((cache, cache))
+
+
+def _infer_attention(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(q, k_cache, v_cache, positions): row m attends to cache rows 0..positions[m] (causal),
+    query head h to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its
+    attributes) rotates q as it is read."""
+    q = _activation("attention", names, types, 0)
+    cache = _caches("attention", names, types, 1, 2)
+    _checked("attention", names, types, 3, index_problem)
+    _, kv_heads, head_dim = cache.shape
+    assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+    heads = _heads("attention", names[0], q, head_dim)
+    if heads % kv_heads or q.dtype != cache.dtype:
+        raise IRTypeError(
+            f"attention: {_desc(names[0], q)} needs a multiple of the {kv_heads} kv heads of "
+            f"{_desc(names[1], cache)}, in its dtype"
+        )
+    scale = attrs.get("scale")
+    if not isinstance(scale, float) or not scale > 0:
+        raise IRTypeError(f"attention: scale must be a positive float, got {scale!r}")
+    if "rope_type" in attrs or "theta" in attrs:
+        problem = rope_problem(attrs)
+        if problem or attrs["head_dim"] != head_dim:
+            raise IRTypeError(f"attention rope prologue: {problem or 'head_dim differs'}")
+    return q
+
+
+def _infer_embedding(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`."""
+    _checked("embedding", names, types, 0, index_problem)
+    table = types[1]
+    if not isinstance(table, QWeight):
+        raise IRTypeError(f"embedding: operand 1 ({_desc(names[1], table)}) must be a weight")
+    dt = attrs.get("dtype")
+    if dt not in [d.name for d in dtypes.ACTIVATION]:
+        raise IRTypeError(
+            f"embedding: dtype must be one of {', '.join(d.name for d in dtypes.ACTIVATION)}, "
+            f"got {dt!r}"
+        )
+    return TensorType((BATCH, table.in_features), dtypes.by_name(dt))
+
+
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
@@ -257,11 +431,23 @@ OPS: dict[str, OpSpec] = {
             _infer_qlinear,
             frozenset({"prologue", "epilogue", "kernel", "fused", "act_quant"}) | ACT_SCALE_ATTRS,
         ),
-        OpSpec("quantize_act", 1, _infer_quantize_act, frozenset({"scheme"}) | ACT_SCALE_ATTRS),
+        OpSpec(
+            "quantize_act",
+            VARIADIC,
+            _infer_quantize_act,
+            frozenset({"scheme", "eps"}) | ACT_SCALE_ATTRS,
+        ),
         OpSpec("get", 1, _infer_get, frozenset({"index"})),
         OpSpec("silu", 1, _infer_unary("silu"), elementwise=True),
         OpSpec("mul", 2, _infer_binary("mul"), elementwise=True),
         OpSpec("add", 2, _infer_binary("add"), elementwise=True),
+        # A KV cache: persistent state named by `key`, written only by one kv_append.
+        OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
+        OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
+        OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
+        OpSpec("kv_append", 5, _infer_kv_append, ROPE_ATTRS),
+        OpSpec("attention", 4, _infer_attention, frozenset({"scale"}) | ROPE_ATTRS),
+        OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
     )
 }
 

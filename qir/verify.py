@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from qir.errors import QirError
 from qir.graph import CycleError, Graph, Node
-from qir.ops import VARIADIC, IRTypeError, activation_problem, spec
+from qir.ops import VARIADIC, IRTypeError, cache_problem, input_problem, param_problem, spec
 from qir.types import QWeight, ValueType
 
 
@@ -23,17 +23,29 @@ def verify(graph: Graph) -> None:
     except CycleError:
         raise VerifyError(f"graph {graph.name} has a cycle") from None
     todo = graph.unverified()
-    qlinears = []
+    multi, states = [], []
     for name in order:
         node = graph.node(name)
-        if node.op == "qlinear":
-            qlinears.append(name)
+        if node.op in ("qlinear", "kv_append"):
+            multi.append(name)
+        elif node.op == "state":
+            states.append(name)
         if todo is not None and name not in todo:
             continue
         operands = graph.operands(name)
         types = tuple(graph.node(o).type for o in operands)
         _check(name, node, operands, types)
-    for name in qlinears:
+        _check_state_reads(graph, name, node, operands)
+    # A state (KV cache) is updated in place, so the one thing that may read it is the one
+    # kv_append that writes it: any other reader would see the old or the new rows depending on
+    # the order launches happen to run in.
+    for name in states:
+        if graph.use_count(name) != 1:
+            raise VerifyError(
+                f"%{name}: a state must be read by exactly one kv_append (as its cache), "
+                f"found {graph.use_count(name)} use(s)"
+            )
+    for name in multi:
         indices = [
             graph.node(u).attr("index") for u in graph.users(name) if graph.node(u).op == "get"
         ]
@@ -58,13 +70,19 @@ def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueT
     if unknown:
         raise VerifyError(f"%{name} = {node.op}: unknown attributes {sorted(unknown)}")
     if node.op == "input":
-        problem = activation_problem(node.type)
+        problem = input_problem(node.type)
         if problem:
             raise VerifyError(f"%{name}: input {node.type} {problem}")
         return
     if node.op == "weight":
-        if not isinstance(node.type, QWeight) or not node.attr("key"):
-            raise VerifyError(f"%{name}: weight needs a qweight type and a key")
+        plain = not isinstance(node.type, QWeight) and param_problem(node.type) is None
+        if not (isinstance(node.type, QWeight) or plain) or not node.attr("key"):
+            raise VerifyError(f"%{name}: weight needs a key and a qweight or 1-D parameter type")
+        return
+    if node.op == "state":
+        problem = cache_problem(node.type)
+        if problem or not node.attr("key"):
+            raise VerifyError(f"%{name}: state needs a key and a KV cache type ({problem})")
         return
     try:
         inferred = s.infer(list(types), operands, dict(node.attrs))
@@ -72,3 +90,15 @@ def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueT
         raise VerifyError(f"%{name}: {e}") from None
     if inferred != node.type:
         raise VerifyError(f"%{name} = {node.op}: declared {node.type}, inferred {inferred}")
+
+
+def _check_state_reads(graph: Graph, name: str, node: Node, operands: tuple[str, ...]) -> None:
+    """States are read only as a kv_append's caches (operands 0 and 1), which are states."""
+    for i, o in enumerate(operands):
+        if graph.node(o).op == "state" and (node.op != "kv_append" or i > 1):
+            raise VerifyError(
+                f"%{name} = {node.op}: reads state %{o}; a state must be read by exactly one "
+                "kv_append (as its cache)"
+            )
+    if node.op == "kv_append" and any(graph.node(o).op != "state" for o in operands[:2]):
+        raise VerifyError(f"%{name}: kv_append writes state values only (its caches)")

@@ -6,9 +6,11 @@
 #   2. benchmarks/llama_shapes.py: every format at Llama-3-8B shapes, fused vs unfused vs
 #      cuBLAS f16, against measured copy bandwidth                -> $OUT/bench.log, llama.json
 #   3. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
+#      benchmarks/layer_decode.py: a Llama-3-8B layer's decode step fused vs its sub-blocks,
+#      a 32-layer model's tokens/s and launches per token        -> $OUT/bench.log
 #   4. compute-sanitizer racecheck and memcheck over one fused block of each format family
 #                                                                 -> $OUT/sanitizer.log
-# Worst case about 9 minutes with the default limits; typically far less. Call the device with
+# Worst case about 10 minutes with the default limits; typically far less. Call the device with
 # timeout_s 590 and read $OUT/summary.txt first; llama.json is written row by row, so a stage
 # that times out still leaves what it measured. Every stage runs even when an earlier
 # one failed; the exit status is the first failure's.
@@ -18,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T_TESTS="${T_TESTS:-150}" T_LLAMA="${T_LLAMA:-240}" T_RUNTIME="${T_RUNTIME:-60}"
-T_SANITIZER="${T_SANITIZER:-45}"
+T_SANITIZER="${T_SANITIZER:-45}" T_LAYER="${T_LAYER:-45}"
 status=0
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -67,6 +69,9 @@ stage "llama_shapes" "$T_LLAMA" "$OUT/bench.log" \
     python3 benchmarks/llama_shapes.py --backend cuda --m 1 8 --json "$OUT/llama.json"
 
 stage "runtime" "$T_RUNTIME" "$OUT/bench.log" python3 benchmarks/runtime.py --repeat 200
+
+stage "layer_decode" "$T_LAYER" "$OUT/bench.log" \
+    python3 benchmarks/layer_decode.py --backend cuda --layers 32
 
 # One block of each kernel family: the sanitizers slow kernels by 10-100x. What they can see:
 # racecheck, shared memory (in these kernels: quantize_act's block reduction); memcheck, accesses

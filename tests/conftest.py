@@ -123,3 +123,15 @@ def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     mp.setenv("QIR_CACHE_DIR", str(tmp_path_factory.mktemp("qir-cache")))
     yield
     mp.undo()
+
+
+def greedy_prefix(step_logits: np.ndarray, ours: np.ndarray) -> int:
+    """How many greedy steps of a reference are decided beyond our measured error: steps up to
+    (not including) the first whose top-2 logit margin does not exceed the largest difference
+    between our logits and the reference's at that step. Random-init models have near-ties
+    that 16-bit arithmetic may break the other way."""
+    ref = step_logits.astype(np.float32)
+    err = np.max(np.abs(ours.astype(np.float32) - ref), axis=-1)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    close = np.flatnonzero(top2[:, 1] - top2[:, 0] <= err)
+    return int(close[0]) if close.size else len(ref)

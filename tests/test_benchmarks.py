@@ -177,3 +177,23 @@ def test_static_roofline_on_one_format(capsys: pytest.CaptureFixture[str]) -> No
         one, eight = (r.cost.instr_per_512 for r in rows)
         assert one is not None and eight is not None and eight > one > 0
         assert out.count("-bound at ") == 4  # two rows, two GPUs
+
+
+def test_layer_decode_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """A layer's decode step fused and as its sub-blocks, and a 1-layer model's tokens/s, at
+    1/32 of Llama-3-8B's widths."""
+    bench = load("layer_decode")
+    argv = ["--backend", "host", "--scale", "0.03125", "--repeat", "1", "--layers", "1"]
+    rows = bench.main([*argv, "--position", "40", "--max-seq", "64"])
+    launches = {r.name: r.launches for r in rows}
+    # One capture of the layer replays what its sub-blocks launch one by one: 9 = 2 + 3 + 1 + 3.
+    assert launches == {
+        "layer": 9,
+        "norm_qkv": 2,
+        "attention": 3,
+        "o_proj": 1,
+        "norm_mlp": 3,
+        "model x1": 12,  # embedding, the layer, the final norm, lm_head
+    }
+    assert all(r.ms > 0 for r in rows)
+    assert "tokens/s" in capsys.readouterr().out

@@ -8,7 +8,7 @@ memory."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
@@ -20,7 +20,7 @@ from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
 from qir.errors import UsageError
 from qir.graph import AttrValue, Graph
 from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
-from qir.types import QActType, QWeight, TensorType, TupleType
+from qir.types import QActType, QWeight, TensorType, TupleType, ValueType
 
 # Rows of x one GEMV launch handles; grid.y covers the rest.
 DEFAULT_M_TILE = 8
@@ -72,6 +72,13 @@ class Launch:
 class Plan:
     graph: Graph
     launches: tuple[Launch, ...]
+    # Buffers that launches pass between them and that are no IR value (a split attention's
+    # partial results): planned in the arena like intermediates, by name.
+    temps: Mapping[str, TensorType] = field(default_factory=dict)
+
+    def value_type(self, name: str) -> ValueType:
+        """The type of a value argument: a temp's, else the IR value's."""
+        return self.temps[name] if name in self.temps else self.graph.node(name).type
 
     def bytes_moved(self, launch: Launch, m: int) -> int:
         """Bytes a launch reads and writes in DRAM for a batch of m rows, counting each buffer
@@ -80,9 +87,12 @@ class Plan:
         total = 0
         for a in launch.args:
             if a.kind == "value":
-                total += value_bytes(self.graph.node(a.ref).type, sizes)
+                total += value_bytes(self.value_type(a.ref), sizes)
             elif a.kind == "weight":
                 w = self.graph.node(a.ref).type
+                if isinstance(w, TensorType):  # a parameter vector: one buffer
+                    total += value_bytes(w, sizes)
+                    continue
                 assert isinstance(w, QWeight)
                 t = w.format.buffers(w.out_features, w.in_features)[a.buffer]
                 total += value_bytes(t, sizes)
@@ -170,23 +180,37 @@ def _lower_quantize_act(graph: Graph, name: str) -> Launch:
     node = graph.node(name)
     assert isinstance(node.type, QActType)
     attrs = dict(node.attrs)
-    spec = QuantizeActSpec(node.type, act_quant_mode(attrs))
+    operands = graph.operands(name)
+    # With an RMSNorm prologue the kernel reads x and the norm's weight (operands 1, 2).
+    norm = graph.node(operands[2]).type if len(operands) == 3 else None
+    assert norm is None or isinstance(norm, TensorType)
+    spec = QuantizeActSpec(
+        node.type, act_quant_mode(attrs), (norm.dtype, node.attr("eps")) if norm else None
+    )
     scale = _scale_args(attrs)
-    (x,) = graph.operands(name)
-    args = (Arg("value", x), Arg("value", name), *scale, Arg("M"))
+    ins = (Arg("value", operands[1]), Arg("weight", operands[2], "weight")) if norm else ()
+    args = (*(ins or (Arg("value", operands[0]),)), Arg("value", name), *scale, Arg("M"))
     return Launch(quantize_act_kernel(spec), 1, 1, args, (name,), (name,), (1, W4A4_MAX_M))
 
 
 def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
+    # The layer ops' lowerings build on Arg and Launch, defined here.
+    from qir.codegen.lower_layer import LAYER_LOWERINGS
+
     launches = []
+    temps: dict[str, TensorType] = {}
     for name, node in graph.items():
-        if node.op in ("input", "weight", "get"):
+        if node.op in ("input", "weight", "get", "state"):
             continue  # leaves, and projections of a multi-output launch's results
         operands = graph.operands(name)
         if node.op == "qlinear":
             launches.extend(_lower_qlinear(graph, name, m_tile))
         elif node.op == "quantize_act":
             launches.append(_lower_quantize_act(graph, name))
+        elif node.op in LAYER_LOWERINGS:
+            layer_launches, layer_temps = LAYER_LOWERINGS[node.op](graph, name)
+            launches.extend(layer_launches)
+            temps.update(layer_temps)
         elif spec(node.op).elementwise:
             out = node.type
             assert isinstance(out, TensorType)
@@ -197,4 +221,4 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
             launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
         else:
             raise NotImplementedError(f"no kernel for %{name} = {node.op}")
-    return Plan(graph, tuple(launches))
+    return Plan(graph, tuple(launches), temps)

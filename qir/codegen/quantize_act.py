@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.layer_kernels import c_float, layer_header
 from qir.codegen.render import common_header, render
 from qir.dtypes import DType
 from qir.types import QActType
@@ -24,6 +25,8 @@ def act_quant_mode(attrs: Mapping[str, object]) -> str:
 class QuantizeActSpec:
     qact: QActType
     mode: str  # dynamic | mul | div
+    # An RMSNorm prologue: its weight's dtype and eps (see passes.norm_act_quant).
+    norm: tuple[DType, float] | None = None
 
     @property
     def act(self) -> DType:
@@ -37,7 +40,8 @@ class QuantizeActSpec:
 
     @property
     def name(self) -> str:
-        return f"quantize_act_{self.qact.scheme}_{self.act.name}_k{self.k}_{self.mode}"
+        norm = f"_rmsnorm_w{self.norm[0].name}" if self.norm else ""
+        return f"quantize_act_{self.qact.scheme}_{self.act.name}_k{self.k}_{self.mode}{norm}"
 
 
 def quantize_act_kernel(spec: QuantizeActSpec) -> Kernel:
@@ -50,9 +54,19 @@ def quantize_act_kernel(spec: QuantizeActSpec) -> Kernel:
         mode=spec.mode,
         threads=THREADS,
         row_bytes=spec.qact.row_bytes,
+        norm=spec.norm is not None,
+        w_t=spec.norm[0].c_type if spec.norm else "",
+        eps=c_float(spec.norm[1]) if spec.norm else "",
     )
+    norm_w = (
+        (KernelParam("nw", f"const {spec.norm[0].c_type}* __restrict__", "buffer"),)
+        if spec.norm
+        else ()
+    )
+    headers = (common_header(), layer_header()) if spec.norm else (common_header(),)
     params = (
         KernelParam("x", f"const {act_t}* __restrict__", "buffer"),
+        *norm_w,
         KernelParam("xq", "uint8_t* __restrict__", "buffer"),
         *(
             ()
@@ -61,4 +75,4 @@ def quantize_act_kernel(spec: QuantizeActSpec) -> Kernel:
         ),
         KernelParam("M", "int", "int"),
     )
-    return Kernel(spec.name, source, params, (THREADS, 1, 1), (common_header(),))
+    return Kernel(spec.name, source, params, (THREADS, 1, 1), headers)

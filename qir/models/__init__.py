@@ -1,5 +1,7 @@
-"""Checkpoint loading (config.json detection, lazy safetensors) and block builders."""
+"""Checkpoint loading (config.json detection, lazy safetensors), block builders and whole
+models (qir.models.model)."""
 
 from qir.models.checkpoint import Checkpoint, Linear, layer_module, load
+from qir.models.model import Generation, Model
 
-__all__ = ["Checkpoint", "Linear", "layer_module", "load"]
+__all__ = ["Checkpoint", "Generation", "Linear", "Model", "layer_module", "load"]

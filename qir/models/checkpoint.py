@@ -23,6 +23,7 @@ from qir.models.checkpoint_dir import find, read_bytes
 from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
 from qir.models.safetensors_io import TensorStore
+from qir.rope import REQUIRED, rope_problem
 from qir.types import QWeight
 
 _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
@@ -117,6 +118,89 @@ class Checkpoint:
                     )
                 return _ACT_DTYPES[name]
         return F16
+
+    # ---- what a whole layer and model need (see qir.models.blocks) -------------------------
+    # Types and ranges are config_fields' (checked at open); what qir does not support is
+    # refused here, when a block needs it.
+    def _where(self) -> str:
+        return f"{self.path}/config.json"
+
+    @property
+    def rms_norm_eps(self) -> float:
+        eps = self.field("rms_norm_eps")
+        if eps is None:
+            raise FormatError(f"{self._where()}: lacks rms_norm_eps (the layer's RMSNorm needs it)")
+        return float(eps)
+
+    @property
+    def vocab_size(self) -> int:
+        vocab = self.field("vocab_size")
+        if vocab is None:
+            raise FormatError(f"{self._where()}: lacks vocab_size (the embedding needs it)")
+        return int(vocab)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.field("tie_word_embeddings"))
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        value = self.field("max_position_embeddings")
+        return None if value is None else int(value)
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """The `rope` op's attributes (qir.rope): transformers 5's `rope_parameters`, or the
+        older top-level `rope_theta` with `rope_scaling`."""
+        if self.field("rope_parameters") is not None:
+            where, params = "rope_parameters", self.field("rope_parameters")
+            theta = params.get("rope_theta", BY_KEY["rope_theta"].default)
+        else:
+            where, params = "rope_scaling", self.field("rope_scaling") or {}
+            theta = self.field("rope_theta")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in REQUIRED:
+            raise FormatError(
+                f"{self._where()}: {where} rope_type {kind!r} is not supported "
+                f"(supported: {', '.join(REQUIRED)})"
+            )
+        partial = params.get("partial_rotary_factor", self.field("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise FormatError(
+                f"{self._where()}: partial_rotary_factor {partial!r} is not supported"
+            )
+        attrs: dict[str, Any] = {
+            "head_dim": self.head_dim,
+            "theta": float(theta),
+            "rope_type": kind,
+        }
+        for p in REQUIRED[kind]:
+            v = params.get(p)
+            if v is None:
+                raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p}")
+            attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
+        problem = rope_problem(attrs)
+        if problem:
+            raise FormatError(f"{self._where()}: {where}: {problem}")
+        return attrs
+
+    def attention_problem(self) -> str | None:
+        """Why qir cannot run this checkpoint's attention and MLP as Llama's, or None: biases,
+        sliding windows, an activation other than SiLU, per-head q/k norms."""
+        for key in ("attention_bias", "mlp_bias"):
+            if self.field(key):
+                return f"{key} is true (biased projections are not supported)"
+        window = self.field("sliding_window")
+        if window is not None and self.field("use_sliding_window"):
+            return f"sliding_window {window!r} (sliding-window attention is not supported)"
+        for key in ("hidden_act", "hidden_activation"):
+            if self.field(key) not in (None, "silu"):
+                return f"{key} {self.field(key)!r} (only silu MLPs are supported)"
+        for suffix in ("self_attn.q_proj.bias", "self_attn.q_norm.weight"):
+            name = f"model.layers.0.{suffix}"
+            if name in self.store:
+                return f"{name} is present (q/k/v biases and q/k norms are not supported)"
+        return None
 
     def layer_module(self, layer: int, name: str) -> str:
         return layer_module(layer, name, self.num_layers)

@@ -125,6 +125,35 @@ FIELDS: tuple[Field, ...] = (
     _int("head_dim", at_least=1),  # absent: hidden_size // num_attention_heads
     Field("torch_dtype", str),  # the activation dtype; transformers 5 writes "dtype"
     Field("dtype", str),
+    # a whole layer and model (Checkpoint.rms_norm_eps, .rope, .attention_problem, ...): what a
+    # block without attention does not need is not required
+    Field("rms_norm_eps", float, above=0),
+    _int("vocab_size", at_least=1),
+    Field("tie_word_embeddings", bool, default=False),  # transformers' Llama default
+    _int("max_position_embeddings", at_least=1),
+    Field("rope_theta", float, above=0, default=10000.0),  # transformers' Llama default
+    Field("partial_rotary_factor", float, above=0),
+    *(
+        field
+        for section in ("rope_scaling", "rope_parameters")  # transformers 5: rope_parameters
+        for field in (
+            Field(section, dict),
+            Field(f"{section}.rope_type", str),
+            Field(f"{section}.type", str),  # older spelling of rope_type
+            Field(f"{section}.rope_theta", float, above=0),
+            Field(f"{section}.factor", float, above=0),
+            Field(f"{section}.low_freq_factor", float, above=0),
+            Field(f"{section}.high_freq_factor", float, above=0),
+            _int(f"{section}.original_max_position_embeddings", at_least=1),
+            Field(f"{section}.partial_rotary_factor", float, above=0),
+        )
+    ),
+    Field("attention_bias", bool, default=False),
+    Field("mlp_bias", bool, default=False),
+    _int("sliding_window", at_least=1),
+    Field("use_sliding_window", bool, default=True),  # absent: a window, if given, applies
+    Field("hidden_act", str),
+    Field("hidden_activation", str),
     # where each producer writes its quantization (the families' matchers look at these)
     Field("quantization_config", dict),
     Field("quantization", dict),  # mlx-lm

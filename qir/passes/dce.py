@@ -1,8 +1,9 @@
 """Dead code elimination.
 
 Preconditions: a verified graph. Removes every node from which no output is reachable, except
-inputs: they are the block's calling signature, which passes must not change. Fires once per
-removed node. One walk from the outputs towards the inputs: linear in the graph.
+inputs (the block's calling signature, which passes must not change) and kv_appends with what
+they read (writing a KV cache is an effect the next run sees). Fires once per removed node. One
+walk from the outputs and kv_appends towards the inputs: linear in the graph.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class DCE:
 
     def run(self, graph: Graph) -> int:
         live = {value for _, value in graph.outputs}
+        live |= {n for n in graph.g if graph.node(n).op == "kv_append"}
         work = list(live)
         while work:
             for o in graph.operands(work.pop()):

@@ -11,7 +11,9 @@ from qir.errors import UsageError
 from qir.graph import Graph
 from qir.passes.base import Pass
 from qir.passes.dce import DCE
+from qir.passes.fold_rope import FoldRope
 from qir.passes.merge_parallel import MergeParallel
+from qir.passes.norm_act_quant import NormActQuant
 from qir.passes.residual_epilogue import ResidualEpilogue
 from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
@@ -35,6 +37,8 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "residual_epilogue": lambda o: ResidualEpilogue(),
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
     "share_act_quant": lambda o: ShareActQuant(),
+    "norm_act_quant": lambda o: NormActQuant(),
+    "fold_rope": lambda o: FoldRope(),
     "dce": lambda o: DCE(),
     "select_kernels": lambda o: SelectKernels(),
 }
@@ -46,8 +50,10 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         "silu_epilogue",
         "silu_prologue",
         "residual_epilogue",
+        "fold_rope",
         "route_w4a4",
         "share_act_quant",
+        "norm_act_quant",
         "dce",
         "select_kernels",
     ),

@@ -76,15 +76,31 @@ class _Layout:
 
 
 def _tensor(plan: Plan, value: str) -> TensorType:
-    t = plan.graph.node(value).type
+    t = plan.value_type(value)
     assert isinstance(t, TensorType)
     return t
+
+
+def state_aliases(plan: Plan) -> dict[str, str]:
+    """Values whose buffer is a state's (value -> state node): each state, and the caches a
+    kv_append writes, which it writes in place. They live outside the arena, for the block's
+    lifetime."""
+    graph = plan.graph
+    # Unordered: a run at a new M plans its memory, and must not sort the graph.
+    ops = {n: graph.node(n).op for n in graph.g.nodes}
+    aliases = {n: n for n, op in ops.items() if op == "state"}
+    for n, op in ops.items():
+        if op == "kv_append":
+            states = graph.operands(n)
+            for u in graph.users(n):
+                aliases[u] = states[graph.node(u).attr("index")]
+    return aliases
 
 
 def _storage(plan: Plan, value: str, sizes: dict[str, int]) -> tuple[tuple[int, ...], Any]:
     """Shape and dtype of a value's buffer: a tensor as declared; a quantized activation as its
     packed bytes, one row of `row_bytes` per row of its source."""
-    t = plan.graph.node(value).type
+    t = plan.value_type(value)
     if isinstance(t, QActType):
         return (t.source.concrete(sizes)[0], t.row_bytes), np.dtype(np.uint8)
     assert isinstance(t, TensorType)
@@ -102,6 +118,7 @@ def plan_memory(plan: Plan, m: int) -> MemoryPlan:
     freed, so no kernel writes over what it reads."""
     sizes = {"M": m}
     outputs = {v for _, v in plan.graph.outputs}
+    in_state = state_aliases(plan)
     active = tuple(i for i, launch in enumerate(plan.launches) if launch.runs_for(m))
     launches = [plan.launches[i] for i in active]
     last_read: dict[str, int] = {}
@@ -115,6 +132,8 @@ def plan_memory(plan: Plan, m: int) -> MemoryPlan:
     top = unshared = output_bytes = 0
     for i, launch in enumerate(launches):
         for v in launch.outputs:
+            if v in in_state:
+                continue
             nbytes = _nbytes(plan, v, sizes)
             if v in outputs:
                 output_bytes += nbytes
@@ -155,6 +174,11 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
         else:
             merged.append(h)
     holes[:] = merged
+
+
+def _format_buffers(w: object) -> dict[str, TensorType]:
+    assert isinstance(w, QWeight)
+    return w.format.buffers(w.out_features, w.in_features)
 
 
 def compile_jobs() -> int:
@@ -241,11 +265,10 @@ class CompiledBlock:
         for wname in graph.weights:
             node = graph.node(wname)
             w = node.type
-            assert isinstance(w, QWeight)
             bufs = weight_buffers(node, weights)
+            names = ["weight"] if isinstance(w, TensorType) else list(_format_buffers(w))
             self._weights[wname] = {
-                b: backend.to_device(np.ascontiguousarray(bufs[b]))
-                for b in w.format.buffers(w.out_features, w.in_features)
+                b: backend.to_device(np.ascontiguousarray(bufs[b])) for b in names
             }
         self._loaded = load_kernels(backend, [launch.kernel for launch in plan.launches])
         # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.
@@ -261,8 +284,38 @@ class CompiledBlock:
         self._outputs = [(name, v, _tensor(plan, v).dtype.np) for name, v in graph.outputs]
         self._templates = [self._arg_template(launch) for launch in plan.launches]
         self._layouts: dict[int, _Layout] = {}
+        # States (KV caches): zeroed once, then each run starts from what the last one left.
+        # A block with state is one sequence: runs of it must not overlap.
+        self._aliases = state_aliases(plan)
+        self._state_types = {s: _tensor(plan, s) for s in graph.of_op("state")}
+        self._state = {
+            s: backend.to_device(np.zeros(t.concrete({}), t.dtype.np))
+            for s, t in self._state_types.items()
+        }
+        self._state_env = {v: self._state[s] for v, s in self._aliases.items()}
         # Uploads ran on the current stream; a run may launch on another that does not wait.
         backend.synchronize()
+
+    def reset_state(self) -> None:
+        """Zero every state (KV cache)."""
+        for s, t in self._state_types.items():
+            self.backend.copy_into(self._state[s], np.zeros(t.concrete({}), t.dtype.np))
+        self.backend.synchronize()
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        """Each state by key, copied to numpy."""
+        self.backend.synchronize()
+        return {
+            self.plan.graph.node(s).attr("key"): np.array(
+                self.backend.from_device(buf).view(self._state_types[s].dtype.np)
+            )
+            for s, buf in self._state.items()
+        }
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes the states (KV caches) hold, for the block's lifetime."""
+        return sum(math.prod(t.concrete({})) * t.dtype.itemsize for t in self._state_types.values())
 
     def memory_plan(self, m: int) -> MemoryPlan:
         return self._layout(m).mem
@@ -274,6 +327,7 @@ class CompiledBlock:
                 (v, *_storage(self.plan, v, sizes), mem.offsets.get(v))
                 for i in mem.active
                 for v in self.plan.launches[i].outputs
+                if v not in self._aliases
             )
             grids = tuple((i, self.plan.launches[i].grid(m)) for i in mem.active)
             self._layouts[m] = _Layout(mem, buffers, grids)
@@ -343,6 +397,7 @@ class CompiledBlock:
 
     def _allocate(self, env: dict[str, Any], layout: _Layout) -> None:
         be = self.backend
+        env.update(self._state_env)
         arena = be.empty((max(layout.mem.arena_bytes, 1),), np.uint8)
         for v, shape, dtype, offset in layout.buffers:
             env[v] = (
@@ -443,6 +498,12 @@ class CapturedBatches:
                 )
             active = self.block.memory_plan(m).active
             same = [c for size, c in self.captures.items() if size >= m and c.active == active]
+            if self.block._state and m not in self.captures:
+                # Padding rows would append whatever their stale inputs hold to the KV cache.
+                raise BindError(
+                    f"M={m}: a block with state (KV caches) replays only the batch sizes it "
+                    f"captured ({list(self.captures)}), never padded"
+                )
             if not same:
                 raise BindError(
                     f"M={m}: no captured batch size of at least {m} rows runs the same kernels "

@@ -271,8 +271,10 @@ def test_default_pipeline_counts_and_ir():
         "silu_epilogue": 1,
         "silu_prologue": 0,
         "residual_epilogue": 1,
+        "fold_rope": 0,
         "route_w4a4": 0,
         "share_act_quant": 0,
+        "norm_act_quant": 0,
         "dce": 0,
         "select_kernels": 2,
     }

@@ -1,0 +1,273 @@
+"""Kernels of a decoder layer besides the qlinears: RMSNorm, RoPE, the KV-cache append,
+attention (split-K decode with its combine, tiled prefill) and the embedding gather.
+
+Python decides every constant (tiles, splits, the RoPE frequency table); the templates only
+substitute. Kernel names spell the specialisation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from qir import rope
+from qir.codegen.fragments import fragment_for
+from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.render import TEMPLATES, common_header, render
+from qir.dtypes import DType
+from qir.types import QWeight
+
+LAYER_HEADER = "qir_layer.cuh"
+THREADS = 128
+NORM_THREADS = 256
+# Attention: query rows per prefill block (4 warps x 4 rows), and the heads it supports: a
+# lane holds head_dim / 32 elements, and the prefill tiles must fit 48 KB of shared memory.
+PREFILL_ROWS = 16
+HEAD_DIMS = (32, 64, 96, 128)
+
+
+@cache
+def layer_header() -> tuple[str, str]:
+    return LAYER_HEADER, (TEMPLATES / LAYER_HEADER).read_text()
+
+
+def _headers() -> tuple[tuple[str, str], ...]:
+    return (common_header(), layer_header())
+
+
+def c_float(v: float) -> str:
+    """A C float literal holding float32(v) exactly."""
+    return f"{float(np.float32(v))!r}f"
+
+
+def _buf(name: str, c_type: str, const: bool = True) -> KernelParam:
+    return KernelParam(name, f"{'const ' if const else ''}{c_type}* __restrict__", "buffer")
+
+
+_M = KernelParam("M", "int", "int")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """A RoPE rotation (qir.rope attributes), frozen so kernels can be cached by it."""
+
+    attrs: tuple[tuple[str, Any], ...]
+
+    @staticmethod
+    def of(attrs: Mapping[str, Any]) -> RopeSpec | None:
+        """The rotation in a node's attributes, if it has one."""
+        if "rope_type" not in attrs:
+            return None
+        return RopeSpec(tuple(sorted((k, v) for k, v in attrs.items() if k in rope.ATTRS)))
+
+    @property
+    def tag(self) -> str:
+        a = dict(self.attrs)
+        tag = f"_rope{a['rope_type']}{int(a['theta'])}"
+        if "factor" in a:
+            tag += f"x{a['factor']:g}".replace(".", "p")
+        return tag
+
+    @property
+    def desc(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.attrs)
+
+    @property
+    def table(self) -> str:
+        return ", ".join(c_float(f) for f in rope.inv_freq(dict(self.attrs)))
+
+
+def _rope_context(r: RopeSpec | None) -> dict[str, Any]:
+    if r is None:
+        return {"rope": False, "rope_desc": "", "inv_freq": ""}
+    return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table}
+
+
+def rms_norm_kernel(act: DType, w: DType, n: int, eps: float) -> Kernel:
+    name = f"rms_norm_{act.name}_n{n}_w{w.name}"
+    source = render(
+        "rms_norm.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        w_t=w.c_type,
+        N=n,
+        eps=c_float(eps),
+        threads=NORM_THREADS,
+    )
+    params = (_buf("x", act.c_type), _buf("w", w.c_type), _buf("y", act.c_type, False), _M)
+    return Kernel(name, source, params, (NORM_THREADS, 1, 1), _headers())
+
+
+def rope_kernel(act: DType, heads: int, r: RopeSpec) -> Kernel:
+    head_dim = dict(r.attrs)["head_dim"]
+    name = f"rope_{act.name}_h{heads}_d{head_dim}{r.tag}"
+    source = render(
+        "rope.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        heads=heads,
+        head_dim=head_dim,
+        threads=THREADS,
+        **_rope_context(r),
+    )
+    params = (_buf("x", act.c_type), _buf("pos", "int32_t"), _buf("y", act.c_type, False), _M)
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    act: DType
+    capacity: int
+    kv_heads: int
+    head_dim: int
+
+
+def kv_append_kernel(c: CacheShape, r: RopeSpec | None) -> Kernel:
+    name = f"kv_append_{c.act.name}_c{c.capacity}_kv{c.kv_heads}_d{c.head_dim}{r.tag if r else ''}"
+    source = render(
+        "kv_append.cu.j2",
+        name=name,
+        act_t=c.act.c_type,
+        capacity=c.capacity,
+        kv_heads=c.kv_heads,
+        head_dim=c.head_dim,
+        width=c.kv_heads * c.head_dim,
+        threads=THREADS,
+        **_rope_context(r),
+    )
+    t = c.act.c_type
+    params = (
+        _buf("k_cache", t, False),
+        _buf("v_cache", t, False),
+        _buf("k", t),
+        _buf("v", t),
+        _buf("pos", "int32_t"),
+        _M,
+    )
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    cache: CacheShape
+    heads: int
+    scale: float
+    rope: RopeSpec | None
+
+    def __post_init__(self) -> None:
+        if self.cache.head_dim not in HEAD_DIMS:
+            raise NotImplementedError(
+                f"attention kernels take head_dim {', '.join(map(str, HEAD_DIMS))}, "
+                f"not {self.cache.head_dim}"
+            )
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.cache.kv_heads
+
+    @property
+    def split_keys(self) -> int:
+        """Cache rows per decode split: about 32 splits of the capacity, 32..512 rows each (a
+        decode step at any position launches every split; those past it return at once)."""
+        want = max(self.cache.capacity // 32, 32)
+        return min(1 << (want - 1).bit_length(), 512)
+
+    @property
+    def splits(self) -> int:
+        return -(-self.cache.capacity // self.split_keys)
+
+    @property
+    def partial_floats(self) -> int:
+        """Floats of a decode row's partial results: per head and split, D outputs, max, sum."""
+        return self.heads * self.splits * (self.cache.head_dim + 2)
+
+    def _tag(self) -> str:
+        c = self.cache
+        return (
+            f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}_c{c.capacity}"
+            f"{self.rope.tag if self.rope else ''}"
+        )
+
+    def _context(self, name: str) -> dict[str, Any]:
+        c = self.cache
+        return {
+            "name": name,
+            "act_t": c.act.c_type,
+            "heads": self.heads,
+            "kv_heads": c.kv_heads,
+            "head_dim": c.head_dim,
+            "capacity": c.capacity,
+            "group": self.group,
+            "per_lane": c.head_dim // 32,
+            "scale": c_float(self.scale),
+            "threads": THREADS,
+            **_rope_context(self.rope),
+        }
+
+
+def _attention_inputs(t: str) -> tuple[KernelParam, ...]:
+    return (_buf("q", t), _buf("k_cache", t), _buf("v_cache", t), _buf("pos", "int32_t"))
+
+
+def attention_split_kernel(a: AttentionSpec) -> Kernel:
+    name = f"attn_split_{a._tag()}_s{a.split_keys}"
+    source = render(
+        "attention_split.cu.j2", split_keys=a.split_keys, splits=a.splits, **a._context(name)
+    )
+    params = (*_attention_inputs(a.cache.act.c_type), _buf("part", "float", False), _M)
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+def attention_combine_kernel(a: AttentionSpec) -> Kernel:
+    c = a.cache
+    name = f"attn_combine_{c.act.name}_h{a.heads}_d{c.head_dim}_n{a.splits}"
+    source = render(
+        "attention_combine.cu.j2",
+        name=name,
+        act_t=c.act.c_type,
+        heads=a.heads,
+        head_dim=c.head_dim,
+        splits=a.splits,
+        threads=THREADS,
+    )
+    params = (_buf("part", "float"), _buf("y", c.act.c_type, False), _M)
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
+    name = f"attn_prefill_{a._tag()}_r{PREFILL_ROWS}"
+    source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
+    params = (*_attention_inputs(a.cache.act.c_type), _buf("y", a.cache.act.c_type, False), _M)
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+def embedding_kernel(table: QWeight, act: DType) -> tuple[Kernel, int, tuple[str, ...]]:
+    """The gather kernel, its grid.x and the format's buffers in parameter order."""
+    frag = fragment_for(table.format, table.out_features, table.in_features)
+    frag_params = [{"c_type": p.c_type, "suffix": p.name.removeprefix("w_")} for p in frag.params]
+    chunks = frag.chunks_per_row(table.in_features)
+    name = f"embedding_{table.format.tag()}_{act.name}_v{table.out_features}_k{table.in_features}"
+    source = render(
+        "embedding.cu.j2",
+        name=name,
+        format_spelling=table.format.spell(),
+        fragment_template=frag.template,
+        frag_params=frag_params,
+        act_t=act.c_type,
+        vocab=table.out_features,
+        K=table.in_features,
+        chunks_per_row=chunks,
+        threads=THREADS,
+        **frag.context,
+    )
+    params = (
+        _buf("ids", "int32_t"),
+        *(KernelParam(p.name, p.c_type, "buffer") for p in frag.params),
+        _buf("y", act.c_type, False),
+        _M,
+    )
+    kernel = Kernel(name, source, params, (THREADS, 1, 1), (common_header(),))
+    return kernel, -(-chunks // THREADS), frag.buffers

@@ -1,0 +1,155 @@
+"""Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding): each returns
+its launches and the temps they pass between them (see Plan.temps).
+
+Attention takes two kernel families by batch size: up to DECODE_MAX_M rows the split-K decode
+kernel (every cache split in its own block, then a combine launch reading their partials from
+a temp), above it the tiled prefill kernel. Both read positions from a device buffer, so a
+captured decode step replays at any position."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from qir.codegen.layer_kernels import (
+    PREFILL_ROWS,
+    AttentionSpec,
+    CacheShape,
+    RopeSpec,
+    attention_combine_kernel,
+    attention_prefill_kernel,
+    attention_split_kernel,
+    embedding_kernel,
+    kv_append_kernel,
+    rms_norm_kernel,
+    rope_kernel,
+)
+from qir.codegen.lower import ALL_M, Arg, Launch
+from qir.dtypes import F32
+from qir.graph import Graph
+from qir.ops import W4A4_MAX_M
+from qir.types import QWeight, TensorType
+
+Lowered = tuple[list[Launch], dict[str, TensorType]]
+# Rows up to which attention runs the split (decode) kernels.
+DECODE_MAX_M = 4
+
+
+def _tensor(graph: Graph, name: str) -> TensorType:
+    t = graph.node(name).type
+    assert isinstance(t, TensorType)
+    return t
+
+
+def _int(d: object) -> int:
+    assert isinstance(d, int)
+    return d
+
+
+def _cache(graph: Graph, name: str) -> CacheShape:
+    t = _tensor(graph, name)
+    return CacheShape(t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]))
+
+
+def _only_as_norm_source(graph: Graph, name: str) -> bool:
+    """Whether every reader of this rms_norm is a quantize_act that computes the norm itself
+    (norm_act_quant): then it only runs where they fall back to 16 bits."""
+    users = graph.users(name)
+    return (
+        bool(users)
+        and all(v != name for _, v in graph.outputs)
+        and all(graph.node(u).op == "quantize_act" and graph.operands(u)[0] == name for u in users)
+    )
+
+
+def lower_rms_norm(graph: Graph, name: str) -> Lowered:
+    x, w = graph.operands(name)
+    t = _tensor(graph, name)
+    kernel = rms_norm_kernel(
+        t.dtype, _tensor(graph, w).dtype, _int(t.shape[1]), graph.node(name).attr("eps")
+    )
+    args = (Arg("value", x), Arg("weight", w, "weight"), Arg("value", name), Arg("M"))
+    when = (W4A4_MAX_M + 1, ALL_M[1]) if _only_as_norm_source(graph, name) else ALL_M
+    return [Launch(kernel, 1, 1, args, (name,), (name,), when)], {}
+
+
+def lower_rope(graph: Graph, name: str) -> Lowered:
+    x, pos = graph.operands(name)
+    t = _tensor(graph, name)
+    r = RopeSpec.of(dict(graph.node(name).attrs))
+    assert r is not None
+    heads = _int(t.shape[1]) // dict(r.attrs)["head_dim"]
+    args = (Arg("value", x), Arg("value", pos), Arg("value", name), Arg("M"))
+    return [Launch(rope_kernel(t.dtype, heads, r), 1, 1, args, (name,), (name,))], {}
+
+
+def lower_kv_append(graph: Graph, name: str) -> Lowered:
+    kc, vc, k, v, pos = graph.operands(name)
+    kernel = kv_append_kernel(_cache(graph, kc), RopeSpec.of(dict(graph.node(name).attrs)))
+    # The caches are written in place: the args are the states, the gets alias them.
+    args = (*(Arg("value", a) for a in (kc, vc, k, v, pos)), Arg("M"))
+    return [Launch(kernel, 1, 1, args, graph.users(name), (name,))], {}
+
+
+def lower_attention(graph: Graph, name: str) -> Lowered:
+    q, kc, vc, pos = graph.operands(name)
+    node = graph.node(name)
+    cache = _cache(graph, kc)
+    heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
+    spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)))
+    part = graph.fresh(f"{name}.partials")
+    reads = (Arg("value", q), Arg("value", kc), Arg("value", vc), Arg("value", pos))
+    decode = (1, DECODE_MAX_M)
+    prefill = (DECODE_MAX_M + 1, ALL_M[1])
+    launches = [
+        Launch(
+            attention_split_kernel(spec),
+            cache.kv_heads * spec.splits,
+            1,
+            (*reads, Arg("value", part), Arg("M")),
+            (part,),
+            (name,),
+            decode,
+        ),
+        Launch(
+            attention_combine_kernel(spec),
+            heads,
+            1,
+            (Arg("value", part), Arg("value", name), Arg("M")),
+            (name,),
+            (name,),
+            decode,
+        ),
+        Launch(
+            attention_prefill_kernel(spec),
+            heads,
+            PREFILL_ROWS,
+            (*reads, Arg("value", name), Arg("M")),
+            (name,),
+            (name,),
+            prefill,
+        ),
+    ]
+    return launches, {part: TensorType(("M", spec.partial_floats), F32)}
+
+
+def lower_embedding(graph: Graph, name: str) -> Lowered:
+    ids, table = graph.operands(name)
+    w = graph.node(table).type
+    assert isinstance(w, QWeight)
+    kernel, grid_x, buffers = embedding_kernel(w, _tensor(graph, name).dtype)
+    args = (
+        Arg("value", ids),
+        *(Arg("weight", table, b) for b in buffers),
+        Arg("value", name),
+        Arg("M"),
+    )
+    return [Launch(kernel, grid_x, 1, args, (name,), (name,))], {}
+
+
+LAYER_LOWERINGS: dict[str, Callable[[Graph, str], Lowered]] = {
+    "rms_norm": lower_rms_norm,
+    "rope": lower_rope,
+    "kv_append": lower_kv_append,
+    "attention": lower_attention,
+    "embedding": lower_embedding,
+}

@@ -1,0 +1,44 @@
+// qir_layer.cuh: what the layer kernels (RMSNorm, RoPE, KV cache, attention, embedding) share.
+// Written beside each dumped .cu so the file compiles on its own; includes qir_common.cuh.
+#pragma once
+#include "qir_common.cuh"
+
+// +infinity without <math.h> (NVRTC has none): an empty softmax starts at -QIR_INF.
+#define QIR_INF __int_as_float(0x7f800000)
+
+// Sum of v over a block of THREADS threads (a multiple of 32); every thread gets the sum.
+template <int THREADS>
+__device__ __forceinline__ float qir_block_sum(float v) {
+  __shared__ float partial[THREADS / 32];
+  v = qir_warp_sum(v);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) s += partial[w];
+  __syncthreads();  // partial may be written again by the next call
+  return s;
+}
+
+// RMSNorm's divisor of a row whose squares sum to sum_sq: sqrt(mean(x^2) + eps), as the
+// interpreter forms it (x / divisor * w, not x * rsqrt(...)).
+__device__ __forceinline__ float qir_rms_divisor(float sum_sq, int n, float eps) {
+  return sqrtf(sum_sq / (float)n + eps);
+}
+
+// Rotates the pair (a, b) = (x[i], x[i + head_dim/2]) of one head by `angle` (the
+// rotate-half convention of Llama's RoPE).
+__device__ __forceinline__ void qir_rotate_cs(float& a, float& b, float c, float s) {
+  const float ra = a * c - b * s;
+  b = b * c + a * s;
+  a = ra;
+}
+__device__ __forceinline__ void qir_rotate(float& a, float& b, float angle) {
+  qir_rotate_cs(a, b, cosf(angle), sinf(angle));
+}
+
+__device__ __forceinline__ float qir_warp_reduce_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}

@@ -1,0 +1,83 @@
+"""Rotary position embedding frequencies: the one definition the interpreter and the kernels
+share (the kernels get the table as constants, so both rotate by the same float32 angles).
+
+A `rope` op carries its scaling as attributes: `theta`, `rope_type` (one of ROPE_TYPES) and,
+per type, the parameters REQUIRED lists. Frequencies follow transformers' Llama: the default
+`1 / theta^(2i / head_dim)` in float32, `linear` divides them by `factor`, `llama3` divides the
+low frequencies by `factor` and blends the middle band (Llama 3.1's rope_scaling)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+ROPE_TYPES = ("default", "linear", "llama3")
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Every attribute a rope op may carry.
+ATTRS = frozenset({"head_dim", "theta", "rope_type"} | {p for ps in REQUIRED.values() for p in ps})
+
+
+def rope_problem(attrs: Mapping[str, Any]) -> str | None:
+    """Why these rope attributes are not a rotation qir computes, or None."""
+    kind = attrs.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        return f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+    theta = attrs.get("theta")
+    if not isinstance(theta, float) or not theta > 0:
+        return f"theta must be a positive float, got {theta!r}"
+    d = attrs.get("head_dim")
+    if isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2:
+        return f"head_dim must be an even int >= 2, got {d!r}"
+    for p in REQUIRED[kind]:
+        v = attrs.get(p)
+        if p == "original_max_position_embeddings":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                return f"rope_type {kind} needs {p} as an int >= 1, got {v!r}"
+        elif not isinstance(v, float) or not v > 0:
+            return f"rope_type {kind} needs {p} as a positive float, got {v!r}"
+    if kind == "llama3" and not attrs["high_freq_factor"] > attrs["low_freq_factor"]:
+        return "rope_type llama3 needs high_freq_factor > low_freq_factor"
+    extra = {k for k in attrs if k in ATTRS} - {"head_dim", "theta", "rope_type", *REQUIRED[kind]}
+    if extra:
+        return f"rope_type {kind} takes no {', '.join(sorted(extra))}"
+    return None
+
+
+def inv_freq(attrs: Mapping[str, Any]) -> np.ndarray:
+    """float32 [head_dim / 2]: the angle per position of each rotated pair."""
+    d = int(attrs["head_dim"])
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    freq = (np.float32(1) / (np.float32(attrs["theta"]) ** exponent)).astype(np.float32)
+    kind = attrs.get("rope_type", "default")
+    if kind == "linear":
+        return (freq / np.float32(attrs["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = attrs["factor"], attrs["low_freq_factor"], attrs["high_freq_factor"]
+        old = attrs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / freq.astype(np.float64)
+        scaled = np.where(wavelen > old / low, freq / factor, freq)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    return freq
+
+
+def rotate(x: np.ndarray, positions: np.ndarray, attrs: Mapping[str, Any]) -> np.ndarray:
+    """x [M, heads * head_dim] float32 rotated per head (the rotate-half convention: element i
+    pairs with i + head_dim/2), each row by the angle of its position; float32 throughout."""
+    d = int(attrs["head_dim"])
+    m = x.shape[0]
+    angles = positions.astype(np.float32)[:, None] * inv_freq(attrs)[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    h = x.astype(np.float32).reshape(m, -1, d)
+    a, b = h[..., : d // 2], h[..., d // 2 :]
+    out = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return out.reshape(m, -1).astype(np.float32)

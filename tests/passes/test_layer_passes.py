@@ -1,0 +1,164 @@
+"""Layer fusion passes (fold_rope, norm_act_quant): IR before/after, must-not-fire, counters,
+and the interpreter before == after, bit for bit, caches included."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qir import interpret, parse, print_graph
+from qir.dtypes import BF16
+from qir.interpret import empty_state
+from qir.models import load
+from qir.models.blocks import build
+from qir.passes.manager import PASSES, PIPELINES, PassOptions, run_pipeline
+from qir.types import TensorType
+from tests.conftest import DATA, random_weight
+
+ROPE = 'head_dim=32, rope_type="default", theta=10000.0'
+CACHE = "f16[16, 2, 32]"
+ATTN = f"""
+graph attn {{
+  %q = input : f16[M, 128]
+  %k = input : f16[M, 64]
+  %v = input : f16[M, 64]
+  %pos = input : i32[M]
+  %pos2 = input : i32[M]
+  %kc = state {{key="k"}} : {CACHE}
+  %vc = state {{key="v"}} : {CACHE}
+  %q_rot = rope %q, %pos {{{ROPE}}} : f16[M, 128]
+  %k_rot = rope %k, %pos {{{ROPE}}} : f16[M, 64]
+  %kv = kv_append %kc, %vc, %k_rot, %v, %pos : ({CACHE}, {CACHE})
+  %kv.k = get %kv {{index=0}} : {CACHE}
+  %kv.v = get %kv {{index=1}} : {CACHE}
+  %attn = attention %q_rot, %kv.k, %kv.v, %@POS {{scale=0.2}} : f16[M, 128]
+  output y = %attn
+}}
+"""
+
+
+def weights_for(text: str, rng: np.random.Generator) -> dict[str, dict[str, np.ndarray]]:
+    g = parse(text)
+    out = {}
+    for w in g.weights:
+        t = g.node(w).type
+        if isinstance(t, TensorType):  # a norm's weight
+            out[g.node(w).attr("key")] = {
+                "weight": (1 + rng.standard_normal(t.shape) / 8).astype(t.dtype.np)
+            }
+        else:
+            out[g.node(w).attr("key")] = random_weight(
+                rng, t.out_features, t.in_features, t.format
+            )[1]
+    return out
+
+
+def run_pass(text: str, name: str) -> tuple[str, int]:
+    g = parse(text)
+    fired = PASSES[name](PassOptions()).run(g)
+    return print_graph(g), fired
+
+
+def assert_same_numbers(before: str, after: str, rng: np.random.Generator, m: int = 5) -> None:
+    """Interpret both with the same inputs (positions 3..3+m-1 over caches holding random rows
+    before them): outputs and written caches identical."""
+    gb, ga = parse(before), parse(after)
+    weights = weights_for(before, rng)
+    inputs = {}
+    for name in gb.inputs:
+        t = gb.node(name).type
+        if t.dtype.name == "i32":
+            inputs[name] = np.arange(3, 3 + m, dtype=np.int32)
+        else:
+            inputs[name] = rng.standard_normal((m, t.shape[1])).astype(t.dtype.np)
+    start = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in empty_state(gb).items()}
+    sb, sa = dict(start), dict(start)
+    ob, oa = interpret(gb, inputs, weights, sb), interpret(ga, inputs, weights, sa)
+    assert ob.keys() == oa.keys()
+    for k in ob:
+        np.testing.assert_array_equal(ob[k], oa[k])
+    for k in sb:
+        np.testing.assert_array_equal(sb[k], sa[k])
+
+
+def test_fold_rope_moves_both_rotations_into_their_readers(rng):
+    before = ATTN.replace("@POS", "pos")
+    after, fired = run_pass(before, "fold_rope")
+    assert fired == 2
+    assert "rope " not in after
+    assert f"%kv = kv_append %kc, %vc, %k, %v, %pos {{{ROPE}}}" in after
+    attn = '{head_dim=32, rope_type="default", scale=0.2, theta=10000.0}'
+    assert f"%attn = attention %q, %kv.k, %kv.v, %pos {attn}" in after
+    assert_same_numbers(before, after, rng)
+
+
+def test_fold_rope_does_not_fire_on_other_positions_or_shared_rotations(rng):
+    # q rotated by other positions than attention reads: only k folds.
+    before = ATTN.replace("@POS", "pos2")
+    after, fired = run_pass(before, "fold_rope")
+    assert fired == 1 and "%q_rot = rope %q, %pos" in after
+    assert_same_numbers(before, after, rng)
+    # A rotation that is also an output stays.
+    shared = ATTN.replace("@POS", "pos").replace("  output y", "  output q = %q_rot\n  output y")
+    after, fired = run_pass(shared, "fold_rope")
+    assert fired == 1 and "%q_rot = rope" in after and "attention %q_rot" in after
+    # Already folded: nothing left to do.
+    folded, _ = run_pass(ATTN.replace("@POS", "pos"), "fold_rope")
+    assert run_pass(folded, "fold_rope") == (folded, 0)
+
+
+A4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
+NORM = f"""
+graph norm {{
+  %x = input : f16[M, 128]
+  %nw = weight {{key="norm"}} : bf16[128]
+  %xn = rms_norm %x, %nw {{eps=1e-05}} : f16[M, 128]
+  %xq = quantize_act %xn {{input_global_scale=588.0, scheme="nvfp4"}} : qact<nvfp4, f16[M, 128]>
+  %wq = weight {{input_global_scale=588.0, key="q"}} : {A4}[128, 128]
+  %q = qlinear %xq, %wq : f16[M, 128]
+  output q = %q
+}}
+"""
+
+
+def test_norm_act_quant_computes_the_norm_in_the_quantization(rng):
+    after, fired = run_pass(NORM, "norm_act_quant")
+    assert fired == 1
+    assert (
+        '%xq = quantize_act %xn, %x, %nw {eps=1e-05, input_global_scale=588.0, scheme="nvfp4"}'
+        in after
+    )
+    assert "%xn = rms_norm %x, %nw" in after  # the 16-bit value batches above 64 rows read
+    assert_same_numbers(NORM, after, rng, m=5)
+    assert_same_numbers(NORM, after, rng, m=70)
+    assert run_pass(after, "norm_act_quant") == (after, 0)
+
+
+def test_norm_act_quant_does_not_fire_when_the_norm_is_read_unquantized():
+    # A second, 16-bit reader needs the rms_norm launch anyway: fusing saves nothing.
+    text = NORM.replace("  output q", "  output xn = %xn\n  output q")
+    assert run_pass(text, "norm_act_quant")[1] == 0
+    w16 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
+    text = NORM.replace(
+        "  output q",
+        f'  %w2 = weight {{key="o"}} : {w16}[64, 128]\n  %o = qlinear %xn, %w2 : f16[M, 64]\n'
+        "  output o = %o\n  output q",
+    )
+    assert run_pass(text, "norm_act_quant")[1] == 0
+
+
+def test_a_w4a4_layer_keeps_its_numbers_through_the_layer_passes():
+    """The default pipeline on a whole W4A4 layer against the same pipeline without the two
+    layer passes: outputs and written caches identical."""
+    b = build(load(DATA / "ct_nvfp4_w4a4_S"), "layer", 0, BF16)
+    fused, records = run_pipeline(b.graph, "default")
+    fired = {r.name: r.matches for r in records}
+    assert fired["fold_rope"] == 2 and fired["norm_act_quant"] == 2
+    without = [p for p in PIPELINES["default"] if p not in ("fold_rope", "norm_act_quant")]
+    plain, _ = run_pipeline(b.graph, without)
+    x = np.load(DATA / "ct_nvfp4_w4a4_S" / "golden.npz")["x.M5"].astype(BF16.np)
+    states = empty_state(b.graph), empty_state(b.graph)
+    want = interpret(plain, b.inputs(x), b.weights, states[0])
+    got = interpret(fused, b.inputs(x), b.weights, states[1])
+    np.testing.assert_array_equal(got["y"], want["y"])
+    for k in states[0]:
+        np.testing.assert_array_equal(states[0][k], states[1][k])

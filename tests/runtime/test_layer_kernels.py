@@ -1,0 +1,278 @@
+"""Layer kernels (RMSNorm, RoPE, KV-cache append, split and prefill attention, embedding) on the
+host backend, and the cuda backend on a GPU: against the interpreter, transformers' goldens and
+an independent forward; replays of a captured decode step; the NVRTC compile gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import qir
+from qir.codegen.layer_kernels import (
+    AttentionSpec,
+    CacheShape,
+    RopeSpec,
+    attention_combine_kernel,
+    attention_prefill_kernel,
+    attention_split_kernel,
+    kv_append_kernel,
+)
+from qir.codegen.lower import lower
+from qir.dtypes import BF16, F16, F32
+from qir.interpret import BindError
+from qir.models import Model, load
+from qir.models.blocks import build
+from qir.passes.manager import run_pipeline
+from qir.runtime import nvrtc
+from tests.conftest import BACKENDS, DATA, greedy_prefix, max_rel, rel_err
+from tests.models.synthetic_llama import Forward, write_llama
+
+# Kernels and interpreter differ in fp32 summation order, then both round to the act dtype.
+TOL = {F16: 2e-3, BF16: 1.6e-2, F32: 1e-5}
+# 16-bit activations against transformers' float32 forward (the issue's bound).
+GOLDEN_TOL = 2e-2
+W4A16, W4A4 = "mlx_affine4_g64_S", "ct_nvfp4_w4a4_S"
+# Launches of a fused layer at M = 1 (decode: split attention + combine) and M = 5 (prefill).
+LAUNCHES = {W4A16: (9, 8), W4A4: (11, 10)}
+
+
+def host_array(a: Any) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def compiled(block: Any, backend: str, passes: str = "default") -> qir.Compiled:
+    return qir.compile(block.graph, block.weights, backend=backend, passes=passes)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_matches_reference_and_transformers(backend, monkeypatch):
+    fixture = W4A16
+    golden = np.load(DATA / fixture / "golden_model.npz")
+    inputs = np.load(DATA / fixture / "golden.npz")
+    b = build(load(DATA / fixture), "layer", 0, BF16)
+    ours, ref = compiled(b, backend), compiled(b, "reference")
+    assert (ours.launches_for(1), ours.launches_for(5)) == LAUNCHES[fixture]
+    for m in (1, 5, 40):  # decode kernels; one partial prefill tile; three tiles
+        x = inputs[f"x.M{m}"].astype(BF16.np)
+        ours.reset_state()
+        ref.reset_state()
+        y, want = ours(b.inputs(x))["y"], ref(b.inputs(x))["y"]
+        assert max_rel(y, want) <= TOL[BF16], m
+        assert max_rel(y, golden[f"layer.0.M{m}"]) <= GOLDEN_TOL, m
+        theirs = ref.state()
+        for key, cache in ours.state().items():
+            assert max_rel(cache[:m], theirs[key][:m]) <= TOL[BF16], key
+            assert not cache[m:].any(), key  # rows past the positions are untouched
+        if backend == "host" and m in (1, 40):
+            # Blocks and threads last to first: a kernel missing a barrier gives other bytes.
+            monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
+            ours.reset_state()
+            backward = ours(b.inputs(x))["y"]
+            monkeypatch.delenv("QIR_HOST_SCHEDULE")
+            assert backward.tobytes() == y.tobytes(), m
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 layers, 4 query heads on 2 kv heads of 32, Llama 3 RoPE, a 64-row cache: decode
+    splits of 32 rows."""
+    return write_llama(tmp_path_factory.mktemp("gqa") / "ck")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_across_cache_splits_replays_from_a_capture(gqa, backend):
+    """Prefill 37 rows (three prefill tiles), then decode rows 37 and 38 from one capture:
+    positions come from device buffers, and the keys span both 32-row splits."""
+    b = build(load(gqa), "layer", 1, F16)
+    ours, ref = compiled(b, backend), compiled(b, "reference")
+    assert AttentionSpec(CacheShape(F16, 64, 2, 32), 4, 0.1, None).splits == 2
+    x = np.random.default_rng(3).standard_normal((39, 128), dtype=np.float32).astype(F16.np)
+    prefill = {"x": x[:37], "pos": np.arange(37, dtype=np.int32)}
+    assert max_rel(ours(prefill)["y"], ref(prefill)["y"]) <= TOL[F16]
+    step = ours.capture(1)
+    for p in (37, 38):
+        one = {"x": x[p : p + 1], "pos": np.array([p], np.int32)}
+        want = ref(one)["y"]
+        assert max_rel(host_array(step(one)["y"]), want) <= TOL[F16], p
+    key = "model.layers.1.self_attn.k_cache"
+    assert max_rel(ours.state()[key][:39], ref.state()[key][:39]) <= TOL[F16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unfused_rope_append_and_attention(backend):
+    """The layer ops as their own launches (--passes none): RoPE of q and k, an append that
+    copies, attention that does not rotate; decode and prefill; on caches holding rows from
+    an earlier run."""
+    g = qir.parse(ATTENTION)
+    ours, ref = (qir.compile(g, {}, backend=be, passes="none") for be in (backend, "reference"))
+    assert [la.kernel.name.split("_")[0] for la in ours.plan.launches] == [
+        "rope",
+        "rope",
+        "kv",
+        "attn",
+        "attn",
+        "attn",
+    ]
+    rng = np.random.default_rng(5)
+    for start, m in ((0, 21), (21, 1), (22, 3)):
+        inputs = {
+            "q": rng.standard_normal((m, 128), dtype=np.float32).astype(F16.np),
+            "k": rng.standard_normal((m, 64), dtype=np.float32).astype(F16.np),
+            "v": rng.standard_normal((m, 64), dtype=np.float32).astype(F16.np),
+            "pos": np.arange(start, start + m, dtype=np.int32),
+        }
+        assert max_rel(host_array(ours(inputs)["y"]), ref(inputs)["y"]) <= TOL[F16], start
+
+
+ATTENTION = """
+graph attn {
+  %q = input : f16[M, 128]
+  %k = input : f16[M, 64]
+  %v = input : f16[M, 64]
+  %pos = input : i32[M]
+  %kc = state {key="k"} : f16[40, 2, 32]
+  %vc = state {key="v"} : f16[40, 2, 32]
+  %q_rot = rope %q, %pos {head_dim=32, rope_type="linear", factor=2.0, theta=10000.0} : f16[M, 128]
+  %k_rot = rope %k, %pos {head_dim=32, rope_type="linear", factor=2.0, theta=10000.0} : f16[M, 64]
+  %kv = kv_append %kc, %vc, %k_rot, %v, %pos : (f16[40, 2, 32], f16[40, 2, 32])
+  %kv.k = get %kv {index=0} : f16[40, 2, 32]
+  %kv.v = get %kv {index=1} : f16[40, 2, 32]
+  %attn = attention %q_rot, %kv.k, %kv.v, %pos {scale=0.2} : f16[M, 128]
+  output y = %attn
+}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_query_generation_matches_an_independent_forward(gqa, backend):
+    """The whole model in f16 (quantized embedding table, untied quantized lm_head): logits of
+    each greedy step against a float64 forward of the whole sequence."""
+    gen = Model.load(gqa, backend=backend, act=F16).generate([5, 17, 3, 90, 44, 2, 61], 5)
+    forward, seq = Forward(gqa), [5, 17, 3, 90, 44, 2, 61]
+    for step in range(5):
+        logits = forward.logits(np.array(seq))[-1]
+        assert max_rel(gen.logits[step], logits) <= GOLDEN_TOL, step
+        assert greedy_prefix(logits[None], gen.logits[step][None]) == 1  # decided here
+        seq.append(int(gen.tokens[step]))
+        assert gen.tokens[step] == np.argmax(logits), step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_logits_and_greedy_ids_match_transformers(backend):
+    """MLX: embed_tokens and lm_head quantized."""
+    golden = np.load(DATA / W4A16 / "golden_model.npz")
+    model = Model.load(DATA / W4A16, backend=backend)
+    assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= GOLDEN_TOL
+    gen = model.generate(golden["tokens"], 8)
+    n = greedy_prefix(golden["step_logits"], gen.logits)
+    assert n >= 1
+    np.testing.assert_array_equal(gen.tokens[:n], golden["greedy"][:n])
+    assert max_rel(gen.logits[:n], golden["step_logits"][:n]) <= GOLDEN_TOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_w4a4_model_matches_the_reference(backend):
+    """The W4A4 checkpoint as declared (4-bit activations: RMSNorm fused into the activation
+    quantization; dense bf16 embedding and lm_head) against the interpreter, at a decode step,
+    a short prompt, and 70 rows (past W4A4_MAX_M: the 16-bit twins and the RMSNorm launch run);
+    and against transformers' 16-bit-activation logits, looser."""
+    golden = np.load(DATA / W4A4 / "golden_model.npz")
+    ours, ref = Model.load(DATA / W4A4, backend=backend), Model.load(DATA / W4A4)
+    assert ours.compiled.launches_for(1) == 1 + LAUNCHES[W4A4][0] + 2  # embedding, norm, head
+    long = (np.arange(70) * 11 + 5) % 256
+    for tokens in (golden["tokens"], long):
+        assert max_rel(ours.logits(tokens), ref.logits(tokens)) <= TOL[BF16]
+    assert max_rel(ours.forward([7], 70)[0], ref.forward([7], 70)[0]) <= TOL[BF16]
+    # 4-bit activations move these logits by 14% (L2) from the 16-bit numbers: o_proj's input
+    # saturates its calibrated scale on these prompts (the fixture's ORACLE.md); unrelated
+    # logits would be ~140% off.
+    assert rel_err(ours.logits(golden["tokens"]), golden["logits"]) <= 0.2
+
+
+def test_model_memory_reuses_one_layers_arena(gqa):
+    """Liveness planning over the whole model: two layers need no more arena than one."""
+    ck = load(gqa)
+    one = qir.compile(*_block(ck, "layer"), backend="host")
+    two = qir.compile(*_block(ck, "model"), backend="host")
+    assert two._exec is not None and one._exec is not None
+    for m in (1, 7):
+        layer, model = one._exec.memory_plan(m), two._exec.memory_plan(m)
+        assert model.arena_bytes <= layer.arena_bytes + _bytes(m, 128, F16) * 2, m
+        assert model.unshared_bytes > 2 * layer.unshared_bytes - 1, m
+    assert two._exec.state_bytes == 2 * one._exec.state_bytes
+
+
+def _block(ck: Any, name: str) -> tuple[Any, Any]:
+    b = build(ck, name, 0, F16)
+    return b.graph, b.weights
+
+
+def _bytes(m: int, n: int, dt: Any) -> int:
+    return -(-m * n * dt.itemsize // 256) * 256
+
+
+LLAMA3 = RopeSpec.of(
+    {
+        "head_dim": 128,
+        "theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+)
+ARCHS = ("sm_80", "sm_90", "sm_100a", "sm_120a")
+
+
+def _gate_kernels() -> list[Any]:
+    """Every kernel of a fused W4A16 and W4A4 model of the fixtures, and the attention kernels
+    at Llama-3-8B (32 heads on 8) and -70B (64 on 8) shapes with a 4096-row cache."""
+    kernels = {}
+    for fixture in (W4A16, W4A4):
+        b = build(load(DATA / fixture), "model", 0)
+        for launch in lower(run_pipeline(b.graph, "default")[0]).launches:
+            kernels[launch.kernel.name] = launch.kernel
+    for heads in (32, 64):
+        a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), heads, 128**-0.5, LLAMA3)
+        for k in (attention_split_kernel(a), attention_combine_kernel(a)):
+            kernels[k.name] = k
+    a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), 32, 128**-0.5, LLAMA3)
+    for k in (attention_prefill_kernel(a), kv_append_kernel(a.cache, LLAMA3)):
+        kernels[k.name] = k
+    # The GEMVs have their gate in test_every_format; the fixtures' attention kernels are the
+    # Llama shapes' with a smaller head.
+    return [
+        k
+        for n, k in sorted(kernels.items())
+        if not n.startswith("qgemv_") and not (n.startswith("attn_") and "_d64_" in n)
+    ]
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x (qir[compile])")
+def test_layer_kernels_build_with_nvrtc_without_spills():
+    """The GEMVs have their own gate (test_every_format); here everything else of a layer and a
+    model, for the four target archs."""
+    kernels = _gate_kernels()
+    assert {k.name.split("_")[0] for k in kernels} >= {
+        "rms",
+        "quantize",
+        "kv",
+        "attn",
+        "embedding",
+    }
+    for kernel in kernels:
+        nvrtc.check_no_spills(kernel, archs=ARCHS)
+
+
+def test_blocks_with_state_replay_only_captured_batch_sizes(gqa):
+    b = build(load(gqa), "layer", 0, F16)
+    batches = compiled(b, "host").capture_batches([1, 4])
+    x = np.zeros((2, 128), F16.np)
+    with pytest.raises(BindError, match=r"M=2: a block with state .* never padded"):
+        batches({"x": x, "pos": np.arange(2, dtype=np.int32)})
+    out = batches({"x": x[:1], "pos": np.array([0], np.int32)})
+    assert out["y"].shape == (1, 128)
