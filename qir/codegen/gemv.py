@@ -91,8 +91,16 @@ class GemvSpec:
         return self.epilogue == "silu_mul"
 
     @property
+    def fragment(self) -> Fragment:
+        w0 = self.weights[0]
+        return fragment_for(w0.format, w0.out_features, w0.in_features)
+
+    @property
     def rows_per_warp(self) -> int:
-        return SLOTS // len(self.weights) if self.paired else SLOTS
+        # A fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
+        # spill.
+        slots = 1 if self.fragment.context.get("gathers") else SLOTS
+        return max(1, slots // len(self.weights)) if self.paired else slots
 
     def blocks(self, w: QWeight) -> int:
         return -(-w.out_features // (WARPS_PER_BLOCK * self.rows_per_warp))

@@ -23,21 +23,32 @@ row of one weight, cut into chunks of `QIR_CHUNK` weights (one lane's unit of wo
   void qir_dequant_chunk(<buffers>, int row, int chunk, float (&w)[QIR_CHUNK])
         qir_load + qir_decode_f32: the entry point kernels used before the split
 
-A packed fragment (QIR_PACKED) also exposes the pieces (b) is built from, which a GEMV uses to
-apply each group's scale (and MLX's bias) once to a partial sum instead of to every weight:
+A packed fragment (context `packed`) also exposes the pieces (b) is built from, which a GEMV
+uses to apply each group's scale (and MLX's bias) once to a partial sum instead of to every
+weight:
 
   QIR_STEP, QIR_STRIDE      a step decodes QIR_STEP weights into QIR_STEP / 2 pairs, pair e of
                             each unit of 2 * QIR_STRIDE consecutive weights holding weights
-                            (e, e + QIR_STRIDE) (the order bit tricks produce cheapest; an
-                            activation loader permutes x the same way: qir_act_pairs)
+                            (e, e + QIR_STRIDE) (the order bit tricks produce cheapest; the
+                            activations are permuted the same way: qir_act_pairs)
   QIR_RUN_STEPS, QIR_RUNS   the chunk is QIR_RUNS runs of QIR_RUN_STEPS steps; one scale (and
                             zero, bias) per run
   template <typename T> void qir_step_codes(const qir_raw& r, int step, uint32_t (&c)[QIR_STEP / 2])
-        exact codes c = (q - zero) * 2^-QIR_CODE_SHIFT as T pairs (FP codes: their value times
-        a power of two), small enough that QIR_RUN_STEPS * QIR_STEP products with any finite
-        activation sum without overflow in T (see each fragment's bound)
-  float qir_run_scale(const qir_raw& r, int run)   w = c * qir_run_scale (+ bias)
-  float qir_run_bias(const qir_raw& r, int run)    MLX affine only (QIR_BIAS)
+        exact codes as T pairs: c = (q - zero) * 2^-QIR_CODE_SHIFT for integer codes (MLX has
+        no zero: its codes are centred, zero = QIR_CODE_OFFSET), value * 2^-QIR_CODE_SHIFT for
+        E4M3/E2M1
+  float qir_run_scale(const qir_raw& r, int run), float qir_run_bias(const qir_raw& r, int run)
+        w = (c * 2^QIR_CODE_SHIFT + QIR_CODE_OFFSET) * qir_run_scale + qir_run_bias
+        (QIR_CODE_OFFSET and the bias are MLX's, 0 elsewhere)
+  QIR_ACT_SHIFT             the GEMV scales activations by 2^-QIR_ACT_SHIFT before the products
+                            (E2M1, whose decode fixes its code scale)
+  float qir_gemv_scale(const qir_raw& r, int run), float qir_gemv_finish(const qir_weight& w, float v)
+        how a GEMV splits the scale: each run's sum times qir_gemv_scale, the row's total then
+        through qir_gemv_finish (NVFP4's tensor scale, FP8's row or tensor scale: once per row
+        instead of per run; the whole scale per run and identity elsewhere)
+
+Both shifts are chosen (overflow_shift) so that QIR_RUN_STEPS * QIR_STEP products of codes with
+any finite f16 activations, summed in f16 pairs, cannot overflow.
 
 Non-packed fragments (dense weights, GPTQ act-order) define qir_decode_f32 themselves; qir_decode
 is then built from it.
@@ -120,13 +131,14 @@ def make_fragment(
         for n, (_, stride) in buffers.items()
     )
     head = {
+        "split_scale": False,
         "chunk_elems": chunk_elems,
         "weight_fields": [f"const {t}* __restrict__ {n};" for n, (t, _) in buffers.items()],
         "weight_row": "qir_weight{" + ", ".join(moved) + "}",
         "weight_params": ", ".join(f"{p.c_type} {p.name}" for p in params),
         "weight_args": ", ".join(p.name for p in params),
     }
-    return Fragment(template, params, tuple(buffers), chunk_elems, {**context, **head})
+    return Fragment(template, params, tuple(buffers), chunk_elems, {**head, **context})
 
 
 def byte_codes(

@@ -82,6 +82,7 @@ def _fp8(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         {"scale": ("float", 1 if per_row else 0)},
         title="FP8",
         scale="row" if per_row else "tensor",
+        split_scale=True,
         scale_doc=f"w = e4m3 * scale, one float32 scale per {'row' if per_row else 'tensor'}",
     )
 
@@ -139,6 +140,7 @@ def _nvfp4(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         },
         title="NVFP4",
         scale="nvfp4",
+        split_scale=True,
         scale_op=op,
         blocks_per_row=in_features // NVFP4_BLOCK,
         blocks_per_chunk=chunk // NVFP4_BLOCK,

@@ -100,6 +100,7 @@ def _fragment(
             "bias": bias,
             "packed": not g_idx,
             "g_idx": g_idx,
+            "gathers": g_idx,
             "step": step,
             "stride": stride,
             "run_steps": run_elems // step,

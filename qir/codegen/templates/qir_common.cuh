@@ -267,16 +267,15 @@ constexpr int QIR_FP4_STRIDE = 2;
 #endif
 
 // The 8 E2M1 codes of w (element j in nibble j, element 2k low in byte k) as 4 f16 pairs of
-// value * 2^-6, pair e of each unit of 2 * QIR_FP4_STRIDE codes holding codes (e, e + stride).
-__device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]) {
+// value * 2^QIR_FP4_RAW_LOG2 (exact), pair e of each unit of 2 * QIR_FP4_STRIDE codes holding
+// codes (e, e + QIR_FP4_STRIDE).
+constexpr int QIR_FP4_RAW_LOG2 = QIR_FP4_CVT ? 0 : -6;
+__device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
 #if QIR_FP4_CVT
-  uint32_t d[4];
   asm("{.reg .b8 b0, b1, b2, b3;\n mov.b32 {b0, b1, b2, b3}, %4;\n"
       " cvt.rn.f16x2.e2m1x2 %0, b0;\n cvt.rn.f16x2.e2m1x2 %1, b1;\n"
       " cvt.rn.f16x2.e2m1x2 %2, b2;\n cvt.rn.f16x2.e2m1x2 %3, b3;}"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(w));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = qir_mul2<__half>(d[i], 0x24002400u);  // * 2^-6
+      : "=r"(p[0]), "=r"(p[1]), "=r"(p[2]), "=r"(p[3]) : "r"(w));
 #else
   // Odd codes sit in the high nibbles: sign already at bit 7, magnitude two bits too high. The
   // even ones get there by a 4-bit shift first.
@@ -288,4 +287,13 @@ __device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]
   p[2] = qir_e4m3x2_to_f16x2<1>(even);  // (4, 6)
   p[3] = qir_e4m3x2_to_f16x2<1>(odd);   // (5, 7)
 #endif
+}
+
+// The same as value * 2^-6 on every arch.
+__device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]) {
+  qir_e2m1x8_raw(w, p);
+  if constexpr (QIR_FP4_RAW_LOG2 != -6) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = qir_mul2<__half>(p[i], qir_splat(qir_pow2_bits<__half>(-6 - QIR_FP4_RAW_LOG2, false)));
+  }
 }
