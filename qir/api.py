@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from qir import draw
 from qir.codegen.lower import DEFAULT_M_TILE, Plan, lower
 from qir.errors import UsageError
 from qir.graph import Graph
@@ -55,6 +58,29 @@ class Compiled:
         if self._exec is None:
             raise UsageError(f"{what} needs a kernel backend (host or cuda), not {self.backend}")
         return self._exec
+
+    def draw(self, out: str | Path | None = None) -> str:
+        """The graph before and after the passes side by side, each launch of the plan boxed
+        and named after its kernel, as DOT text; with `out` (.dot, .svg, .png) also written
+        there (without Graphviz's dot, an .svg or .png becomes a .dot beside it and a warning)."""
+        text = draw.to_dot(self.source, self.graph, self._plan())
+        if out is not None:
+            _, missing = draw.write(text, Path(out))
+            if missing:
+                warnings.warn(missing, stacklevel=2)
+        return text
+
+    def _repr_svg_(self) -> str | None:
+        """The picture of `draw()` where a notebook shows this block (None without Graphviz)."""
+        return draw.svg(self.source, self.graph, self._plan())
+
+    def _plan(self) -> Plan | None:
+        if self.plan is not None:
+            return self.plan
+        try:  # the reference backend runs no kernels, but the picture shows what it would launch
+            return lower(self.graph)
+        except NotImplementedError:
+            return None
 
     @property
     def kernel_count(self) -> int:

@@ -18,13 +18,15 @@ import numpy as np
 from qir import dtypes
 from qir.api import Compiled, compile
 from qir.audit import audit
-from qir.codegen.lower import lower
+from qir.codegen.lower import Plan, lower
+from qir.draw import SUFFIXES, draw
 from qir.dump import dump, plan_json
 from qir.errors import QirError, UsageError
 from qir.graph import Graph
 from qir.logs import LOGGER
 from qir.models import load
 from qir.models.blocks import BLOCKS, Block, build
+from qir.models.goldens import DemoGolden
 from qir.passes.manager import PASSES, PIPELINES, PassOptions, PassRecord, run_pipeline
 from qir.passes.route_w4a4 import TIERS
 from qir.printer import print_graph
@@ -123,11 +125,36 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     block = _block(args)
     after, _ = _pipeline(args, block)
-    text = json.dumps(plan_json(lower(after), args.m), indent=2) + "\n"
+    plan = lower(after)
+    text = json.dumps(plan_json(plan, args.m), indent=2) + "\n"
     if args.json:
         args.json.write_text(text)
-    else:
+    elif not args.resources:
         sys.stdout.write(text)
+    if args.resources:
+        _print_resources(plan, args.arch, args.m or 1)
+    return 0
+
+
+def _print_resources(plan: Plan, arch: str, m: int) -> None:
+    """The static cost table of the launches that run at M (qir.runtime.resources)."""
+    from qir.runtime import nvrtc, resources
+    from qir.runtime.errors import BackendUnavailable
+
+    if not nvrtc.available():
+        raise BackendUnavailable("--resources compiles with NVRTC: pip install 'qir[compile]'")
+    nvrtc.check_arch(arch)
+    print(f"M={m}, {arch}")
+    sys.stdout.write(resources.format_table(resources.kernel_costs(plan, arch, m)))
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    block = _block(args)
+    after, _ = _pipeline(args, block)
+    files, missing = draw(block.graph, after, lower(after), args.out)
+    print(f"wrote {', '.join(str(f) for f in files)}")
+    if missing:
+        print(f"qir: {missing}", file=sys.stderr)
     return 0
 
 
@@ -151,21 +178,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = []
     for path in embedded_checkpoints():
         ck = load(path)
+        golden = DemoGolden.of(path)
         for name in BLOCKS:
             block = build(ck, name, 0)
             c: Compiled = compile(block.graph, block.weights, backend=backend)
             ref = compile(block.graph, block.weights, backend="reference")
             for m in DEMO_M:
-                x = rng.standard_normal((m, ck.hidden_size), dtype=np.float32).astype(
-                    ck.act_dtype.np
-                )
-                err = _max_rel(c({"x": x}), ref({"x": x}))
-                rows.append((path.name, name, m, c.launches_for(m), backend, err))
+                x = golden.x(m) if golden else None
+                if x is None:
+                    x = rng.standard_normal((m, ck.hidden_size), dtype=np.float32)
+                x = x.astype(ck.act_dtype.np)
+                ours = c({"x": x})
+                err = _max_rel(ours, ref({"x": x}))
+                tool = {k: v for k in ours if golden and (v := golden.output(k, m)) is not None}
+                vs_tool = _max_rel(ours, tool) if tool and tool.keys() == ours.keys() else None
+                rows.append((path.name, name, m, c.launches_for(m), backend, err, vs_tool))
     header = ("checkpoint", "block", "M", "launches", "backend", "max rel err vs reference")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)) + "  " + header[5])
+    table: list[list[str]] = [[*header, "vs tool golden"]]
     for r in rows:
-        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=False)) + f"  {r[5]:.2e}")
+        vs = f"{r[6]:.2e}" if r[6] is not None else "-"
+        table.append([*(str(v) for v in r[:5]), f"{r[5]:.2e}", vs])
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)).rstrip())
     return 0
 
 
@@ -335,7 +370,11 @@ def _lowering(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="qir", description="Compile and run quantized LLM blocks.")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no compile progress lines")
+    talk = ap.add_mutually_exclusive_group()
+    talk.add_argument("-q", "--quiet", action="store_true", help="no compile progress lines")
+    talk.add_argument(
+        "-v", "--verbose", action="store_true", help="a line per kernel compile (debug records)"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a block of a checkpoint on an input")
@@ -359,7 +398,21 @@ def parser() -> argparse.ArgumentParser:
     _common(cmp_)
     cmp_.add_argument("--m", type=int, default=None, help="batch rows M to size the grids for")
     cmp_.add_argument("--json", type=Path, help="write the plan here instead of stdout")
+    cmp_.add_argument(
+        "--resources",
+        action="store_true",
+        help="print each kernel's static cost on --arch (registers, spills, occupancy, SASS "
+        "instructions and bytes in flight per 512 B of weights, the bandwidth bound) at --m",
+    )
+    cmp_.add_argument("--arch", default="sm_90", help="arch for --resources (default sm_90)")
     cmp_.set_defaults(func=cmd_compile)
+
+    gph = sub.add_parser(
+        "graph", help="draw a block before and after the passes, each kernel launch boxed"
+    )
+    _common(gph)
+    gph.add_argument("--out", type=Path, required=True, help=f"picture file: {', '.join(SUFFIXES)}")
+    gph.set_defaults(func=cmd_graph)
 
     demo = sub.add_parser(
         "demo", help="run the embedded checkpoints and check against the reference"
@@ -409,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logger.level
     if args.quiet:  # else $QIR_LOG's level, info by default (see qir.logs)
         logger.setLevel(logging.WARNING)
+    elif args.verbose:
+        logger.setLevel(logging.DEBUG)
     try:
         code: int = args.func(args)
         return code

@@ -14,6 +14,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from qir.runtime import nvrtc
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -145,3 +147,33 @@ def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "cold compile ms" in out and "threads ms" in out and "\nqkv    host [1] " in out
     assert re.search(r"kernel calls stubbed out.*\nqkv +\d+\.\d\n", out)
+
+
+def test_compile_scale_on_tiny_models(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("compile_scale").main(["--layers", "1", "2", "--repeat", "1", "--scale", "32"])
+    # a layer is 3 launches (q/k/v, gate/up, down); W4A4 adds 3 quantize_act and 3 16-bit twins
+    assert [(r.format, r.layers, r.launches) for r in rows] == [
+        ("w4a16", 1, 3),
+        ("w4a16", 2, 6),
+        ("w4a4", 1, 9),
+        ("w4a4", 2, 18),
+    ]
+    assert all(r.passes > 0 and r.lower > 0 and r.render > 0 for r in rows)
+    assert "time at 2 layers / time at 1 (2 if linear)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+def test_static_roofline_on_one_format(capsys: pytest.CaptureFixture[str]) -> None:
+    """The o projection (4096 -> 4096) of one format at M = 1 and 8 for sm_90: one kernel,
+    the H100 and H200 bounds beside it; with nvdisasm, a cost that grows with M."""
+    from qir.runtime import sass
+
+    rows = load("static_roofline").main(["--formats", "awq4g128", "--blocks", "o", "--m", "1", "8"])
+    assert [(r.format, r.m, r.block) for r in rows] == [("awq4g128", 1, "o"), ("awq4g128", 8, "o")]
+    assert {r.cost.name for r in rows} == {"qgemv_awq4g128_f16_n4096_k4096_m8"}
+    out = capsys.readouterr().out
+    assert "bound H200" in out and "bound H100" in out and "H200: budget 112" in out
+    if sass.available():
+        one, eight = (r.cost.instr_per_512 for r in rows)
+        assert one is not None and eight is not None and eight > one > 0
+        assert out.count("-bound at ") == 4  # two rows, two GPUs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from qir.cli import main
+from qir.runtime.nvrtc import available as nvrtc_available
+from qir.runtime.sass import available as sass_available
 from tests.conftest import BACKENDS, DATA, rel_err
 
 CKPT = DATA / "mlx_affine4_g64_S"
@@ -187,11 +190,15 @@ def test_demo_prints_a_table(tmp_path, capsys, monkeypatch, backend):
     assert main(["-q", "demo", "--backend", backend]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:5] == ["checkpoint", "block", "M", "launches", "backend"]
+    assert lines[0].endswith("vs tool golden")
     rows = [ln.split() for ln in lines[1:]]
     assert len(rows) == 2 * len(DEMO_LAUNCHES)
     for r in rows:
         assert int(r[3]) == DEMO_LAUNCHES[r[0], r[1]] and r[4] == backend
         assert float(r[5]) <= 2e-2
+        # against the tool's own outputs for the fixture's inputs (the demo runs those inputs,
+        # in the checkpoint's activation dtype; W4A4 quantizes them to 4 bits)
+        assert float(r[6]) <= (5e-2 if "w4a4" in r[0] else 1e-2), r
 
 
 def _plan(tmp_path, ckpt, block, *extra):
@@ -251,3 +258,26 @@ def test_run_audit_reports_each_w4a4_projection(tmp_path):
     for w4a4_vs_w4a16, w4a4_vs_f32, w4a16_vs_f32 in rows.values():
         # 4-bit activations cost far more than the 16-bit rounding does
         assert 0.01 < w4a4_vs_w4a16 < 0.5 and w4a16_vs_f32 < 0.01 < w4a4_vs_f32
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+def test_compile_resources_prints_the_cost_table(capsys):
+    ckpt = DATA / "awq_gemm_g64_S"
+    argv = ["compile", str(ckpt), "--block", "qkv", "--m", "1", "--arch", "sm_100a"]
+    assert main([*argv, "--resources"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("M=1, sm_100a\nkernel ") and "qgemv_awq4g64_f16_n256_256_256_k256_m8" in out
+    )
+    assert re.search(r"\b\d+ \((registers|threads|blocks|smem)\)", out)
+    assert "B200 (sm_100a): budget " in out
+    if sass_available():  # the SASS columns: a number and a bound
+        assert re.search(r"(issue|latency)-bound at \d+%", out)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+def test_compile_resources_refuses_an_unknown_arch(capsys):
+    argv = ["compile", str(CKPT), "--block", "qkv", "--arch", "sm_999", "--resources"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qir: error: arch 'sm_999'") and err.count("\n") == 1

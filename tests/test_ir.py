@@ -9,10 +9,11 @@ from qir.builder import Builder
 from qir.dtypes import BF16, F16, F32
 from qir.formats.base import FormatError
 from qir.formats.mlx import MlxAffine
+from qir.graph import Node
 from qir.ops import IRTypeError
 from qir.parser import ParseError
-from qir.types import QWeight
-from qir.verify import VerifyError
+from qir.types import QWeight, TensorType
+from qir.verify import VerifyError, verify
 from tests.conftest import FMT4, mlp_graph
 
 
@@ -163,3 +164,47 @@ def test_silu_mul_epilogue_takes_4_bit_input_but_no_prologue():
     )
     with pytest.raises(VerifyError, match="takes no prologue"):
         parse(with_prologue)
+
+
+def test_verify_checks_again_whatever_changed_since_it_last_passed(rng):
+    """verify re-checks only what the graph says changed: a redefinition, new operands, a user of
+    a value whose type changed, and uses pointed at another value are all caught."""
+    g, _ = mlp_graph(rng, 128, 256, MlxAffine(4, 64, F16))
+    gate = next(n for n, node in g.items() if node.op == "silu")
+    wide = TensorType(("M", 64), F16)
+    breakages = [
+        lambda c: c.set_node(gate, Node("silu", wide)),  # its own declaration
+        lambda c: c.set_node("x", Node("input", wide)),  # every user of x no longer type-checks
+        lambda c: c.set_operands(gate, ("x",)),  # silu of a 128-wide x declared 256 wide
+        lambda c: c.replace_all_uses(gate, "x"),  # the mul's operands now differ in width
+    ]
+    for i, breakage in enumerate(breakages):
+        c = g.copy()
+        verify(c)
+        assert c.unverified() == set()
+        breakage(c)
+        with pytest.raises(VerifyError, match=r"declared|differ|features"):
+            verify(c)
+        assert c.unverified(), i  # still to check after the failure
+
+
+def test_order_and_use_counts_follow_every_change():
+    b = Builder("t")
+    x = b.input("x", ("M", 64), F16)
+    s = b.silu(x, "s")
+    b.output("y", b.mul(s, s, "m"))
+    g = b.graph
+    assert g.order() == ["x", "s", "m"] and g.use_count("s") == 2
+    g.outputs.append(("s_out", "s"))
+    assert g.use_count("s") == 3
+    g.outputs = [("y", "m")]
+    assert g.use_count("s") == 2 and g.use_count("m") == 1
+    g.add("t", Node("silu", x.type), ("x",))
+    g.replace_all_uses("s", "t")
+    assert g.operands("m") == ("t", "t") and g.use_count("s") == 0
+    g.remove("s")
+    assert g.order() == ["x", "t", "m"]
+    copy = g.copy()
+    copy.set_operands("m", ("x", "t"))
+    assert copy.order() == ["x", "t", "m"] and g.operands("m") == ("t", "t")
+    assert copy.users("x") == ("m", "t") and g.users("x") == ("t",)  # m was defined first

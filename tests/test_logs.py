@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tests.conftest import DATA
 from tests.runtime.test_executor import needs_gxx
 
 ROOT = Path(__file__).parent.parent
@@ -52,14 +54,12 @@ def compile_lines(stderr: str) -> list[str]:
 
 
 @needs_gxx
-def test_api_users_see_compile_lines_by_default(tmp_path: Path) -> None:
+def test_api_users_see_one_line_per_compile_batch_by_default(tmp_path: Path) -> None:
     p = run(tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ran (3, 24)"
-    lines = compile_lines(p.stderr)
-    assert any(line.startswith("qir: compiling qgemv_") for line in lines), p.stderr
-    assert any(line.startswith("qir: compiled qgemv_") and " in " in line for line in lines)
-    assert any(line.startswith("qir: 1 of 1 kernels compiled in") for line in lines)
+    (line,) = compile_lines(p.stderr)
+    assert line.startswith("qir: 1 of 1 kernels compiled in ") and line.endswith("(1 thread)")
 
 
 @needs_gxx
@@ -78,7 +78,7 @@ def test_an_application_that_configures_logging_gets_them_once_in_its_format(
     assert p.returncode == 0, p.stderr
     lines = compile_lines(p.stderr)
     assert lines and all(line.startswith("app| qir.runtime ") for line in lines), p.stderr
-    assert sum("compiling qgemv_" in line for line in lines) == 1
+    assert sum("kernels compiled in" in line for line in lines) == 1
 
 
 @needs_gxx
@@ -141,3 +141,64 @@ def test_qir_log_levels(level: str) -> None:
         timeout=60,
     )
     assert (p.returncode, p.stdout.strip(), p.stderr) == (0, level.upper(), "")
+
+
+# A batch's progress on a terminal: stderr replaced by a TTY stand-in before qir is imported.
+TTY = """
+import io, logging, sys
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+sys.stderr = err = Tty()
+from qir.logs import Progress
+p = Progress(logging.getLogger("qir.runtime"), "compiling kernels", 4)
+p.step(show=False)  # a cache hit before anything compiled: no bar yet
+p.step()
+p.step()
+p.step()
+p.finish("3 of 4 kernels compiled in 1.00 s (2 threads)")
+sys.__stdout__.write(repr(err.getvalue()))
+"""
+
+
+def test_progress_is_a_bar_redrawn_in_place_then_one_line() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "QIR_LOG"}
+    p = subprocess.run(
+        [sys.executable, "-c", TTY], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    out: str = eval(p.stdout)  # the repr of what reached the terminal
+    frames = out.split("\r")
+    bars = [f for f in frames if f.startswith("qir: compiling kernels [")]
+    assert [b.split("] ")[1].split()[0] for b in bars] == ["2/4", "3/4", "4/4"]
+    assert "[############............]" in bars[0] and "[########################]" in bars[2]
+    # the bar is blanked, then the summary is the only line that stays
+    assert frames[-1] == "qir: 3 of 4 kernels compiled in 1.00 s (2 threads)\n"
+    assert frames[-2].strip() == "" and out.count("\n") == 1
+
+
+@needs_gxx
+def test_cli_run_prints_one_line_per_batch_and_v_adds_a_line_per_kernel(tmp_path: Path) -> None:
+    ckpt = DATA / "mlx_affine4_g64_S"
+    np.save(tmp_path / "x.npy", np.ones((2, 256), np.float16))
+    env = {k: v for k, v in os.environ.items() if k != "QIR_LOG"}
+
+    def run_cli(*flags: str, block: str) -> list[str]:
+        args = ["run", str(ckpt), "--block", block, "--input", str(tmp_path / "x.npy")]
+        args += ["--out", str(tmp_path / "y.npz"), "--backend", "host"]
+        env["QIR_CACHE_DIR"] = str(tmp_path / f"cache-{block}")  # cold: everything compiles
+        p = subprocess.run(
+            [sys.executable, "-m", "qir.cli", *flags, *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        return p.stderr.strip().splitlines()
+
+    (line,) = run_cli(block="mlp")  # two kernels, one line
+    assert line.startswith("qir: 2 of 2 kernels compiled in ")
+    verbose = run_cli("-v", block="qkv")
+    assert [ln.split()[1] for ln in verbose] == ["compiling", "compiled", "1"], verbose

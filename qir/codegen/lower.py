@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
-from qir.codegen.elementwise import elementwise_grid_x, elementwise_kernel
-from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import GemvSpec, gemv_kernel
+from qir.codegen import elementwise, fragments, gemv, quantize_act
+from qir.codegen.elementwise import elementwise_grid_x
+from qir.codegen.gemv import GemvSpec
 from qir.codegen.kernel import Kernel
-from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode, quantize_act_kernel
+from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
 from qir.errors import UsageError
 from qir.graph import AttrValue, Graph
 from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
@@ -27,6 +28,14 @@ DEFAULT_M_TILE = 8
 
 ALL_M = (1, 2**31 - 1)
 MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: rows of M go there
+
+# The layers of a model repeat a few specialisations: each is rendered once per process (specs are
+# frozen, so a spec is its own key; Kernels are frozen, so launches may share one).
+RENDERED = 512
+gemv_kernel = lru_cache(RENDERED)(gemv.gemv_kernel)
+quantize_act_kernel = lru_cache(RENDERED)(quantize_act.quantize_act_kernel)
+elementwise_kernel = lru_cache(RENDERED)(elementwise.elementwise_kernel)
+fragment_for = lru_cache(RENDERED)(fragments.fragment_for)
 
 
 @dataclass(frozen=True)

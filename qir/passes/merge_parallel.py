@@ -42,7 +42,8 @@ def _groups(graph: Graph, x: str) -> list[list[str]]:
 
 
 def _has_group(graph: Graph, x: str) -> bool:
-    return bool(_groups(graph, x))
+    # the rule is tried at every node: most have fewer than two users
+    return len(graph.user_set(x)) > 1 and bool(_groups(graph, x))
 
 
 def _merge(rw: Rewriter, m: Match) -> bool:

@@ -25,8 +25,10 @@ def _twin(graph: Graph, value: str) -> str | None:
 
 
 def _has_earlier_twin(graph: Graph, value: str) -> bool:
+    # Twins read one value, so they become ready together in the program order's topological
+    # sort, which then takes the smaller order key first: comparing keys is comparing places.
     twin = _twin(graph, value)
-    return twin is not None and graph.order().index(twin) < graph.order().index(value)
+    return twin is not None and graph.order_key(twin) < graph.order_key(value)
 
 
 def _share(rw: Rewriter, m: Match) -> bool:

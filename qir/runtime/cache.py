@@ -201,12 +201,13 @@ class KernelCache:
                 payload = read_entry(self._fallback / namespace / path.name)
                 if payload is not None:
                     return Artifact(self._fallback / namespace / path.name, payload)
-            log.info("compiling %s (%s) ...", name, what)
+            # Debug: a block's batch of compiles is one info line (executor.load_kernels).
+            log.debug("compiling %s (%s) ...", name, what)
             t0 = time.perf_counter()
             payload = build()
             with self._mutex:  # builds run on several threads
                 self.compiles += 1
-            log.info("compiled %s (%s) in %.2f s", name, what, time.perf_counter() - t0)
+            log.debug("compiled %s (%s) in %.2f s", name, what, time.perf_counter() - t0)
             return Artifact(self._store(namespace, path, payload, executable), payload)
 
     def _store(self, namespace: str, path: Path, payload: bytes, executable: bool) -> Path:

@@ -39,6 +39,7 @@ from qir.codegen.kernel import Kernel
 from qir.codegen.lower import Launch, Plan
 from qir.errors import UsageError
 from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
+from qir.logs import Progress
 from qir.runtime.backend import Backend
 from qir.types import QActType, QWeight, TensorType
 
@@ -197,18 +198,24 @@ def load_kernels(backend: Backend, kernels: Sequence[Kernel]) -> list[Any]:
     state (CUDA contexts, dlopen) is only touched here."""
     distinct = list(dict.fromkeys(kernels))
     before, t0 = backend.cache.compiles, time.perf_counter()
-    jobs = prepare_all(backend.prepare, distinct) if len(distinct) > 1 else 1
-    loaded = [backend.load(k) for k in kernels]
+    progress = Progress(log, "compiling kernels", len(distinct))
+
+    def prepare(k: Kernel) -> None:
+        backend.prepare(k)
+        progress.step(show=backend.cache.compiles > before)  # a warm load draws no bar
+
+    try:
+        jobs = prepare_all(prepare, distinct) if len(distinct) > 1 else 1
+        loaded = [backend.load(k) for k in kernels]
+    except BaseException:
+        progress.finish(None)
+        raise
     compiled = backend.cache.compiles - before
-    if compiled:
-        log.info(
-            "%d of %d kernels compiled in %.2f s (%d %s)",
-            compiled,
-            len(distinct),
-            time.perf_counter() - t0,
-            jobs,
-            "thread" if jobs == 1 else "threads",
-        )
+    seconds, threads = time.perf_counter() - t0, "thread" if jobs == 1 else "threads"
+    summary = (
+        f"{compiled} of {len(distinct)} kernels compiled in {seconds:.2f} s ({jobs} {threads})"
+    )
+    progress.finish(summary if compiled else None)
     return loaded
 
 
