@@ -45,6 +45,14 @@ EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul"}
 A4_MODES = ("dynamic", "mul", "div")
 
 
+def rows_per_warp(frag: Fragment, weights_per_warp: int) -> int:
+    """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
+    fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
+    spill."""
+    slots = 1 if frag.context.get("gathers") else SLOTS
+    return max(1, slots // weights_per_warp)
+
+
 @dataclass(frozen=True)
 class GemvSpec:
     weights: tuple[QWeight, ...]  # one format and one in_features
@@ -60,6 +68,9 @@ class GemvSpec:
     a4_mode: str = "dynamic"  # dynamic | mul | div (prologue only)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.m_tile <= 32 // SLOTS:
+            # A warp's lanes store its outputs, one each: SLOTS rows x m_tile rows of x.
+            raise ValueError(f"m_tile must be 1..{32 // SLOTS}, got {self.m_tile}")
         formats = {(w.format, w.in_features) for w in self.weights}
         if len(formats) != 1:
             raise ValueError(f"one GEMV launch needs one format and in_features, got {formats}")
@@ -97,10 +108,7 @@ class GemvSpec:
 
     @property
     def rows_per_warp(self) -> int:
-        # A fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
-        # spill.
-        slots = 1 if self.fragment.context.get("gathers") else SLOTS
-        return max(1, slots // len(self.weights)) if self.paired else slots
+        return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1)
 
     def blocks(self, w: QWeight) -> int:
         return -(-w.out_features // (WARPS_PER_BLOCK * self.rows_per_warp))

@@ -18,10 +18,15 @@ are weight buffers and which is M.
   before the loop (sm_80 code leaves by `@P CALL.REL.NOINC` just before a plain back branch: the
   same test, negated); anything else (a lane-dependent start, a bound in a register, an
   induction register spilled to the stack) is "unknown".
+- `decide` evaluates, at a given M and block row (blockIdx.y), the branches whose guard is
+  computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`),
+  and `reachable` walks the code from the entry along them: code a batch size never runs (a
+  kernel's M = 1 path at M = 8, or the other way round) is not counted.
 - `region` and `cost` count the warp instructions one pass over a region issues: each
   instruction once, times the trip counts of the loops nested in the region. A forward branch
-  that tests M skips one row of the batch; the instructions it jumps over count in proportion to
-  the rows that run. Predicated-off instructions still issue, so they count.
+  that tests M in a way `decide` cannot evaluate skips one row of the batch; the instructions it
+  jumps over count in proportion to the rows that run. Predicated-off instructions still issue,
+  so they count.
 - `in_flight` is the most bytes of loads of a given set of buffers that a warp has issued and
   not yet used, walking the region twice in address order (twice, so that loads issued for the
   next pass of a loop are counted where they wait).
@@ -236,13 +241,21 @@ class Flow:
     writes: tuple[frozenset[str], ...]  # registers each instruction writes
 
 
-def labels(instrs: Sequence[Instr], slots: Mapping[int, str]) -> Flow:
+def labels(
+    instrs: Sequence[Instr], slots: Mapping[int, str], live: frozenset[int] | None = None
+) -> Flow:
     """`slots` maps constant-bank byte offsets (4-byte words) to a label, e.g. the word(s) of
-    a kernel parameter to its name."""
+    a kernel parameter to its name. With `live` (the code reachable at some M), the pass skips
+    the rest: registers another batch size's path reuses do not taint this one's."""
     state: dict[str, frozenset[str]] = {}
     address, guard, writes = [], [], []
     none: frozenset[str] = frozenset()
     for ins in instrs:
+        if live is not None and ins.index not in live:
+            address.append(none)
+            guard.append(none)
+            writes.append(frozenset(ins.dests))
+            continue
         dests = ins.dests
         src_l: set[str] = set()
         addr_l: set[str] = set()
@@ -409,6 +422,145 @@ def _constant(ins: Instr) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Branches at a given M
+
+_MASK = 0xFFFFFFFF
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - (1 << 32) if v & 0x80000000 else v
+
+
+def value(
+    instrs: Sequence[Instr], at: int, tok: str, slots: Mapping[int, str], env: Mapping[str, int]
+) -> int | None:
+    """The 32-bit value of operand `tok` just before instruction `at` (its last definition in
+    address order), if it follows from constants, M (env["M"]) and blockIdx.y
+    (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
+    neg, inverted = tok.startswith("-"), tok.startswith("!")
+    tok = tok.lstrip("-!")
+    if tok in ("RZ", "URZ"):
+        return 0
+    if tok in ("PT", "UPT"):
+        return 1
+    imm = _imm(tok)
+    if imm is not None:
+        return -imm if neg else imm
+    if re.fullmatch(r"U?R\d+|U?P\d", tok) is None:
+        return None
+    d = _last_def(instrs, tok, 0, at)
+    if d is None:
+        return None
+    got = _define(instrs, d, tok, slots, env)
+    if got is None:
+        return None
+    return int(not got) if inverted else -got if neg else got
+
+
+def _define(
+    instrs: Sequence[Instr], d: int, reg: str, slots: Mapping[int, str], env: Mapping[str, int]
+) -> int | None:
+    ins = instrs[d]
+    if ins.guard:
+        return None
+    src = ins.sources
+
+    def v(k: int) -> int | None:
+        return value(instrs, d, src[k], slots, env) if k < len(src) else None
+
+    op, parts = ins.op, ins.parts
+    if op == "S2R":
+        return env.get(src[0]) if src else None
+    if op in ("LDC", "ULDC", "LDCU"):
+        words = _CBANK.findall(src[0]) if src else []
+        if not words:
+            return None
+        word = int(words[0], 16) + 4 * ins.dests.index(reg)
+        return env.get("M") if slots.get(word) == "M" else None
+    if op == "ISETP":
+        cmp = next((p for p in parts if p in _MIRROR), None)
+        if cmp is None or "AND" not in parts or len(src) != 3 or src[2] != "PT":
+            return None
+        a, b = v(0), v(1)
+        if a is None or b is None:
+            return None
+        return int(_holds(cmp, a, b, "U32" in parts))
+    args = [v(k) for k in range(len(src))]
+    if op == "MOV" and args and args[0] is not None:
+        return args[0] & _MASK
+    if op in ("IADD3", "VIADD") and all(a is not None for a in args):
+        return sum(a for a in args if a is not None) & _MASK
+    if op == "IMAD" and len(args) == 3 and all(a is not None for a in args):
+        a, b, c = (x for x in args if x is not None)
+        if "SHL" in parts:
+            return ((a << b) + c) & _MASK
+        if "WIDE" in parts or "HI" in parts or "X" in parts:
+            return None
+        return (a * b + c) & _MASK
+    if op == "SHF" and len(args) >= 3 and all(a is not None for a in args[:3]):
+        a, sh, b = (x for x in args[:3] if x is not None)
+        if parts[1:3] == ("L", "U32"):
+            return (a << sh) & _MASK
+        if parts[1] == "R" and "HI" in parts:
+            return (_signed(b) if "S32" in parts else b & _MASK) >> sh & _MASK
+        return None
+    if op == "LEA" and len(args) == 3 and "HI" not in parts and all(a is not None for a in args):
+        a, b, sh = (x for x in args if x is not None)
+        return ((a << sh) + b) & _MASK
+    if op in ("VIMNMX", "IMNMX") and len(src) == 3 and src[2] in ("PT", "!PT"):
+        a, b = args[0], args[1]
+        if a is None or b is None:
+            return None
+        if "U32" not in parts:
+            a, b = _signed(a), _signed(b)
+        return (min(a, b) if src[2] == "PT" else max(a, b)) & _MASK
+    if op == "SEL" and len(args) == 3 and all(a is not None for a in args):
+        a, b, p = (x for x in args if x is not None)
+        return a if p else b
+    return None
+
+
+def decide(
+    instrs: Sequence[Instr], flow: Flow, slots: Mapping[int, str], m: int, tile: int
+) -> dict[int, bool]:
+    """Branch -> taken, for the guarded branches that test M (flow.guard) and evaluate at batch
+    size `m` in block row `tile`."""
+    env = {"M": m, "SR_CTAID.Y": tile}
+    out = {}
+    for i, ins in enumerate(instrs):
+        if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
+            continue
+        p = value(instrs, i, ins.guard.lstrip("@"), slots, env)
+        if p is not None:
+            out[i] = bool(p)
+    return out
+
+
+def reachable(instrs: Sequence[Instr], decided: Mapping[int, bool]) -> frozenset[int]:
+    """The instructions control can reach from the entry, following decided branches one way."""
+    seen: set[int] = set()
+    stack = [0]
+    while stack:
+        i = stack.pop()
+        while 0 <= i < len(instrs) and i not in seen:
+            seen.add(i)
+            ins = instrs[i]
+            if ins.op in ("BRX", "JMX"):  # an indirect jump: anywhere
+                return frozenset(range(len(instrs)))
+            if ins.op in ("EXIT", "RET") and not ins.guard:
+                break
+            t = ins.target()
+            if t is not None and (not ins.guard or decided.get(i) is True):
+                i = t
+                continue
+            if t is not None and decided.get(i) is None:
+                stack.append(t)
+            i += 1
+    return frozenset(seen)
+
+
+# ---------------------------------------------------------------------------------------------
 # Cost of one pass over a region
 
 
@@ -430,10 +582,16 @@ class Region:
 
 
 def region(
-    instrs: Sequence[Instr], loop: Loop, flow: Flow, all_loops: Iterable[Loop], m: str
+    instrs: Sequence[Instr],
+    loop: Loop,
+    flow: Flow,
+    all_loops: Iterable[Loop],
+    m: str,
+    decided: Mapping[int, bool] | None = None,
 ) -> Region:
     """`loop` (or any span) with its nested loops' trip counts and its forward branches that
-    test M (label `m`), outside each other's ranges: each jumps over the work of one row."""
+    test M (label `m`) and are not `decided`, outside each other's ranges: each jumps over the
+    work of one row."""
     trips = {lp: trip_count(instrs, lp) for lp in all_loops if lp.inside(loop)}
     runs = {}
     for i in range(loop.head, loop.tail + 1):
@@ -447,18 +605,27 @@ def region(
         t = instrs[i].target()
         if t is None or t <= i or m not in flow.guard[i] or any(a < i < b for a, b in rows):
             continue
+        if decided and i in decided:
+            continue
         rows.append((i, min(t, loop.tail + 1)))
     unknown = tuple(lp for lp, t in trips.items() if t is None)
     return Region(loop, runs, unknown, tuple(rows))
 
 
 def cost(
-    instrs: Sequence[Instr], r: Region, share: float, outside: Loop | None = None
+    instrs: Sequence[Instr],
+    r: Region,
+    share: float,
+    outside: Loop | None = None,
+    live: frozenset[int] | None = None,
 ) -> dict[str, float]:
     """Warp instructions one pass over `r` issues, by mnemonic, when a `share` (0 to 1) of the
-    rows of the batch that its M-branches guard run; only those outside `outside`, if given."""
+    rows of the batch that its M-branches guard run; only those outside `outside`, if given,
+    and only those in `live` (reachable at this M), if given."""
     mix: dict[str, float] = {}
     for i, n in r.runs.items():
+        if live is not None and i not in live:
+            continue
         if outside is None or i not in outside:
             mix[instrs[i].op] = mix.get(instrs[i].op, 0.0) + n * (share if r.skippable(i) else 1)
     return mix
