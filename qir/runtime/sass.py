@@ -458,6 +458,9 @@ def value(
     return int(not got) if inverted else -got if neg else got
 
 
+_UNIFORM_TWINS = {"IADD3", "SEL", "ISETP", "SHF", "LEA", "IMAD", "MOV"}
+
+
 def _define(
     instrs: Sequence[Instr], d: int, reg: str, slots: Mapping[int, str], env: Mapping[str, int]
 ) -> int | None:
@@ -470,6 +473,13 @@ def _define(
         return value(instrs, d, src[k], slots, env) if k < len(src) else None
 
     op, parts = ins.op, ins.parts
+    # The uniform datapath's twins (UIADD3, USEL, UISETP, S2UR, ...) compute the same.
+    if op == "S2UR":
+        op = "S2R"
+    elif op.startswith("U") and op not in ("UMOV",) and op[1:] in _UNIFORM_TWINS:
+        op = op[1:]
+    elif op == "UMOV":
+        op = "MOV"
     if op == "S2R":
         return env.get(src[0]) if src else None
     if op in ("LDC", "ULDC", "LDCU"):
@@ -478,46 +488,41 @@ def _define(
             return None
         word = int(words[0], 16) + 4 * ins.dests.index(reg)
         return env.get("M") if slots.get(word) == "M" else None
-    if op == "ISETP":
-        cmp = next((p for p in parts if p in _MIRROR), None)
-        if cmp is None or "AND" not in parts or len(src) != 3 or src[2] != "PT":
-            return None
-        a, b = v(0), v(1)
-        if a is None or b is None:
-            return None
-        return int(_holds(cmp, a, b, "U32" in parts))
-    args = [v(k) for k in range(len(src))]
-    if op == "MOV" and args and args[0] is not None:
-        return args[0] & _MASK
-    if op in ("IADD3", "VIADD") and all(a is not None for a in args):
-        return sum(a for a in args if a is not None) & _MASK
-    if op == "IMAD" and len(args) == 3 and all(a is not None for a in args):
-        a, b, c = (x for x in args if x is not None)
-        if "SHL" in parts:
-            return ((a << b) + c) & _MASK
-        if "WIDE" in parts or "HI" in parts or "X" in parts:
-            return None
-        return (a * b + c) & _MASK
-    if op == "SHF" and len(args) >= 3 and all(a is not None for a in args[:3]):
-        a, sh, b = (x for x in args[:3] if x is not None)
-        if parts[1:3] == ("L", "U32"):
-            return (a << sh) & _MASK
-        if parts[1] == "R" and "HI" in parts:
-            return (_signed(b) if "S32" in parts else b & _MASK) >> sh & _MASK
+    # Everything else computes from its operands: all of them must be known. A trailing PT /
+    # !PT of a min/max selects min / max; that of an ISETP is the predicate it is ANDed with.
+    mode = src[-1] if src and src[-1] in ("PT", "!PT", "UPT") else ""
+    got = [v(k) for k in range(len(src) - (1 if mode else 0))]
+    if any(x is None for x in got):
         return None
-    if op == "LEA" and len(args) == 3 and "HI" not in parts and all(a is not None for a in args):
-        a, b, sh = (x for x in args if x is not None)
-        return ((a << sh) + b) & _MASK
-    if op in ("VIMNMX", "IMNMX") and len(src) == 3 and src[2] in ("PT", "!PT"):
-        a, b = args[0], args[1]
-        if a is None or b is None:
-            return None
+    a = [x for x in got if x is not None]
+    if op == "PLOP3" and len(a) >= 4:
+        return (a[3] >> (4 * bool(a[0]) + 2 * bool(a[1]) + bool(a[2]))) & 1
+    if op == "ISETP" and len(a) == 2 and mode in ("PT", "UPT") and "AND" in parts:
+        cmp = next((p for p in parts if p in _MIRROR), None)
+        return None if cmp is None else int(_holds(cmp, a[0], a[1], "U32" in parts))
+    if op in ("VIMNMX", "IMNMX", "VIADDMNMX") and mode in ("PT", "!PT") and len(a) in (2, 3):
+        x, y = (a[0] + a[1], a[2]) if len(a) == 3 else (a[0], a[1])
         if "U32" not in parts:
-            a, b = _signed(a), _signed(b)
-        return (min(a, b) if src[2] == "PT" else max(a, b)) & _MASK
-    if op == "SEL" and len(args) == 3 and all(a is not None for a in args):
-        a, b, p = (x for x in args if x is not None)
-        return a if p else b
+            x, y = _signed(x), _signed(y)
+        return (min(x, y) if mode == "PT" else max(x, y)) & _MASK
+    if mode:
+        return None
+    if op == "MOV" and a:
+        return a[0] & _MASK
+    if op == "SEL" and len(a) == 3:
+        return a[0] if a[2] else a[1]
+    if op in ("IADD3", "VIADD"):
+        return sum(a) & _MASK
+    if op == "IMAD" and len(a) == 3 and not {"WIDE", "HI", "X"} & set(parts):
+        return ((a[0] << a[1]) + a[2] if "SHL" in parts else a[0] * a[1] + a[2]) & _MASK
+    if op == "SHF" and len(a) >= 3:
+        if parts[1:3] == ("L", "U32"):
+            return (a[0] << a[1]) & _MASK
+        if parts[1] == "R" and "HI" in parts:
+            return (_signed(a[2]) if "S32" in parts else a[2]) >> a[1] & _MASK
+        return None
+    if op == "LEA" and len(a) == 3 and "HI" not in parts:
+        return ((a[0] << a[2]) + a[1]) & _MASK
     return None
 
 
