@@ -214,7 +214,13 @@ def _instr(index: int, raw: Mapping[str, object]) -> Instr:
     text = str(raw.get("operands", ""))
     # nvdisasm 13.2 drops the comma before some memory operands ("R4[R6.64]").
     text = re.sub(r"((?:U?R\d+|RZ)(?:\.\w+)*)\[", r"\1,[", text)
-    return Instr(index, str(raw["opcode"]), _split(text), str(raw.get("predicate", "")))
+    opcode, operands = str(raw["opcode"]), _split(text)
+    guard = str(raw.get("predicate", ""))
+    # sm_100's uniform branch names its predicate as an operand (`BRA.U UP1, 0x2cf0`): the same
+    # as a guard, and read as one.
+    if opcode.startswith("BRA") and not guard and len(operands) > 1 and _is_pred(operands[0]):
+        guard, operands = "@" + operands[0], operands[1:]
+    return Instr(index, opcode, operands, guard)
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -440,6 +446,8 @@ def value(
     (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
     neg, inverted = tok.startswith("-"), tok.startswith("!")
     tok = tok.lstrip("-!")
+    if re.match(r"U?[RP]", tok):
+        tok = tok.split(".", 1)[0]  # R74.reuse is R74
     if tok in ("RZ", "URZ"):
         return 0
     if tok in ("PT", "UPT"):
@@ -490,6 +498,10 @@ def _define(
         return env.get("M") if slots.get(word) == "M" else None
     # Everything else computes from its operands: all of them must be known. A trailing PT /
     # !PT of a min/max selects min / max; that of an ISETP is the predicate it is ANDed with.
+    # sm_100 writes predicate outputs first (`IADD3 R0, PT, PT, R1, R2, RZ`): not operands.
+    if op != "PLOP3":
+        while src and src[0] in ("PT", "UPT"):
+            src = src[1:]
     mode = src[-1] if src and src[-1] in ("PT", "!PT", "UPT") else ""
     got = [v(k) for k in range(len(src) - (1 if mode else 0))]
     if any(x is None for x in got):
@@ -500,8 +512,13 @@ def _define(
     if op == "ISETP" and len(a) == 2 and mode in ("PT", "UPT") and "AND" in parts:
         cmp = next((p for p in parts if p in _MIRROR), None)
         return None if cmp is None else int(_holds(cmp, a[0], a[1], "U32" in parts))
-    if op in ("VIMNMX", "IMNMX", "VIADDMNMX") and mode in ("PT", "!PT") and len(a) in (2, 3):
-        x, y = (a[0] + a[1], a[2]) if len(a) == 3 else (a[0], a[1])
+    if op in ("VIMNMX", "IMNMX", "VIADDMNMX") and mode in ("PT", "!PT") and len(a) >= 2:
+        # sm_100 writes two predicate outputs first (`VIMNMX R0, PT, PT, R1, R2, PT`): the
+        # operands are the last two (three for the add-first form) before the selector.
+        add = op == "VIADDMNMX"
+        if len(a) < 2 + add:
+            return None
+        x, y = (a[-3] + a[-2], a[-1]) if add else (a[-2], a[-1])
         if "U32" not in parts:
             x, y = _signed(x), _signed(y)
         return (min(x, y) if mode == "PT" else max(x, y)) & _MASK
@@ -556,7 +573,8 @@ def reachable(instrs: Sequence[Instr], decided: Mapping[int, bool]) -> frozenset
             if ins.op in ("EXIT", "RET") and not ins.guard:
                 break
             t = ins.target()
-            if t is not None and (not ins.guard or decided.get(i) is True):
+            always = ins.guard in ("", "@PT", "@UPT")
+            if t is not None and (always or decided.get(i) is True):
                 i = t
                 continue
             if t is not None and decided.get(i) is None:
