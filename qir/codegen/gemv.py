@@ -1,30 +1,56 @@
-"""The quantized GEMV kernel family: small M, one warp per output row.
+"""The quantized GEMV kernel family: small M, each warp computes a few output rows.
 
 One template covers every fusion: several weights sharing one input (one output each), the
 SiLU-gate prologue, the residual epilogue, and gate/up paired in one warp with silu(g) * u as
-the epilogue; the weight format enters only as its fragment.
+the epilogue; the weight format enters only as its fragment (fragments/__init__.py).
+
+Each warp owns SLOTS (row, weight) slots: four rows of one weight, or two rows of both gate and
+up when paired. Lanes stride over K in chunks; every chunk's loads for all slots are issued
+before any is decoded, so a warp keeps SLOTS 16-byte weight loads in flight, and one activation
+load (and its permutation into the fragment's pair order) serves all slots. How a chunk becomes
+products depends on the fragment and the activation dtype (`path`):
+
+- "packed": 16-bit activations and a packed fragment. Codes are decoded into T pairs, multiplied
+  with activation pairs and summed in T pairs over a run (a group, or up to 16 pairs); the run's
+  sum joins the float accumulator once, times the group's scale (plus bias * sum(x) for MLX).
+  At M = 1 a run spans its whole group; with more rows of x the run closes after every step so
+  that only one pair accumulator per (slot, row) is live.
+- "float": float32 activations (tolerance 1e-5) or an unpacked fragment (dense weights, GPTQ
+  act-order): weights decoded to float, float FMAs.
+- "a4": W4A4. The input is NVFP4 codes (from quantize_act, or silu(g) * u quantized here); the
+  E2M1 x E2M1 products and their block sums are exact in f16 pairs (see qgemv.cu.j2), the two
+  block factors scale the block sum in float.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qir.codegen.fragments import fragment_for
+from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import common_header, render
-from qir.dtypes import DType
+from qir.dtypes import F32, DType
 from qir.types import QWeight
 
 WARPS_PER_BLOCK = 4
-# Unrolling all x rows lets the compiler hoist every row's loads at once and spill (seen with
-# f32 activations and m_tile 8 on sm_90); 4 rows at a time keeps the loads in registers.
-M_UNROLL = 4
-# Resident blocks per SM the register allocation must allow. Without a minimum ptxas picked
-# 40 registers and spilled for 8-bit K=256 kernels; 4 blocks of 128 threads still leaves each
-# thread up to 128 registers, which no fragment needs.
+# (row, weight) slots per warp: four 16-byte loads in flight per lane for 4-bit codes, and the
+# activations' load and permutation shared four ways. Grids stay above one block per SM at
+# Llama-3-8B shapes (the k/v projections alone excepted, which launch with q).
+SLOTS = 4
+# Resident blocks per SM the register allocation must allow: 4 blocks of 128 threads leave each
+# thread up to 128 registers.
 MIN_BLOCKS_PER_SM = 4
 # Epilogue -> its kernel-name suffix.
 EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul"}
+A4_MODES = ("dynamic", "mul", "div")
+
+
+def rows_per_warp(frag: Fragment, weights_per_warp: int) -> int:
+    """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
+    fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
+    spill."""
+    slots = 1 if frag.context.get("gathers") else SLOTS
+    return max(1, slots // weights_per_warp)
 
 
 @dataclass(frozen=True)
@@ -33,8 +59,8 @@ class GemvSpec:
     act: DType
     m_tile: int
     prologue: bool = False  # input = silu(g) * u
-    # "residual": y = r + x W^T; "silu_mul": two weights (gate, up), each warp computes row n of
-    # both and stores one result silu(x Wg^T) * (x Wu^T).
+    # "residual": y = r + x W^T; "silu_mul": two weights (gate, up), each warp computes rows of
+    # both and stores silu(x Wg^T) * (x Wu^T).
     epilogue: str = ""
     # W4A4: the input is NVFP4 codes + factors from quantize_act, or (with the prologue)
     # silu(g) * u quantized in registers with a per-row ("dynamic") or calibrated scale.
@@ -42,6 +68,9 @@ class GemvSpec:
     a4_mode: str = "dynamic"  # dynamic | mul | div (prologue only)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.m_tile <= 32 // SLOTS:
+            # A warp's lanes store its outputs, one each: SLOTS rows x m_tile rows of x.
+            raise ValueError(f"m_tile must be 1..{32 // SLOTS}, got {self.m_tile}")
         formats = {(w.format, w.in_features) for w in self.weights}
         if len(formats) != 1:
             raise ValueError(f"one GEMV launch needs one format and in_features, got {formats}")
@@ -55,6 +84,8 @@ class GemvSpec:
             raise ValueError("the silu_mul epilogue takes two weights of one shape, no prologue")
         if self.a4 and self.weights[0].format.act_quant_scheme() != "nvfp4":
             raise ValueError(f"W4A4 needs NVFP4 weights, got {self.weights[0].format.spell()}")
+        if self.a4_mode not in A4_MODES:
+            raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
 
     @property
     def name(self) -> str:
@@ -65,13 +96,22 @@ class GemvSpec:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
         return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
 
-    def blocks(self, w: QWeight) -> int:
-        return -(-w.out_features // WARPS_PER_BLOCK)
-
     @property
     def paired(self) -> bool:
-        """Each warp computes one row of every weight (one launch's blocks serve them all)."""
+        """Each warp computes rows of every weight (one launch's blocks serve them all)."""
         return self.epilogue == "silu_mul"
+
+    @property
+    def fragment(self) -> Fragment:
+        w0 = self.weights[0]
+        return fragment_for(w0.format, w0.out_features, w0.in_features)
+
+    @property
+    def rows_per_warp(self) -> int:
+        return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1)
+
+    def blocks(self, w: QWeight) -> int:
+        return -(-w.out_features // (WARPS_PER_BLOCK * self.rows_per_warp))
 
     @property
     def grid_x(self) -> int:
@@ -79,46 +119,14 @@ class GemvSpec:
             return self.blocks(self.weights[0])
         return sum(self.blocks(w) for w in self.weights)
 
+    def path(self, frag: Fragment) -> str:
+        if self.a4:
+            return "a4"
+        return "packed" if frag.packed and self.act != F32 else "float"
 
-def gemv_kernel(spec: GemvSpec) -> Kernel:
-    w0 = spec.weights[0]
-    frag = fragment_for(w0.format, w0.out_features, w0.in_features)
-    act_t = spec.act.c_type
-    frag_params = [{"c_type": p.c_type, "suffix": p.name.removeprefix("w_")} for p in frag.params]
-    weights, start = [], 0
-    for j, w in enumerate(spec.weights):
-        end = start + spec.blocks(w)
-        weights.append({"j": j, "N": w.out_features, "block_start": start, "block_end": end})
-        start = end
-    source = render(
-        "qgemv.cu.j2",
-        name=spec.name,
-        format_spelling=w0.format.spell(),
-        fragment_template=frag.template,
-        frag_params=frag_params,
-        weights=weights,
-        prologue=spec.prologue,
-        epilogue=spec.epilogue,
-        paired=spec.paired,
-        a4=spec.a4,
-        a4_mode=spec.a4_mode,
-        row_bytes=w0.in_features // 2 + 4 * (w0.in_features // 16),
-        act_t=act_t,
-        K=w0.in_features,
-        m_tile=spec.m_tile,
-        # Quantizing the prologue's blocks in registers spills when rows or blocks are unrolled
-        # (216 bytes on sm_80/sm_90 with 2 blocks); one block of one row at a time does not.
-        # A W4A4 pair (two weights' codes per chunk) spills with 2 blocks unrolled (1068 bytes
-        # on sm_80); one block at a time does not.
-        m_unroll=1 if spec.a4 and spec.prologue else min(spec.m_tile, M_UNROLL),
-        block_unroll=1 if spec.prologue or (spec.a4 and spec.paired) else 2,
-        min_blocks=MIN_BLOCKS_PER_SM,
-        rows_per_block=WARPS_PER_BLOCK,
-        threads=32 * WARPS_PER_BLOCK,
-        chunks_per_row=frag.chunks_per_row(w0.in_features),
-        **frag.context,
-    )
-    act_in = f"const {act_t}* __restrict__"
+
+def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
+    act_in = f"const {spec.act.c_type}* __restrict__"
     inputs: tuple[KernelParam, ...]
     if spec.prologue:
         inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
@@ -127,21 +135,113 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
     else:
         inputs = (KernelParam("x", act_in, "buffer"),)
     scale = spec.a4 and spec.prologue and spec.a4_mode != "dynamic"
-    params = [
+    return [
         *inputs,
         *(
-            KernelParam(f"w{j}_{p['suffix']}", p["c_type"], "buffer")
+            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
             for j in range(len(spec.weights))
-            for p in frag_params
+            for p in frag.params
         ),
         *(
-            KernelParam(f"y{j}", f"{act_t}* __restrict__", "buffer")
+            KernelParam(f"y{j}", f"{spec.act.c_type}* __restrict__", "buffer")
             for j in range(1 if spec.paired else len(spec.weights))
         ),
         *((KernelParam("r", act_in, "buffer"),) if spec.epilogue == "residual" else ()),
         *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
         KernelParam("M", "int", "int"),
     ]
+
+
+def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
+    """C++ statements choosing this block's weight(s), output and row count: a launch of several
+    weights gives each a range of blocks; a paired launch reads both weights in every block."""
+    if spec.paired:
+        w0, w1 = (frag.weight_init(f"w{j}_") for j in range(2))
+        return [
+            f"const qir_weight weights[QIR_WEIGHTS] = {{{w0}, {w1}}};",
+            f"const int n_rows = {spec.weights[0].out_features}, block0 = 0;",
+            "act_t* __restrict__ y = y0;",
+        ]
+    ends, start = [], 0
+    for w in spec.weights:
+        start += spec.blocks(w)
+        ends.append(start)
+
+    def pick(values: list[str]) -> str:
+        # blockIdx.x < end_0 ? v_0 : blockIdx.x < end_1 ? v_1 : ... v_last
+        expr = values[-1]
+        for end, v in reversed(list(zip(ends[:-1], values[:-1], strict=True))):
+            expr = f"blockIdx.x < {end} ? {v} : {expr}"
+        return expr
+
+    n = len(spec.weights)
+    return [
+        "const qir_weight weights[QIR_WEIGHTS] = {"
+        + pick([frag.weight_init(f"w{j}_") for j in range(n)])
+        + "};",
+        f"const int n_rows = {pick([str(w.out_features) for w in spec.weights])};",
+        f"const int block0 = {pick(['0', *map(str, ends[:-1])])};",
+        f"act_t* __restrict__ y = {pick([f'y{j}' for j in range(n)])};",
+    ]
+
+
+def _header(spec: GemvSpec) -> list[str]:
+    """The comment at the top of the kernel: what it computes."""
+    w0, k, fmt = spec.weights[0], spec.weights[0].in_features, spec.weights[0].format.spell()
+    x = "silu(g[m, k]) * u[m, k]" if spec.prologue else "x[m, k]"
+    if spec.a4:
+        x = f"nvfp4({x})"
+    if spec.paired:
+        return [
+            f"y0[m, n] = silu(g) * u with g = sum_k {x} * W0[n, k], u = sum_k {x} * W1[n, k];",
+            f"W0, W1 are [{w0.out_features}, {k}] in {fmt}",
+        ]
+    res = "r[m, n] + " if spec.epilogue == "residual" else ""
+    return [
+        f"y{j}[m, n] = {res}sum_k {x} * W{j}[n, k]; W{j} is [{w.out_features}, {k}] in {fmt}"
+        for j, w in enumerate(spec.weights)
+    ]
+
+
+def gemv_kernel(spec: GemvSpec) -> Kernel:
+    w0 = spec.weights[0]
+    frag = fragment_for(w0.format, w0.out_features, w0.in_features)
+    params = _params(spec, frag)
+    source = render(
+        "qgemv.cu.j2",
+        name=spec.name,
+        header=_header(spec),
+        fragment_template=frag.template,
+        signature=[f"{p.c_type} {p.name}" for p in params],
+        select=_select(spec, frag),
+        act_t=spec.act.c_type,
+        K=w0.in_features,
+        m_tile=spec.m_tile,
+        weights_per_warp=len(spec.weights) if spec.paired else 1,
+        rows_per_warp=spec.rows_per_warp,
+        shift_back=all(w.out_features >= spec.rows_per_warp for w in spec.weights),
+        warps=WARPS_PER_BLOCK,
+        threads=32 * WARPS_PER_BLOCK,
+        min_blocks=MIN_BLOCKS_PER_SM,
+        chunks_per_row=frag.chunks_per_row(w0.in_features),
+        path=("packed", "float", "a4").index(spec.path(frag)),
+        epilogue=("", "residual", "silu_mul").index(spec.epilogue),
+        source=_act_source(spec),
+        **frag.context,
+    )
     return Kernel(
         spec.name, source, tuple(params), (32 * WARPS_PER_BLOCK, 1, 1), (common_header(),)
     )
+
+
+def _act_source(spec: GemvSpec) -> str:
+    """The C++ object the kernel reads its activations through (qgemv.cu.j2 defines them)."""
+    if spec.a4 and spec.prologue:
+        mode = A4_MODES.index(spec.a4_mode)
+        scale = "0.0f" if spec.a4_mode == "dynamic" else "*act_scale"
+        return f"qir_act_silu_a4<{mode}>{{g + row_off, u + row_off, {scale}}}"
+    if spec.a4:
+        return "qir_act_a4{xq + (size_t)m0 * QIR_A4_ROW_BYTES}"
+    if spec.prologue:
+        return "qir_act_silu{g + row_off, u + row_off}"
+    return "qir_act_x{x + row_off}"

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qir.codegen.fragments import fragment_for
+from qir.codegen.gemv import rows_per_warp
 from qir.codegen.lower import Launch, Plan
 from qir.runtime import sass
 from qir.runtime.gpus import Gpu, gpus_for
@@ -65,7 +66,7 @@ class WeightStream:
     chunk_code_bytes: float  # bytes of codes in a chunk
     bytes_per_weight: float  # DRAM bytes per weight, scales included
     chunks_per_lane: int  # chunks of one row a lane handles (the most, over lanes)
-    weights_per_warp: int  # rows of different weights one warp computes together (gate/up: 2)
+    weights_per_warp: int  # weight rows one warp computes (several rows, of a gate/up pair both)
     row_bytes: int  # DRAM bytes of the rows one warp reads
     m_tile: int  # batch rows one block covers
 
@@ -153,7 +154,9 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     code_bytes = (
         math.prod(code.concrete({})) * code.dtype.itemsize / (w.out_features * w.in_features)
     )
-    per_warp = max(1, len(weights) // max(1, len(launch.outputs)))
+    # A warp computes rows_per_warp rows of each of the weights it pairs (gate/up: 2).
+    pairs = max(1, len(weights) // max(1, len(launch.outputs)))
+    per_warp = pairs * rows_per_warp(frag, pairs)
     return WeightStream(
         buffers=frozenset(buffers),
         codes=frozenset(codes),
@@ -224,12 +227,17 @@ def _replace(c: KernelCost, **changes: Any) -> KernelCost:
 def _stream_cost(
     base: KernelCost, launch: Launch, stream: WeightStream, instrs: Sequence[sass.Instr], m: int
 ) -> KernelCost:
-    flow = sass.labels(instrs, param_slots(launch, base.arch))
+    slots = param_slots(launch, base.arch)
+    flow = sass.labels(instrs, slots)
     loops = sass.loops(instrs)
+    # Code this batch size never runs (another M's path) is neither the weight loop nor counted.
+    decided = sass.decide(instrs, flow, slots, m, 0)
+    live = sass.reachable(instrs, decided)
+    flow = sass.labels(instrs, slots, live)
     loads = [
         i
         for i, ins in enumerate(instrs)
-        if ins.op in sass.GLOBAL_LOADS and flow.address[i] & stream.buffers
+        if ins.op in sass.GLOBAL_LOADS and flow.address[i] & stream.buffers and i in live
     ]
     if not loads:
         return _replace(base, notes=("no load of the weight buffers found in the SASS",))
@@ -242,8 +250,8 @@ def _stream_cost(
     else:
         span = sass.Loop(0, len(instrs) - 1)
         where = "unrolled"
-    whole = sass.region(instrs, sass.Loop(0, len(instrs) - 1), flow, loops, "M")
-    r = sass.region(instrs, span, flow, loops, "M") if outer else whole
+    whole = sass.region(instrs, sass.Loop(0, len(instrs) - 1), flow, loops, "M", decided)
+    r = sass.region(instrs, span, flow, loops, "M", decided) if outer else whole
     code_bytes = sass.loaded_bytes(instrs, r, flow, set(stream.codes))
     chunks = code_bytes / stream.chunk_code_bytes
     expected = stream.chunks_per_lane * stream.weights_per_warp
@@ -262,14 +270,17 @@ def _stream_cost(
     mix: dict[str, float] = {}
     for tile in range(launch.grid(m)[1]):
         share = min(stream.m_tile, m - tile * stream.m_tile) / stream.m_tile
-        loop_mix = sass.cost(instrs, r, share) if outer else {}
+        live_t = sass.reachable(instrs, sass.decide(instrs, flow, slots, m, tile))
+        loop_mix = sass.cost(instrs, r, share, live=live_t) if outer else {}
         for mix_part, times in (
             (loop_mix, passes),
-            (sass.cost(instrs, whole, share, span if outer else None), 1.0),
+            (sass.cost(instrs, whole, share, span if outer else None, live_t), 1.0),
         ):
             for op, n in mix_part.items():
                 mix[op] = mix.get(op, 0.0) + n * times * 512 / stream.row_bytes
-    unknown = [lp for lp in (*whole.unknown_loops, *r.unknown_loops) if lp != span]
+    unknown = [
+        lp for lp in (*whole.unknown_loops, *r.unknown_loops) if lp != span and lp.head in live
+    ]
     if unknown:
         spans = ", ".join(sorted({f"{lp.head * 16:#x}-{lp.tail * 16:#x}" for lp in unknown}))
         notes.append(f"loops with an unknown trip count counted once: {spans}")

@@ -18,10 +18,15 @@ are weight buffers and which is M.
   before the loop (sm_80 code leaves by `@P CALL.REL.NOINC` just before a plain back branch: the
   same test, negated); anything else (a lane-dependent start, a bound in a register, an
   induction register spilled to the stack) is "unknown".
+- `decide` evaluates, at a given M and block row (blockIdx.y), the branches whose guard is
+  computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`),
+  and `reachable` walks the code from the entry along them: code a batch size never runs (a
+  kernel's M = 1 path at M = 8, or the other way round) is not counted.
 - `region` and `cost` count the warp instructions one pass over a region issues: each
   instruction once, times the trip counts of the loops nested in the region. A forward branch
-  that tests M skips one row of the batch; the instructions it jumps over count in proportion to
-  the rows that run. Predicated-off instructions still issue, so they count.
+  that tests M in a way `decide` cannot evaluate skips one row of the batch; the instructions it
+  jumps over count in proportion to the rows that run. Predicated-off instructions still issue,
+  so they count.
 - `in_flight` is the most bytes of loads of a given set of buffers that a warp has issued and
   not yet used, walking the region twice in address order (twice, so that loads issued for the
   next pass of a loop are counted where they wait).
@@ -209,7 +214,13 @@ def _instr(index: int, raw: Mapping[str, object]) -> Instr:
     text = str(raw.get("operands", ""))
     # nvdisasm 13.2 drops the comma before some memory operands ("R4[R6.64]").
     text = re.sub(r"((?:U?R\d+|RZ)(?:\.\w+)*)\[", r"\1,[", text)
-    return Instr(index, str(raw["opcode"]), _split(text), str(raw.get("predicate", "")))
+    opcode, operands = str(raw["opcode"]), _split(text)
+    guard = str(raw.get("predicate", ""))
+    # sm_100's uniform branch names its predicate as an operand (`BRA.U UP1, 0x2cf0`): the same
+    # as a guard, and read as one.
+    if opcode.startswith("BRA") and not guard and len(operands) > 1 and _is_pred(operands[0]):
+        guard, operands = "@" + operands[0], operands[1:]
+    return Instr(index, opcode, operands, guard)
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -236,13 +247,21 @@ class Flow:
     writes: tuple[frozenset[str], ...]  # registers each instruction writes
 
 
-def labels(instrs: Sequence[Instr], slots: Mapping[int, str]) -> Flow:
+def labels(
+    instrs: Sequence[Instr], slots: Mapping[int, str], live: frozenset[int] | None = None
+) -> Flow:
     """`slots` maps constant-bank byte offsets (4-byte words) to a label, e.g. the word(s) of
-    a kernel parameter to its name."""
+    a kernel parameter to its name. With `live` (the code reachable at some M), the pass skips
+    the rest: registers another batch size's path reuses do not taint this one's."""
     state: dict[str, frozenset[str]] = {}
     address, guard, writes = [], [], []
     none: frozenset[str] = frozenset()
     for ins in instrs:
+        if live is not None and ins.index not in live:
+            address.append(none)
+            guard.append(none)
+            writes.append(frozenset(ins.dests))
+            continue
         dests = ins.dests
         src_l: set[str] = set()
         addr_l: set[str] = set()
@@ -409,6 +428,162 @@ def _constant(ins: Instr) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Branches at a given M
+
+_MASK = 0xFFFFFFFF
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - (1 << 32) if v & 0x80000000 else v
+
+
+def value(
+    instrs: Sequence[Instr], at: int, tok: str, slots: Mapping[int, str], env: Mapping[str, int]
+) -> int | None:
+    """The 32-bit value of operand `tok` just before instruction `at` (its last definition in
+    address order), if it follows from constants, M (env["M"]) and blockIdx.y
+    (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
+    neg, inverted = tok.startswith("-"), tok.startswith("!")
+    tok = tok.lstrip("-!")
+    if re.match(r"U?[RP]", tok):
+        tok = tok.split(".", 1)[0]  # R74.reuse is R74
+    if tok in ("RZ", "URZ"):
+        return 0
+    if tok in ("PT", "UPT"):
+        return 1
+    imm = _imm(tok)
+    if imm is not None:
+        return -imm if neg else imm
+    if re.fullmatch(r"U?R\d+|U?P\d", tok) is None:
+        return None
+    d = _last_def(instrs, tok, 0, at)
+    if d is None:
+        return None
+    got = _define(instrs, d, tok, slots, env)
+    if got is None:
+        return None
+    return int(not got) if inverted else -got if neg else got
+
+
+_UNIFORM_TWINS = {"IADD3", "SEL", "ISETP", "SHF", "LEA", "IMAD", "MOV"}
+
+
+def _define(
+    instrs: Sequence[Instr], d: int, reg: str, slots: Mapping[int, str], env: Mapping[str, int]
+) -> int | None:
+    ins = instrs[d]
+    if ins.guard:
+        return None
+    src = ins.sources
+
+    def v(k: int) -> int | None:
+        return value(instrs, d, src[k], slots, env) if k < len(src) else None
+
+    op, parts = ins.op, ins.parts
+    # The uniform datapath's twins (UIADD3, USEL, UISETP, S2UR, ...) compute the same.
+    if op == "S2UR":
+        op = "S2R"
+    elif op.startswith("U") and op not in ("UMOV",) and op[1:] in _UNIFORM_TWINS:
+        op = op[1:]
+    elif op == "UMOV":
+        op = "MOV"
+    if op == "S2R":
+        return env.get(src[0]) if src else None
+    if op in ("LDC", "ULDC", "LDCU"):
+        words = _CBANK.findall(src[0]) if src else []
+        if not words:
+            return None
+        word = int(words[0], 16) + 4 * ins.dests.index(reg)
+        return env.get("M") if slots.get(word) == "M" else None
+    # Everything else computes from its operands: all of them must be known. A trailing PT /
+    # !PT of a min/max selects min / max; that of an ISETP is the predicate it is ANDed with.
+    # sm_100 writes predicate outputs first (`IADD3 R0, PT, PT, R1, R2, RZ`): not operands.
+    if op != "PLOP3":
+        while src and src[0] in ("PT", "UPT"):
+            src = src[1:]
+    mode = src[-1] if src and src[-1] in ("PT", "!PT", "UPT") else ""
+    got = [v(k) for k in range(len(src) - (1 if mode else 0))]
+    if any(x is None for x in got):
+        return None
+    a = [x for x in got if x is not None]
+    if op == "PLOP3" and len(a) >= 4:
+        return (a[3] >> (4 * bool(a[0]) + 2 * bool(a[1]) + bool(a[2]))) & 1
+    if op == "ISETP" and len(a) == 2 and mode in ("PT", "UPT") and "AND" in parts:
+        cmp = next((p for p in parts if p in _MIRROR), None)
+        return None if cmp is None else int(_holds(cmp, a[0], a[1], "U32" in parts))
+    if op in ("VIMNMX", "IMNMX", "VIADDMNMX") and mode in ("PT", "!PT") and len(a) >= 2:
+        # sm_100 writes two predicate outputs first (`VIMNMX R0, PT, PT, R1, R2, PT`): the
+        # operands are the last two (three for the add-first form) before the selector.
+        add = op == "VIADDMNMX"
+        if len(a) < 2 + add:
+            return None
+        x, y = (a[-3] + a[-2], a[-1]) if add else (a[-2], a[-1])
+        if "U32" not in parts:
+            x, y = _signed(x), _signed(y)
+        return (min(x, y) if mode == "PT" else max(x, y)) & _MASK
+    if mode:
+        return None
+    if op == "MOV" and a:
+        return a[0] & _MASK
+    if op == "SEL" and len(a) == 3:
+        return a[0] if a[2] else a[1]
+    if op in ("IADD3", "VIADD"):
+        return sum(a) & _MASK
+    if op == "IMAD" and len(a) == 3 and not {"WIDE", "HI", "X"} & set(parts):
+        return ((a[0] << a[1]) + a[2] if "SHL" in parts else a[0] * a[1] + a[2]) & _MASK
+    if op == "SHF" and len(a) >= 3:
+        if parts[1:3] == ("L", "U32"):
+            return (a[0] << a[1]) & _MASK
+        if parts[1] == "R" and "HI" in parts:
+            return (_signed(a[2]) if "S32" in parts else a[2]) >> a[1] & _MASK
+        return None
+    if op == "LEA" and len(a) == 3 and "HI" not in parts:
+        return ((a[0] << a[2]) + a[1]) & _MASK
+    return None
+
+
+def decide(
+    instrs: Sequence[Instr], flow: Flow, slots: Mapping[int, str], m: int, tile: int
+) -> dict[int, bool]:
+    """Branch -> taken, for the guarded branches that test M (flow.guard) and evaluate at batch
+    size `m` in block row `tile`."""
+    env = {"M": m, "SR_CTAID.Y": tile}
+    out = {}
+    for i, ins in enumerate(instrs):
+        if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
+            continue
+        p = value(instrs, i, ins.guard.lstrip("@"), slots, env)
+        if p is not None:
+            out[i] = bool(p)
+    return out
+
+
+def reachable(instrs: Sequence[Instr], decided: Mapping[int, bool]) -> frozenset[int]:
+    """The instructions control can reach from the entry, following decided branches one way."""
+    seen: set[int] = set()
+    stack = [0]
+    while stack:
+        i = stack.pop()
+        while 0 <= i < len(instrs) and i not in seen:
+            seen.add(i)
+            ins = instrs[i]
+            if ins.op in ("BRX", "JMX"):  # an indirect jump: anywhere
+                return frozenset(range(len(instrs)))
+            if ins.op in ("EXIT", "RET") and not ins.guard:
+                break
+            t = ins.target()
+            always = ins.guard in ("", "@PT", "@UPT")
+            if t is not None and (always or decided.get(i) is True):
+                i = t
+                continue
+            if t is not None and decided.get(i) is None:
+                stack.append(t)
+            i += 1
+    return frozenset(seen)
+
+
+# ---------------------------------------------------------------------------------------------
 # Cost of one pass over a region
 
 
@@ -430,10 +605,16 @@ class Region:
 
 
 def region(
-    instrs: Sequence[Instr], loop: Loop, flow: Flow, all_loops: Iterable[Loop], m: str
+    instrs: Sequence[Instr],
+    loop: Loop,
+    flow: Flow,
+    all_loops: Iterable[Loop],
+    m: str,
+    decided: Mapping[int, bool] | None = None,
 ) -> Region:
     """`loop` (or any span) with its nested loops' trip counts and its forward branches that
-    test M (label `m`), outside each other's ranges: each jumps over the work of one row."""
+    test M (label `m`) and are not `decided`, outside each other's ranges: each jumps over the
+    work of one row."""
     trips = {lp: trip_count(instrs, lp) for lp in all_loops if lp.inside(loop)}
     runs = {}
     for i in range(loop.head, loop.tail + 1):
@@ -447,18 +628,27 @@ def region(
         t = instrs[i].target()
         if t is None or t <= i or m not in flow.guard[i] or any(a < i < b for a, b in rows):
             continue
+        if decided and i in decided:
+            continue
         rows.append((i, min(t, loop.tail + 1)))
     unknown = tuple(lp for lp, t in trips.items() if t is None)
     return Region(loop, runs, unknown, tuple(rows))
 
 
 def cost(
-    instrs: Sequence[Instr], r: Region, share: float, outside: Loop | None = None
+    instrs: Sequence[Instr],
+    r: Region,
+    share: float,
+    outside: Loop | None = None,
+    live: frozenset[int] | None = None,
 ) -> dict[str, float]:
     """Warp instructions one pass over `r` issues, by mnemonic, when a `share` (0 to 1) of the
-    rows of the batch that its M-branches guard run; only those outside `outside`, if given."""
+    rows of the batch that its M-branches guard run; only those outside `outside`, if given,
+    and only those in `live` (reachable at this M), if given."""
     mix: dict[str, float] = {}
     for i, n in r.runs.items():
+        if live is not None and i not in live:
+            continue
         if outside is None or i not in outside:
             mix[instrs[i].op] = mix.get(instrs[i].op, 0.0) + n * (share if r.skippable(i) else 1)
     return mix

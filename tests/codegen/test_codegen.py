@@ -79,9 +79,10 @@ def test_fragment_chunks_tile_rows_exactly(bits, group):
         assert k % frag.chunk_elems == 0
         assert c["words_per_row"] % c["chunk_words"] == 0
         assert frag.chunk_elems <= 64 and frag.chunk_elems % 8 == 0
-        assert c["sub_elems"] * c["subgroups"] == frag.chunk_elems
-        # a sub-chunk never spans two groups
-        assert group % c["sub_elems"] == 0
+        # Runs of steps tile the chunk, and a run never spans two groups.
+        run = c["run_steps"] * c["step"]
+        assert c["runs"] * run == frag.chunk_elems
+        assert group % run == 0 and run % (2 * c["stride"]) == 0
 
 
 def _rendered_kernels():

@@ -112,13 +112,13 @@ def test_fused_block_matches_the_interpreter(
 @pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x (qir[compile])")
 @pytest.mark.parametrize("fmt", FORMAT_ZOO, ids=lambda f: f.tag())
 def test_fused_kernels_build_with_nvrtc_without_spills(fmt: WeightFormat) -> None:
-    """Every kernel of the fused block (the gate/up pair computes two rows per warp: twice the
-    dequantized weights in registers) compiles for sm_80 and sm_90 without spilling."""
+    """Every kernel of the fused block (the gate/up pair computes rows of both weights in one
+    warp) compiles for sm_80 and sm_90 without spilling."""
     graph, _ = block(fmt)
     plan = lower(run_pipeline(graph, "default")[0])
     for launch in plan.launches:
-        # sm_80/sm_90 only: W4A4 kernels spill on sm_100a even at these shapes (issue 14); the
-        # four gate archs are checked at a checkpoint's shapes in test_compile_gate.py.
+        # sm_80/sm_90 here (two NVRTC builds per kernel of every format); all four gate archs
+        # at a checkpoint's shapes, one format per fragment, in test_compile_gate.py.
         check_no_spills(launch.kernel, archs=("sm_80", "sm_90"))
 
 

@@ -219,7 +219,8 @@ def test_ptxas_report_reads_each_functions_figures() -> None:
 
 def _issue14_down_projection() -> Kernel:
     """The W4A4 down projection `qir dump` writes for an NVFP4 W4A4 MLP with hidden 512 and
-    intermediate 1408 (issue 14): 128 registers and 608 bytes of spills on sm_80/sm_90."""
+    intermediate 1408 (issue 14's example: it spilled 608 bytes on sm_80/sm_90 before the
+    packed-pair rewrite)."""
     g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
     plan = lower(run_pipeline(g, "default")[0])
     name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4"

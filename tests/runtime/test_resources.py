@@ -141,6 +141,51 @@ def test_dataflow_labels_loads_by_buffer_and_branches_on_m() -> None:
     assert sass.in_flight(code, span, flow, {"w"}, passes=1) == 16
 
 
+def test_branches_on_m_are_decided_and_other_paths_not_counted() -> None:
+    """A kernel with a path for one row of the batch and one for a tile of 8 (mrows = min(M -
+    8 * blockIdx.y, 8)): at each M only one path is reachable, and only it is counted; a branch
+    on M that cannot be evaluated (a lane's index against M) stays a row branch."""
+    slots = {0x210: "w", 0x214: "w", 0x218: "M"}
+    code = _ins(
+        "S2R R0, SR_CTAID.Y",
+        "ULDC UR4, c[0x0][0x218]",
+        "SHF.L.U32 R0, R0, 0x3, RZ",
+        "IADD3 R1, -R0, UR4, RZ",
+        "VIMNMX R2, R1, 0x8, PT",
+        "ISETP.NE.AND P0, PT, R2, 0x1, PT",
+        f"@P0 BRA {_at(10)}",
+        "LDC.64 R4, c[0x0][0x210]",  # the one-row path: one load
+        "LDG.E.128.CONSTANT R8, desc[UR8][R4.64]",
+        "EXIT",
+        "LDC.64 R4, c[0x0][0x210]",  # the tile path: two loads
+        "LDG.E.128.CONSTANT R8, desc[UR8][R4.64]",
+        "LDG.E.128.CONSTANT R12, desc[UR8][R4.64+0x10]",
+        "S2R R3, SR_TID.X",
+        "ISETP.GE.AND P1, PT, R3, R2, PT",
+        f"@P1 BRA {_at(17)}",
+        "FFMA R8, R8, R12, RZ",
+        "EXIT",
+    )
+    flow = sass.labels(code, slots)
+    assert flow.guard[6] == {"M"} and flow.guard[15] == {"M"}
+    one = sass.decide(code, flow, slots, 1, 0)
+    eight = sass.decide(code, flow, slots, 8, 0)
+    last = sass.decide(code, flow, slots, 9, 1)  # M = 9: block row 1 holds one row
+    assert one == {6: False} and eight == {6: True} and last == {6: False}
+    assert sass.reachable(code, one) == frozenset(range(10))
+    assert sass.reachable(code, eight) == frozenset({*range(7), *range(10, 18)})
+    span = sass.Loop(0, len(code) - 1)
+    region = sass.region(code, span, flow, (), "M", eight)
+    assert region.rows == ((15, 17),)  # the lane's test against M: one row's work
+    live = sass.reachable(code, eight)
+    counted = sass.cost(code, region, 1.0, live=live)
+    assert sum(counted.values()) == len(live) and counted["LDG"] == 2
+    assert sum(sass.cost(code, region, 1.0, live=sass.reachable(code, one)).values()) == 10
+    # Flow over the live code only: the tile path's loads are the weight's.
+    flow8 = sass.labels(code, slots, live)
+    assert flow8.address[11] == {"w"} and flow8.address[8] == frozenset()
+
+
 def _down(fmt, hidden: int, inter: int, act=BF16) -> Plan:
     b = Builder("down")
     x = b.input("x", ("M", inter), act)
@@ -166,16 +211,22 @@ def test_cost_table_of_a_real_kernel_agrees_with_its_sass_and_the_maths() -> Non
     assert used < one.ptxas.registers <= 255
     assert one.ptxas.spill_stores == sum(i.op == "STL" for i in instrs) == 0
     assert one.region.startswith("loop") and one.chunks_per_pass is not None
-    assert one.blocks_per_sm == occupancy(gpu("H200"), one.ptxas.registers, 0, 128)[0]
-    # The template does one fmaf per weight per row: 512 B hold 512 / bytes_per_weight weights,
-    # 32 per warp instruction. Seven more rows add exactly seven times that many FFMAs.
-    ffma_per_row = 512 / fmt.bytes_per_weight() / 32
-    assert one.mix_per_512["FFMA"] >= ffma_per_row
-    extra = eight.mix_per_512["FFMA"] - one.mix_per_512["FFMA"]
-    assert extra == pytest.approx(7 * ffma_per_row, rel=1e-6)
-    assert eight.instr_per_512 > one.instr_per_512 > eight.mix_per_512["FFMA"] - extra
-    # Each lane loads its chunk's 16 bytes of codes before using them: at least that much is
-    # in flight per warp, for every resident warp (the grid has 64 blocks: one per SM).
+    assert one.region != eight.region  # one row of x and a tile of 8 take different paths
+    assert (
+        one.blocks_per_sm
+        == occupancy(gpu("H200"), one.ptxas.registers, one.ptxas.smem_bytes, 128)[0]
+    )
+    # The template sums products of pairs of weights and activations: one HFMA2 per pair of
+    # weights per row of x, 32 pairs per warp instruction. Eight rows take at least 8 times
+    # that many (the codes' decode, also HFMA2, is shared by the rows).
+    hfma2_per_row = 512 / fmt.bytes_per_weight() / 2 / 32
+    assert one.mix_per_512["HFMA2"] >= hfma2_per_row
+    assert eight.mix_per_512["HFMA2"] >= 8 * hfma2_per_row
+    assert eight.instr_per_512 > one.instr_per_512 > one.mix_per_512["HFMA2"]
+    # No int-to-float conversion per weight: the codes become halves by bit tricks.
+    assert one.mix_per_512.get("I2F", 0) + one.mix_per_512.get("I2FP", 0) <= hfma2_per_row / 4
+    # Each lane loads its chunks' codes before using them: at least a chunk's 16 bytes are in
+    # flight per warp, for every resident warp.
     assert one.in_flight_per_sm >= 16 * 32 * 4
     assert one.bound == min(
         f"issue-bound at {one.issue_pct:.0f}%", f"latency-bound at {one.latency_pct:.0f}%"
@@ -227,4 +278,6 @@ def test_weight_stream_knows_the_chunk_and_the_code_buffer() -> None:
     }
     assert stream.chunk_elems * 4 / 8 == stream.chunk_code_bytes  # 4-bit codes
     assert stream.chunks_per_lane == -(-14336 // stream.chunk_elems // 32)
-    assert stream.weights_per_warp == 1 and stream.m_tile == 8
+    # A warp computes four rows (gemv.SLOTS) of the one weight.
+    assert stream.weights_per_warp == 4 and stream.m_tile == 8
+    assert stream.row_bytes == round(4 * 14336 * Awq(4, 128).bytes_per_weight())

@@ -1,4 +1,8 @@
-"""Fragment constants for unquantized weights (templates/formats/dense.cuh.j2)."""
+"""Fragment constants for unquantized weights (templates/formats/dense.cuh.j2).
+
+Not packed: a GEMV multiplies dense weights in float. There is no decode to save, the 16-bit
+weight itself is already a pair, and a product of two arbitrary f16 values can overflow f16
+where the float reference does not."""
 
 from __future__ import annotations
 
@@ -19,13 +23,13 @@ def _dense(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     elem_t = fmt.dtype.c_type
     return make_fragment(
         "formats/dense.cuh.j2",
-        {"weight": elem_t},
+        {"weight": (elem_t, in_features)},
         chunk_elems,
         {
+            "packed": False,
             "dtype": fmt.dtype.name,
             "elem_t": elem_t,
-            "chunk_elems": chunk_elems,
-            "chunk_words": chunk_elems * size // 4,
+            "chunk_words": chunk_bytes // 4,
             "in_features": in_features,
         },
     )

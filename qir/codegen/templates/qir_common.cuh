@@ -1,5 +1,7 @@
-// qir_common.cuh: activation conversions, vector loads and the warp reduction shared by every
-// qir kernel. Written beside each dumped .cu so the file compiles on its own.
+// qir_common.cuh: activation conversions, vector loads, the warp reduction and the packed-pair
+// arithmetic shared by every qir kernel. Written beside each dumped .cu so the file compiles on
+// its own. Inline PTX appears only in the small helpers below, each with a portable C++ body
+// that the host backend (and any arch without the instruction) runs instead.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -46,3 +48,252 @@ template <typename T>
 __device__ __forceinline__ float qir_round(float v) { return qir_to_float(qir_from_float<T>(v)); }
 
 __device__ __forceinline__ float qir_silu(float v) { return v / (1.0f + expf(-v)); }
+
+// ---- Bit tricks -------------------------------------------------------------------------------
+
+// Any three-input bitwise function in one instruction; LUT is the function's truth table over
+// (a, b, c) = (0xF0, 0xCC, 0xAA), e.g. (a & b) | c is (0xF0 & 0xCC) | 0xAA = 0xEA.
+template <uint32_t LUT>
+__device__ __forceinline__ uint32_t qir_lop3(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return d;
+#else
+  uint32_t d = 0;
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    if (!((LUT >> i) & 1u)) continue;
+    d |= ((i & 4u) ? a : ~a) & ((i & 2u) ? b : ~b) & ((i & 1u) ? c : ~c);
+  }
+  return d;
+#endif
+}
+
+// (a & mask) | bits: the magic-number step of every integer decode below.
+__device__ __forceinline__ uint32_t qir_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  return qir_lop3<(0xF0 & 0xCC) | 0xAA>(a, mask, bits);
+}
+
+// Byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes {b:a} (CUDA's __byte_perm, sign
+// replication unused).
+__device__ __forceinline__ uint32_t qir_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#else
+  const uint64_t bytes = (uint64_t)b << 32 | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) d |= (uint32_t)(bytes >> (8 * ((sel >> (4 * i)) & 7u)) & 0xFFu) << (8 * i);
+  return d;
+#endif
+}
+
+// ---- Packed pairs -----------------------------------------------------------------------------
+// A pair is two values of a 16-bit type T (__half or __nv_bfloat16) in one 32-bit word, the
+// lower-indexed element in the low half. On a GPU the arithmetic is the packed f16x2/bf16x2
+// instructions; the portable bodies compute each half in double and round once to T, which is
+// the hardware's correctly rounded result except in double-rounding corner cases that the exact
+// operations the decoders rely on (magic-number subtraction, products of small codes) never hit.
+
+template <typename T> struct qir_is_bf16 { static constexpr bool value = false; };
+template <> struct qir_is_bf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+template <typename T> struct qir_pair_of;
+template <> struct qir_pair_of<__half> { using type = __half2; };
+template <> struct qir_pair_of<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+template <typename T>
+__device__ __forceinline__ typename qir_pair_of<T>::type qir_as_pair(uint32_t v) {
+  return *reinterpret_cast<const typename qir_pair_of<T>::type*>(&v);
+}
+template <typename P>
+__device__ __forceinline__ uint32_t qir_pair_bits(P v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T> __device__ __forceinline__ float qir_lo(uint32_t v) { return __low2float(qir_as_pair<T>(v)); }
+template <typename T> __device__ __forceinline__ float qir_hi(uint32_t v) { return __high2float(qir_as_pair<T>(v)); }
+
+// The pair (lo, hi), each rounded to T.
+template <typename T> __device__ __forceinline__ uint32_t qir_pack(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t qir_pack<__half>(float lo, float hi) {
+  return qir_pair_bits(__floats2half2_rn(lo, hi));
+}
+template <> __device__ __forceinline__ uint32_t qir_pack<__nv_bfloat16>(float lo, float hi) {
+  return qir_pair_bits(__floats2bfloat162_rn(lo, hi));
+}
+
+#if !defined(__CUDA_ARCH__)
+template <typename T> inline T qir_host_round(double v);
+template <> inline __half qir_host_round<__half>(double v) { return __double2half(v); }
+template <> inline __nv_bfloat16 qir_host_round<__nv_bfloat16>(double v) { return __double2bfloat16(v); }
+template <typename T> inline uint32_t qir_host_pair(double lo, double hi) {
+  const T l = qir_host_round<T>(lo), h = qir_host_round<T>(hi);
+  uint16_t a, b;
+  memcpy(&a, &l, 2);
+  memcpy(&b, &h, 2);
+  return (uint32_t)b << 16 | a;
+}
+#endif
+
+// a * b + c, per half.
+template <typename T>
+__device__ __forceinline__ uint32_t qir_fma2(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  return qir_pair_bits(__hfma2(qir_as_pair<T>(a), qir_as_pair<T>(b), qir_as_pair<T>(c)));
+#else
+  return qir_host_pair<T>((double)qir_lo<T>(a) * qir_lo<T>(b) + qir_lo<T>(c),
+                          (double)qir_hi<T>(a) * qir_hi<T>(b) + qir_hi<T>(c));
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t qir_mul2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return qir_pair_bits(__hmul2(qir_as_pair<T>(a), qir_as_pair<T>(b)));
+#else
+  return qir_host_pair<T>((double)qir_lo<T>(a) * qir_lo<T>(b), (double)qir_hi<T>(a) * qir_hi<T>(b));
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t qir_add2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return qir_pair_bits(__hadd2(qir_as_pair<T>(a), qir_as_pair<T>(b)));
+#else
+  return qir_host_pair<T>((double)qir_lo<T>(a) + qir_lo<T>(b), (double)qir_hi<T>(a) + qir_hi<T>(b));
+#endif
+}
+
+// lo + hi in float: how a run summed in pairs joins the float accumulator.
+template <typename T>
+__device__ __forceinline__ float qir_sum2(uint32_t v) { return qir_lo<T>(v) + qir_hi<T>(v); }
+
+// lo + hi added in T (one rounding, where a run's pair accumulator is folded), as float.
+template <typename T>
+__device__ __forceinline__ float qir_hsum(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  const typename qir_pair_of<T>::type p = qir_as_pair<T>(v);
+  return qir_to_float(__hadd(p.x, p.y));
+#else
+  return qir_to_float(qir_host_round<T>((double)qir_lo<T>(v) + qir_hi<T>(v)));
+#endif
+}
+
+// The same two values as the other 16-bit type (exact for the small decoded codes that pass
+// through here: they fit both types).
+__device__ __forceinline__ uint32_t qir_f16x2_to_bf16x2(uint32_t v) {
+  return qir_pair_bits(__floats2bfloat162_rn(qir_lo<__half>(v), qir_hi<__half>(v)));
+}
+
+// Magic-number constants of T: a code field at bit `pos` of a half reads 2^W + q * 2^pos,
+// W = the mantissa bits below the exponent whose unit is 1.
+template <typename T> __host__ __device__ constexpr int qir_magic_w() { return qir_is_bf16<T>::value ? 7 : 10; }
+template <typename T> __host__ __device__ constexpr int qir_exp_bias() { return qir_magic_w<T>() == 10 ? 15 : 127; }
+// Bits of +-2^e in T (e may fall below the normal range of f16: then a subnormal, still exact).
+template <typename T>
+__host__ __device__ constexpr uint32_t qir_pow2_bits(int e, bool negative) {
+  const int biased = e + qir_exp_bias<T>();
+  const uint32_t mag = biased >= 1 ? (uint32_t)biased << qir_magic_w<T>()
+                                   : 1u << (qir_magic_w<T>() - 1 + biased);
+  return (negative ? 0x8000u : 0u) | mag;
+}
+// Pair bits with both halves equal to v (a 16-bit pattern).
+__host__ __device__ constexpr uint32_t qir_splat(uint32_t v16) { return v16 * 0x10001u; }
+
+// n pairs of activations, read with 16-byte loads from x (16-byte aligned) and permuted so that
+// pair e of each unit of 2S consecutive elements holds elements (e, e + S): the order in which
+// a decoder with pair stride S produces its codes. S = 1 is plain k order.
+template <int S, int N, typename T>
+__device__ __forceinline__ void qir_act_pairs(const T* __restrict__ x, uint32_t (&p)[N]) {
+  static_assert(sizeof(T) == 2 && N % 4 == 0 && (2 * N) % (2 * S) == 0, "16-byte loads of whole units");
+  uint32_t k[N];  // k order: pair i = elements (2i, 2i + 1)
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + 2 * i);
+    k[i] = v.x; k[i + 1] = v.y; k[i + 2] = v.z; k[i + 3] = v.w;
+  }
+  if constexpr (S == 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = k[i];
+  } else {
+    // Unit u, pair e: element u*2S + e sits in k[(u*2S + e) / 2], element u*2S + e + S in
+    // k[(u*2S + e + S) / 2]; e even takes the low halves, e odd the high ones.
+#pragma unroll
+    for (int u = 0; u < 2 * N / (2 * S); ++u)
+#pragma unroll
+      for (int e = 0; e < S; ++e) {
+        const uint32_t a = k[(u * 2 * S + e) / 2], b = k[(u * 2 * S + e + S) / 2];
+        p[u * S + e] = qir_prmt(a, b, (e & 1) ? 0x7632u : 0x5410u);
+      }
+  }
+}
+
+// ---- Small float codes as packed pairs -------------------------------------------------------
+
+// Two E4M3FN codes (bytes 2h and 2h+1 of w) as their exact values in an f16 pair. sm_89 and later
+// convert in hardware; the portable body moves the byte into the f16's high byte (sign at bit
+// 15, exponent and mantissa one bit right of where f16 keeps them, which is e4m3 * 2^-8 for
+// normal and subnormal codes alike) and scales by 2^8, exactly (f16 keeps its subnormals).
+template <int H>
+__device__ __forceinline__ uint32_t qir_e4m3x2_to_f16x2(uint32_t w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t d;
+  if constexpr (H == 1)
+    asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;}" : "=r"(d) : "r"(w));
+  else
+    asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(d) : "r"(w));
+  return d;
+#else
+  const uint32_t v = qir_prmt(w, 0u, H ? 0x3424u : 0x1404u);  // bytes {0, b[2H], 0, b[2H+1]}
+  const uint32_t f = (v & 0x80008000u) | ((v >> 1) & 0x3F803F80u);
+  return qir_mul2<__half>(f, 0x5C005C00u);  // * 256
+#endif
+}
+
+// E2M1 (FP4) codes. Arch-specific sm_100/sm_110/sm_120 targets (sm_100a, sm_120a, ...) convert
+// a byte (two codes) to an f16 pair in hardware, in k order; elsewhere each code goes through
+// an E4M3 byte (s 0 0 e1 e0 m 0 0: the same value * 2^-6, normal and subnormal codes alike) and
+// the E4M3 conversion, which pairs codes two apart. QIR_FP4_STRIDE is that pair stride.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && \
+    __CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000 && __CUDA_ARCH_FAMILY_SPECIFIC__ < 1300
+#define QIR_FP4_CVT 1
+constexpr int QIR_FP4_STRIDE = 1;
+#else
+#define QIR_FP4_CVT 0
+constexpr int QIR_FP4_STRIDE = 2;
+#endif
+
+// The 8 E2M1 codes of w (element j in nibble j, element 2k low in byte k) as 4 f16 pairs of
+// value * 2^QIR_FP4_RAW_LOG2 (exact), pair e of each unit of 2 * QIR_FP4_STRIDE codes holding
+// codes (e, e + QIR_FP4_STRIDE).
+constexpr int QIR_FP4_RAW_LOG2 = QIR_FP4_CVT ? 0 : -6;
+__device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
+#if QIR_FP4_CVT
+  asm("{.reg .b8 b0, b1, b2, b3;\n mov.b32 {b0, b1, b2, b3}, %4;\n"
+      " cvt.rn.f16x2.e2m1x2 %0, b0;\n cvt.rn.f16x2.e2m1x2 %1, b1;\n"
+      " cvt.rn.f16x2.e2m1x2 %2, b2;\n cvt.rn.f16x2.e2m1x2 %3, b3;}"
+      : "=r"(p[0]), "=r"(p[1]), "=r"(p[2]), "=r"(p[3]) : "r"(w));
+#else
+  // Odd codes sit in the high nibbles: sign already at bit 7, magnitude two bits too high. The
+  // even ones get there by a 4-bit shift first.
+  const uint32_t odd = (w & 0x70707070u) >> 2 | (w & 0x80808080u);
+  const uint32_t w4 = w << 4;
+  const uint32_t even = (w4 & 0x70707070u) >> 2 | (w4 & 0x80808080u);
+  p[0] = qir_e4m3x2_to_f16x2<0>(even);  // codes (0, 2)
+  p[1] = qir_e4m3x2_to_f16x2<0>(odd);   // (1, 3)
+  p[2] = qir_e4m3x2_to_f16x2<1>(even);  // (4, 6)
+  p[3] = qir_e4m3x2_to_f16x2<1>(odd);   // (5, 7)
+#endif
+}
+
+// The same as value * 2^-6 on every arch.
+__device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]) {
+  qir_e2m1x8_raw(w, p);
+  if constexpr (QIR_FP4_RAW_LOG2 != -6) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = qir_mul2<__half>(p[i], qir_splat(qir_pow2_bits<__half>(-6 - QIR_FP4_RAW_LOG2, false)));
+  }
+}

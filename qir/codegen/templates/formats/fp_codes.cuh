@@ -18,7 +18,8 @@ __device__ __forceinline__ float qir_e4m3_to_float(uint32_t b) {
   return (b & 0x80u) ? -mag : mag;
 }
 
-// E8M0 byte e: 2^(e-127) is e in a float's exponent field; e == 0 is the float subnormal 2^-127.
+// E8M0 byte e: 2^(e-127) is e in a float's exponent field; e == 0 is the float subnormal 2^-127,
+// whose bits 0x00400000 are below every e << 23 of e >= 1 (one max, no select).
 __device__ __forceinline__ float qir_e8m0_to_float(uint32_t e) {
-  return __uint_as_float(e ? (e << 23) : 0x00400000u);
+  return __uint_as_float(max(e << 23, 0x00400000u));
 }
