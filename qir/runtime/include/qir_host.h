@@ -12,7 +12,8 @@
 // no thread, maps no memory and makes no system call but the pool's futex wake-ups.
 //
 // Not supported: dynamic shared memory (`extern __shared__`), inline PTX (kernels guard it with
-// `#ifdef __CUDA_ARCH__`, which is never defined here), clusters, cooperative groups.
+// `#ifdef __CUDA_ARCH__`, which is never defined here; the tensor-core and cp.async helpers of
+// qir_mma.cuh run on the emulation below), clusters, cooperative groups.
 #pragma once
 
 #define QIR_HOST 1
@@ -101,6 +102,21 @@ struct Warp {
   // only once done reading, so one barrier per exchange is enough (the usual two-phase scheme
   // with the second phase folded into the next exchange's barrier).
   uint64_t slot[2][32];
+  // The same scheme for exchanges of up to 8 words per lane (an mma's fragments).
+  uint32_t words[2][32][8];
+};
+
+// A cp.async a fiber started and has not waited for (see qir_host::cp_async).
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes, src_bytes;
+  unsigned group;  // the commit that closes it: the fiber's commit count when it was started
+};
+
+struct AsyncCopies {
+  std::vector<AsyncCopy> pending;
+  unsigned committed = 0;
 };
 
 #ifndef QIR_HOST_ABI
@@ -405,6 +421,7 @@ class Worker {
     const dim3& b = launch.block;
     n_ = b.x * b.y * b.z;
     fibers_.resize(n_);
+    async_.resize(n_);
     warps_.resize((n_ + 31) / 32);
     for (unsigned i = 0; i < n_; ++i) {
       Fiber& f = fibers_[i];
@@ -491,6 +508,27 @@ class Worker {
     return bank;
   }
 
+  // exchange() for n <= 8 words per lane: lane l's words are at [8 * l, 8 * l + n).
+  const uint32_t* exchange_words(const uint32_t* v, unsigned n) {
+    Fiber& f = fibers_[cur_];
+    Warp& w = warps_[f.warp];
+    uint32_t(*bank)[8] = w.words[w.gen & 1];
+    std::memcpy(bank[f.lane], v, n * sizeof(uint32_t));
+    syncwarp();
+    return &bank[0][0];
+  }
+
+  AsyncCopies& async_copies() { return async_[cur_]; }
+
+  // A misuse the GPU would fault on (a misaligned address): the launch fails with `msg`, and the
+  // fiber runs on (its results are not used).
+  void report(const std::string& msg) {
+    char where[96];
+    snprintf(where, sizeof where, " (thread (%u,%u,%u) of block (%u,%u,%u))", threadIdx.x,
+             threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z);
+    fail(launch_, msg + where);
+  }
+
   unsigned lane() const { return fibers_[cur_].lane; }
 
   unsigned active_mask() const {
@@ -506,7 +544,11 @@ class Worker {
   // run while some are still alive is a deadlock.
   bool run_block() {
     block_arrived_ = 0;
-    for (unsigned i = 0; i < n_; ++i) fibers_[i].state = State::runnable;
+    for (unsigned i = 0; i < n_; ++i) {
+      fibers_[i].state = State::runnable;
+      async_[i].pending.clear();  // copies a thread never waited for do not outlive its block
+      async_[i].committed = 0;
+    }
     for (unsigned w = 0; w < warps_.size(); ++w) {
       warps_[w].live = std::min(32u, n_ - w * 32);
       warps_[w].arrived = 0;
@@ -580,6 +622,7 @@ class Worker {
   Fibers* t_ = nullptr;
   std::vector<Fiber> fibers_;
   std::vector<Warp> warps_;
+  std::vector<AsyncCopies> async_;
   unsigned cur_ = 0;
   unsigned block_arrived_ = 0;
 };
@@ -660,6 +703,99 @@ inline T shuffle(T v, Src src) {
   const unsigned lane = current_worker->lane();
   const uint64_t* bank = current_worker->exchange(to_bits(v));
   return from_bits<T>(bank[src(lane) % 32]);
+}
+
+// ---- Tensor cores and asynchronous copies: the portable bodies of qir_mma.cuh ---------------
+// The GEMM family's mma.sync, ldmatrix and cp.async. mma and ldmatrix are warp-collective: every
+// lane publishes its operands (registers, or a row address) in one warp exchange, then computes
+// what the PTX ISA says its own registers receive. cp.async copies are queued per thread and
+// performed at the cp.async.wait_group that covers them, so a kernel that reads the destination
+// before waiting (or, after its wait, before a barrier orders another thread's wait) reads stale
+// bytes here, as it might on a GPU.
+
+inline float widen(__half v) { return __half2float(v); }
+inline float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+inline float operand(uint32_t reg, unsigned half) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  const uint16_t bits = static_cast<uint16_t>(reg >> (16 * half));
+  T v;
+  std::memcpy(&v, &bits, sizeof bits);
+  return widen(v);
+}
+
+// The value an m16n8k16 mma with fp32 accumulation gives: each of the 16 products of two 16-bit
+// floats is exact in double, and their sum with c is rounded to fp32 once. (A tensor core adds in
+// its own order and precision; the results agree to fp32 rounding, and exactly where every
+// partial sum is representable, which scripts/gpu_check.sh checks on a GPU.)
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                         const float (&c)[4]) {
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const uint32_t* bank = current_worker->exchange_words(mine, 6);
+  const unsigned lane = current_worker->lane();
+  const unsigned g = lane >> 2, t = lane & 3;
+  float out[4];
+  for (unsigned i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    double sum = c[i];
+    for (unsigned k = 0; k < 16; ++k) {
+      // A[row][k] sits in lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8);
+      // B[k][col] in lane 4 col + (k % 8) / 2, register k >= 8 (after A's four).
+      const unsigned kk = (k & 7) >> 1, half = k & 1;
+      const uint32_t ra = bank[8 * (4 * (row & 7) + kk) + (row >> 3) + 2 * (k >> 3)];
+      const uint32_t rb = bank[8 * (4 * col + kk) + 4 + (k >> 3)];
+      sum += static_cast<double>(operand<T>(ra, half)) * operand<T>(rb, half);
+    }
+    out[i] = static_cast<float>(sum);
+  }
+  for (unsigned i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+template <int N, bool Trans>
+inline void ldmatrix(uint32_t (&r)[N], const void* row) {
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0 && current_worker->lane() < 8 * N)
+    current_worker->report("ldmatrix: a row address is not 16-byte aligned");
+  const uint64_t* bank = current_worker->exchange(to_bits(row));
+  const unsigned lane = current_worker->lane();
+  auto at = [&](unsigned matrix, unsigned rr, unsigned cc) -> uint32_t {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(bank[8 * matrix + rr]);
+    return p[cc];
+  };
+  for (int i = 0; i < N; ++i) {
+    const unsigned q = lane >> 2, e = 2 * (lane & 3);
+    const uint32_t lo = Trans ? at(i, e, q) : at(i, q, e);
+    const uint32_t hi = Trans ? at(i, e + 1, q) : at(i, q, e + 1);
+    r[i] = lo | hi << 16;
+  }
+}
+
+inline void cp_async(void* dst, const void* src, unsigned bytes, int src_bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes)
+    current_worker->report("cp.async: an address is not aligned to the copy size");
+  if (src_bytes < 0 || static_cast<unsigned>(src_bytes) > bytes)
+    current_worker->report("cp.async: src-size must be in [0, copy size]");
+  AsyncCopies& q = current_worker->async_copies();
+  const unsigned n = std::min<unsigned>(static_cast<unsigned>(std::max(src_bytes, 0)), bytes);
+  q.pending.push_back({dst, src, bytes, n, q.committed});
+}
+
+inline void cp_async_commit() { ++current_worker->async_copies().committed; }
+
+inline void cp_async_wait(unsigned n) {
+  AsyncCopies& q = current_worker->async_copies();
+  // Groups older than the newest n committed ones complete, in the order they were started.
+  size_t kept = 0;
+  for (AsyncCopy& c : q.pending) {
+    if (c.group + n < q.committed) {
+      std::memcpy(c.dst, c.src, c.src_bytes);
+      std::memset(static_cast<char*>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
+    } else {
+      q.pending[kept++] = c;
+    }
+  }
+  q.pending.resize(kept);
 }
 
 }  // namespace qir_host
