@@ -1,15 +1,351 @@
-"""The tensor-core GEMM family (prefill and batched serving)."""
+"""The tensor-core GEMM family: prefill and batched serving (the GEMV family serves small M).
+
+One template (templates/qgemm.cu.j2) covers every format and fusion the GEMV does: a block
+computes a BM x BN tile of y = x W^T with `mma.sync` m16n8k16 (f16 or bf16 operands, fp32
+accumulation) on fragments loaded by `ldmatrix` from shared memory. The activation tile arrives
+by a multi-stage `cp.async` pipeline (or is computed while it is staged: the silu(g) * u
+prologue; decoded: W4A4's pre-quantized input); the weight tile is dequantized into shared
+memory by the format's own fragment (the GEMV's `qir_dequant_chunk`), so a format stays one
+module. Several weights sharing the input (q/k/v) take consecutive ranges of grid.x, each with
+its own scales; gate/up are interleaved by 8 rows in one tile so silu(g) * u is the epilogue.
+
+Python decides every constant here (the tile from `GEMM_TILES`, the pipeline depth from the
+shared-memory budget, the loaders, the argument expressions); the template only substitutes.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
-from qir.codegen.render import TEMPLATES
+from qir.codegen.fragments import fragment_for
+from qir.codegen.gemv import EPILOGUES, GemvSpec
+from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.render import TEMPLATES, common_header, render
+from qir.dtypes import BF16, F16, DType
+from qir.types import QWeight
 
 MMA_HEADER = "qir_mma.cuh"
+GEMM_HEADER = "qir_gemm.cuh"
+# Static shared memory a block may declare (CUDA's limit without opting in to more).
+SMEM_BYTES = 48 * 1024
+# Halves of padding after each shared-memory row: rows (BK + 8) * 2 bytes apart put the 8 rows
+# an ldmatrix reads in 8 different 16-byte bank groups, and keep every row 16-byte aligned.
+ROW_PAD = 8
+MAX_M = 2**31 - 1
+# The GEMM's operand types: f32 activations stay on the GEMV family.
+ACTS = (F16, BF16)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A block's BM x BN output tile, its K step, its warps (warps_m x warps_n, each owning a
+    (BM / warps_m) x (BN / warps_n) sub-tile of m16n8 MMAs), the pipeline depth it starts from
+    (lowered while shared memory does not fit) and the resident blocks per SM it asks for."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int
+    warps_n: int
+    stages: int
+    min_blocks: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def mt(self) -> int:
+        return self.bm // self.warps_m // 16
+
+    @property
+    def nt(self) -> int:
+        return self.bn // self.warps_n // 8
+
+    @property
+    def spell(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}s{self.stages}"
+
+
+# The one tile table: (largest M, smallest N, tile); the first row whose M bound is at least
+# the bucket's largest M and whose N bound the weight's out_features reach is taken. Defaults
+# sized by reasoning, not yet by measurements (benchmarks/llama_shapes.py sweeps M on a GPU):
+# up to 64 rows the weights dominate, so tiles are narrow in N (more blocks to stream them); past
+# that, 128 x 128 tiles of 8 warps reuse each dequantized weight tile over 128 rows. W4A4 runs
+# only up to 64 rows (W4A4_MAX_M), inside the first bucket.
+GEMM_TILES: tuple[tuple[int, int, Tile], ...] = (
+    (64, 4096, Tile(64, 64, 32, 2, 2, stages=3, min_blocks=2)),
+    (64, 0, Tile(64, 32, 32, 2, 1, stages=3, min_blocks=2)),
+    (MAX_M, 4096, Tile(128, 128, 32, 2, 4, stages=3, min_blocks=1)),
+    (MAX_M, 0, Tile(128, 64, 32, 2, 2, stages=3, min_blocks=1)),
+)
+# The M buckets the table distinguishes: a GEMM node gets one launch per bucket it serves.
+M_BUCKETS: tuple[int, ...] = tuple(sorted({m for m, _, _ in GEMM_TILES}))
+
+
+def bucket_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi] cut at the table's M buckets."""
+    out, start = [], lo
+    for bound in M_BUCKETS:
+        if start > hi:
+            break
+        if bound >= start:
+            out.append((start, min(bound, hi)))
+            start = bound + 1
+    return out
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM kernel: the fused form (as the GEMV family's spec has it: several weights, the
+    SiLU-gate prologue, the residual or silu_mul epilogue, W4A4) and the largest M of the tile
+    bucket it serves."""
+
+    weights: tuple[QWeight, ...]
+    act: DType
+    m_max: int
+    prologue: bool = False
+    epilogue: str = ""
+    a4: bool = False
+    a4_mode: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.act not in ACTS:
+            raise ValueError(f"the GEMM family takes f16 or bf16 activations, not {self.act.name}")
+        _ = self.fused  # the GEMV spec checks the fused form
+
+    @classmethod
+    def of(cls, fused: GemvSpec, m_max: int) -> GemmSpec:
+        """The GEMM of the fused form `fused` describes (its m_tile is the GEMV's own)."""
+        return cls(
+            fused.weights, fused.act, m_max, fused.prologue, fused.epilogue, fused.a4, fused.a4_mode
+        )
+
+    @property
+    def fused(self) -> GemvSpec:
+        return GemvSpec(
+            self.weights, self.act, 1, self.prologue, self.epilogue, self.a4, self.a4_mode
+        )
+
+    @property
+    def paired(self) -> bool:
+        return self.epilogue == "silu_mul"
+
+    @property
+    def chunk(self) -> int:
+        w = self.weights[0]
+        return fragment_for(w.format, w.out_features, w.in_features).chunk_elems
+
+    @property
+    def tile(self) -> Tile:
+        n = max(w.out_features for w in self.weights)
+        return choose_tile(self.m_max, n, self.chunk, self.a4)
+
+    @property
+    def name(self) -> str:
+        f = self
+        w0 = f.weights[0]
+        outs = "_".join(str(w.out_features) for w in f.weights)
+        fused = ("_silu" if f.prologue else "") + EPILOGUES[f.epilogue]
+        if f.a4:
+            fused += "_a4" + (f.a4_mode if f.prologue else "")
+        return (
+            f"qgemm_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}"
+            f"_{self.tile.spell}{fused}"
+        )
+
+    def tiles(self, w: QWeight) -> int:
+        """Blocks along N that serve weight `w` (a pair's blocks serve both)."""
+        bn = self.tile.bn // 2 if self.paired else self.tile.bn
+        return -(-w.out_features // bn)
+
+    @property
+    def grid_x(self) -> int:
+        if self.paired:
+            return self.tiles(self.weights[0])
+        return sum(self.tiles(w) for w in self.weights)
+
+
+def smem_bytes(tile: Tile, stages: int, a4: bool) -> int:
+    """Static shared memory of a kernel: per stage the two tiles (and W4A4's block factors),
+    plus a W4A4 prologue's per-row scales."""
+    rows = (tile.bm + tile.bn) * (tile.bk + ROW_PAD) * 2
+    factors = (tile.bm + tile.bn) * (tile.bk // 16) * 4 if a4 else 0
+    return stages * (rows + factors) + (tile.bm * 4 if a4 else 0)
+
+
+@cache
+def choose_tile(m_max: int, n: int, chunk: int, a4: bool) -> Tile:
+    """The table's tile for a bucket ending at `m_max` and `n` output rows. BK grows to the
+    fragment's chunk (a chunk never straddles two K steps); then, until shared memory fits, the
+    stages drop to 2, BN halves (keeping an even number of n8 tiles per warp), then BM."""
+    t = next(t for m, n_min, t in GEMM_TILES if m_max <= m and n >= n_min)
+    bm, bn, bk, stages = t.bm, t.bn, max(t.bk, chunk), t.stages
+
+    def tile() -> Tile:
+        return Tile(bm, bn, bk, t.warps_m, t.warps_n, stages, t.min_blocks)
+
+    while smem_bytes(tile(), stages, a4) > SMEM_BYTES:
+        if stages > 2:
+            stages -= 1
+        elif bn // t.warps_n > 16:
+            bn //= 2
+        elif bm // t.warps_m > 16:
+            bm //= 2
+        else:
+            raise ValueError(f"no GEMM tile from {t} fits {SMEM_BYTES} bytes of shared memory")
+    return tile()
 
 
 @cache
 def mma_header() -> tuple[str, str]:
-    """The header of the mma / ldmatrix / cp.async helpers, as a (file name, text) pair."""
+    """The mma / ldmatrix / cp.async helpers, as a (file name, text) header."""
     return MMA_HEADER, (TEMPLATES / MMA_HEADER).read_text()
+
+
+@cache
+def gemm_header() -> tuple[str, str]:
+    """What GEMM kernels share besides the helpers (stores, decodes, the row scale)."""
+    return GEMM_HEADER, (TEMPLATES / GEMM_HEADER).read_text()
+
+
+def _a_loader(f: GemmSpec) -> str:
+    if f.a4:
+        return "gemm/a_silu_nvfp4.cuh.j2" if f.prologue else "gemm/a_nvfp4.cuh.j2"
+    return "gemm/a_silu.cuh.j2" if f.prologue else "gemm/a_cp_async.cuh.j2"
+
+
+def gemm_kernel(spec: GemmSpec) -> Kernel:
+    f, tile = spec, spec.tile
+    w0 = f.weights[0]
+    frag = fragment_for(w0.format, w0.out_features, w0.in_features)
+    act_t = f.act.c_type
+    suffixes = [p.name.removeprefix("w_") for p in frag.params]
+    # Segments: weight j takes blocks [start, start + tiles(w)) of grid.x.
+    segments, start = [], 0
+    for j, w in enumerate(f.weights):
+        segments.append({"j": j, "N": w.out_features, "start": start})
+        start += spec.tiles(w)
+    if f.paired or len(f.weights) == 1:
+        select = {s: f"w0_{s}" for s in suffixes}
+        # A pair's tile interleaves gate (rows 8i..8i+7 of each 16) and up (the next 8).
+        b_args = ", ".join(
+            f"(row & 8) ? w1_{s} : w0_{s}" if f.paired else f"w0_{s}" for s in suffixes
+        )
+    else:
+        select = {}
+        for s in suffixes:
+            expr = f"w{len(f.weights) - 1}_{s}"
+            for seg in reversed(segments[:-1]):
+                expr = f"seg == {seg['j']} ? w{seg['j']}_{s} : {expr}"
+            select[s] = expr
+        b_args = ", ".join(f"sel_{s}" for s in suffixes)
+    params = _params(spec, frag.params)
+    # Pieces rendered here from their own templates (the fragment with its context), so the
+    # kernel template only places them.
+    parts = {
+        "chunk": frag.chunk_elems,
+        "row_bytes": w0.in_features // 2 + 4 * (w0.in_features // 16),
+        "a4_mode": f.a4_mode,
+        **frag.context,
+    }
+    preamble = [render(frag.template, **frag.context)]
+    if f.a4 and f.prologue:
+        preamble.append(render("formats/nvfp4_quant.cuh"))
+    preamble.append(
+        render("gemm/b_nvfp4_codes.cuh.j2" if f.a4 else "gemm/b_dequant.cuh.j2", **parts)
+    )
+    row_scale = f.a4 and f.prologue and f.a4_mode == "dynamic"
+    source = render(
+        "qgemm.cu.j2",
+        name=spec.name,
+        doc="\n".join(f"// {line}" for line in _doc(spec)),
+        preamble="\n".join(preamble),
+        a_loader=render(_a_loader(f), **parts).rstrip("\n"),
+        row_scale=render("gemm/row_scale.cuh.j2").rstrip("\n") if row_scale else "",
+        signature=",\n    ".join(f"{p.c_type} {p.name}" for p in params),
+        act_t=act_t,
+        tile=tile,
+        K=w0.in_features,
+        chunk=frag.chunk_elems,
+        chunks_per_row=frag.chunks_per_row(w0.in_features),
+        segments=segments,
+        select=[
+            {"c_type": p.c_type, "suffix": s, "expr": select[s]}
+            for p, s in zip(frag.params, suffixes, strict=True)
+        ],
+        multi=len(segments) > 1 and not f.paired,
+        b_args=b_args,
+        a4=f.a4,
+        paired=f.paired,
+        epilogue=f.epilogue,
+    )
+    return Kernel(
+        spec.name,
+        source,
+        tuple(params),
+        (tile.threads, 1, 1),
+        (common_header(), mma_header(), gemm_header()),
+    )
+
+
+def _params(spec: GemmSpec, frag_params: tuple[KernelParam, ...]) -> list[KernelParam]:
+    """The GEMV's parameter list (lowering binds both families' launches alike)."""
+    f = spec
+    act_in = f"const {f.act.c_type}* __restrict__"
+    inputs: tuple[KernelParam, ...]
+    if f.prologue:
+        inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
+    elif f.a4:
+        inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
+    else:
+        inputs = (KernelParam("x", act_in, "buffer"),)
+    scale = f.a4 and f.prologue and f.a4_mode != "dynamic"
+    return [
+        *inputs,
+        *(
+            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
+            for j in range(len(f.weights))
+            for p in frag_params
+        ),
+        *(
+            KernelParam(f"y{j}", f"{f.act.c_type}* __restrict__", "buffer")
+            for j in range(1 if f.paired else len(f.weights))
+        ),
+        *((KernelParam("r", act_in, "buffer"),) if f.epilogue == "residual" else ()),
+        *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
+        KernelParam("M", "int", "int"),
+    ]
+
+
+def _doc(spec: GemmSpec) -> list[str]:
+    """The comment lines at the top of the kernel: what it computes and how it is tiled."""
+    f, t = spec, spec.tile
+    w0 = f.weights[0]
+    x = "silu(g) * u" if f.prologue else "x"
+    if f.a4:
+        x = f"nvfp4({x})"
+    lines = []
+    if f.paired:
+        lines.append(
+            f"y0 = silu({x} W0^T) * ({x} W1^T); W0, W1 are [{w0.out_features}, {w0.in_features}]"
+            f" in {w0.format.spell()}"
+        )
+    else:
+        res = "r + " if f.epilogue == "residual" else ""
+        for j, w in enumerate(f.weights):
+            lines.append(
+                f"y{j} = {res}{x} W{j}^T; W{j} is [{w.out_features}, {w.in_features}] in "
+                f"{w0.format.spell()}"
+            )
+    lines += [
+        f"Tensor-core GEMM: {t.bm} x {t.bn} tiles (of {t.warps_m} x {t.warps_n} warps, each "
+        f"{t.mt} x {t.nt} m16n8k16 MMAs), K in steps of {t.bk} through {t.stages} stages;",
+        "fp32 accumulation. The weight tile is dequantized into shared memory by the format's",
+        "fragment, the activation tile "
+        + ("decoded from its NVFP4 codes" if f.a4 and not f.prologue else "staged")
+        + ("" if f.a4 or f.prologue else " by cp.async")
+        + (", each k16 block's product scaled by its two block factors." if f.a4 else "."),
+    ]
+    return lines

@@ -1,9 +1,11 @@
-"""Lowering: one kernel launch per compute node of a (passed) graph.
+"""Lowering: one kernel launch per compute node of a (passed) graph, per batch-size range.
 
 The plan names, for each launch, the rendered kernel, how its grid grows with M, which batch
-sizes it serves (W4A4 launches take M <= 64, a 16-bit twin the rest) and where each argument
-comes from (a value, a weight buffer, a constant, or M itself), so an executor only binds
-memory."""
+sizes it serves and where each argument comes from (a value, a weight buffer, a constant, or M
+itself), so an executor only binds memory. A qlinear's launches split the batch sizes: W4A4
+takes M <= 64 and a 16-bit twin the rest; within each, the GEMV family runs below the node's
+`gemm_from_m` label (select_kernels) and the GEMM family from there, one launch per tile bucket
+of the GEMM's table. A node without a label (no select_kernels pass) runs the GEMV only."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Literal
 
 from qir.codegen.elementwise import elementwise_grid_x, elementwise_kernel
 from qir.codegen.fragments import fragment_for
+from qir.codegen.gemm import GemmSpec, bucket_ranges, gemm_kernel
 from qir.codegen.gemv import GemvSpec, gemv_kernel
 from qir.codegen.kernel import Kernel
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode, quantize_act_kernel
@@ -93,7 +96,8 @@ def value_bytes(t: object, sizes: dict[str, int]) -> int:
 
 
 def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
-    """One GEMV launch; a W4A4 node also gets its 16-bit twin for batches above W4A4_MAX_M."""
+    """A launch per family and batch-size range (see the module docstring); a W4A4 node also
+    gets 16-bit twins for batches above W4A4_MAX_M."""
     node = graph.node(name)
     attrs = dict(node.attrs)
     operands = graph.operands(name)
@@ -118,9 +122,13 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
     frag = fragment_for(weights[0].format, weights[0].out_features, weights[0].in_features)
     covers = (name, *node.attr("fused", ()))
 
-    def launch(
+    first_gemm = node.attr("gemm_from_m")
+    gemm_from = first_gemm if isinstance(first_gemm, int) else ALL_M[1] + 1
+
+    def launches(
         spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
-    ) -> Launch:
+    ) -> list[Launch]:
+        """The GEMV below gemm_from, the GEMM per tile bucket from there, within `when`."""
         args = (
             *ins_args,
             *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
@@ -129,21 +137,29 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
             *extra,
             Arg("M"),
         )
-        return Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, when)
+        lo, hi = when
+        out = []
+        if lo < gemm_from:
+            gemv_when = (lo, min(hi, gemm_from - 1))
+            out.append(
+                Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, gemv_when)
+            )
+        for bucket in bucket_ranges(max(lo, gemm_from), hi):
+            g = GemmSpec.of(spec, bucket[1])
+            out.append(Launch(gemm_kernel(g), g.grid_x, g.tile.bm, args, outputs, covers, bucket))
+        return out
 
     # The 16-bit path reads what quantize_act would have quantized.
-    x16 = [graph.operands(inputs[0])[0]] if pre_quantized else inputs
+    x16 = [Arg("value", v) for v in ([graph.operands(inputs[0])[0]] if pre_quantized else inputs)]
     plain = GemvSpec(weights, act, m_tile, prologue=prologue, epilogue=epilogue)
     if not a4:
-        return [launch(plain, [Arg("value", v) for v in x16], [], ALL_M)]
+        return launches(plain, x16, [], ALL_M)
     mode = act_quant_mode(attrs) if prologue else "dynamic"
     quant = GemvSpec(weights, act, m_tile, prologue, epilogue, a4=True, a4_mode=mode)
-    scale = _scale_args(attrs)
+    scale = _scale_args(attrs) if prologue else []
     return [
-        launch(
-            quant, [Arg("value", v) for v in inputs], scale if prologue else [], (1, W4A4_MAX_M)
-        ),
-        launch(plain, [Arg("value", v) for v in x16], [], (W4A4_MAX_M + 1, ALL_M[1])),
+        *launches(quant, [Arg("value", v) for v in inputs], scale, (1, W4A4_MAX_M)),
+        *launches(plain, x16, [], (W4A4_MAX_M + 1, ALL_M[1])),
     ]
 
 

@@ -26,6 +26,8 @@ class PassOptions:
     """Knobs of parameterised passes (the CLI's --weight-quantization, ...)."""
 
     weight_quantization: str = "declared"
+    # select_kernels: the first M of the GEMM family for every node (None: its table).
+    gemm_from_m: int | None = None
 
 
 PASSES: dict[str, Callable[[PassOptions], Pass]] = {
@@ -36,7 +38,7 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
     "share_act_quant": lambda o: ShareActQuant(),
     "dce": lambda o: DCE(),
-    "select_kernels": lambda o: SelectKernels(),
+    "select_kernels": lambda o: SelectKernels(o.gemm_from_m),
 }
 PIPELINES: dict[str, tuple[str, ...]] = {
     "default": (

@@ -102,8 +102,6 @@ struct Warp {
   // only once done reading, so one barrier per exchange is enough (the usual two-phase scheme
   // with the second phase folded into the next exchange's barrier).
   uint64_t slot[2][32];
-  // The same scheme for exchanges of up to 8 words per lane (an mma's fragments).
-  uint32_t words[2][32][8];
 };
 
 // A cp.async a fiber started and has not waited for (see qir_host::cp_async).
@@ -508,14 +506,17 @@ class Worker {
     return bank;
   }
 
-  // exchange() for n <= 8 words per lane: lane l's words are at [8 * l, 8 * l + n).
+  // exchange() for n <= kWords words per lane: lane l's words are at [kWords * l, + n). The
+  // banks are made on first use (only the tensor-core emulation needs them).
+  static constexpr unsigned kWords = 16;
   const uint32_t* exchange_words(const uint32_t* v, unsigned n) {
     Fiber& f = fibers_[cur_];
     Warp& w = warps_[f.warp];
-    uint32_t(*bank)[8] = w.words[w.gen & 1];
-    std::memcpy(bank[f.lane], v, n * sizeof(uint32_t));
+    if (words_.empty()) words_.resize(warps_.size() * 2 * 32 * kWords);
+    uint32_t* bank = &words_[(f.warp * 2 + (w.gen & 1)) * 32 * kWords];
+    std::memcpy(bank + f.lane * kWords, v, n * sizeof(uint32_t));
     syncwarp();
-    return &bank[0][0];
+    return bank;
   }
 
   AsyncCopies& async_copies() { return async_[cur_]; }
@@ -623,6 +624,7 @@ class Worker {
   std::vector<Fiber> fibers_;
   std::vector<Warp> warps_;
   std::vector<AsyncCopies> async_;
+  std::vector<uint32_t> words_;  // exchange_words' banks: [warp][gen & 1][lane][kWords]
   unsigned cur_ = 0;
   unsigned block_arrived_ = 0;
 };
@@ -713,48 +715,67 @@ inline T shuffle(T v, Src src) {
 // before waiting (or, after its wait, before a barrier orders another thread's wait) reads stale
 // bytes here, as it might on a GPU.
 
-inline float widen(__half v) { return __half2float(v); }
-inline float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+// 16-bit operand bits widened to float, exactly (the toolkit's host conversions are slower).
+inline float widen(uint16_t h, __half) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu;
+  const uint32_t m = h & 0x3FFu;
+  if (e == 0) {  // zero and subnormals: m * 2^-24 is exact in float
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (e == 0x1F ? 0x7F800000u : (e + 112) << 23) | m << 13;
+  return from_bits<float>(bits);
+}
+inline float widen(uint16_t h, __nv_bfloat16) { return from_bits<float>(uint32_t{h} << 16); }
 
 template <typename T>
 inline float operand(uint32_t reg, unsigned half) {
   static_assert(sizeof(T) == 2, "16-bit operands");
-  const uint16_t bits = static_cast<uint16_t>(reg >> (16 * half));
-  T v;
-  std::memcpy(&v, &bits, sizeof bits);
-  return widen(v);
+  return widen(static_cast<uint16_t>(reg >> (16 * half)), T{});
 }
 
 // The value an m16n8k16 mma with fp32 accumulation gives: each of the 16 products of two 16-bit
 // floats is exact in double, and their sum with c is rounded to fp32 once. (A tensor core adds in
 // its own order and precision; the results agree to fp32 rounding, and exactly where every
-// partial sum is representable, which scripts/gpu_check.sh checks on a GPU.)
+// partial sum is representable, which scripts/gpu_check.sh checks on a GPU.) Lanes publish
+// their operands widened to float (A's 8, then B's 4), so each is converted once.
 template <typename T>
-inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
-                         const float (&c)[4]) {
-  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-  const uint32_t* bank = current_worker->exchange_words(mine, 6);
+__attribute__((noinline)) void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2], const float (&c)[4]) {
+  float mine[12];
+  for (unsigned i = 0; i < 4; ++i)
+    for (unsigned h = 0; h < 2; ++h) mine[2 * i + h] = operand<T>(a[i], h);
+  for (unsigned i = 0; i < 2; ++i)
+    for (unsigned h = 0; h < 2; ++h) mine[8 + 2 * i + h] = operand<T>(b[i], h);
+  uint32_t words[12];
+  std::memcpy(words, mine, sizeof words);
+  const float* bank = reinterpret_cast<const float*>(current_worker->exchange_words(words, 12));
+  constexpr unsigned W = Worker::kWords;
   const unsigned lane = current_worker->lane();
   const unsigned g = lane >> 2, t = lane & 3;
-  float out[4];
-  for (unsigned i = 0; i < 4; ++i) {
-    const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
-    double sum = c[i];
-    for (unsigned k = 0; k < 16; ++k) {
-      // A[row][k] sits in lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8);
-      // B[k][col] in lane 4 col + (k % 8) / 2, register k >= 8 (after A's four).
-      const unsigned kk = (k & 7) >> 1, half = k & 1;
-      const uint32_t ra = bank[8 * (4 * (row & 7) + kk) + (row >> 3) + 2 * (k >> 3)];
-      const uint32_t rb = bank[8 * (4 * col + kk) + 4 + (k >> 3)];
-      sum += static_cast<double>(operand<T>(ra, half)) * operand<T>(rb, half);
-    }
-    out[i] = static_cast<float>(sum);
+  // This lane's rows g, g + 8 of A and columns 2t, 2t + 1 of B. A[row][k] is element k & 1 of
+  // register (row >= 8) + 2 (k >= 8) of lane 4 (row % 8) + (k % 8) / 2; B[k][col] element k & 1
+  // of register k >= 8 of lane 4 col + (k % 8) / 2.
+  float arow[2][16], bcol[2][16];
+  for (unsigned k = 0; k < 16; ++k) {
+    const unsigned kk = (k & 7) >> 1, e = k & 1, hi = k >> 3;
+    for (unsigned r = 0; r < 2; ++r) arow[r][k] = bank[W * (4 * g + kk) + 2 * (r + 2 * hi) + e];
+    for (unsigned j = 0; j < 2; ++j) bcol[j][k] = bank[W * (4 * (2 * t + j) + kk) + 8 + 2 * hi + e];
   }
-  for (unsigned i = 0; i < 4; ++i) d[i] = out[i];
+  // The four outputs' sums advance together (independent chains), each over k in order.
+  double sum[4] = {0.0, 0.0, 0.0, 0.0};
+  for (unsigned k = 0; k < 16; ++k) {
+    const double a0 = arow[0][k], a1 = arow[1][k], b0 = bcol[0][k], b1 = bcol[1][k];
+    sum[0] += a0 * b0;
+    sum[1] += a0 * b1;
+    sum[2] += a1 * b0;
+    sum[3] += a1 * b1;
+  }
+  for (unsigned i = 0; i < 4; ++i) d[i] = static_cast<float>(sum[i] + c[i]);
 }
 
 template <int N, bool Trans>
-inline void ldmatrix(uint32_t (&r)[N], const void* row) {
+__attribute__((noinline)) void ldmatrix(uint32_t (&r)[N], const void* row) {
   if (reinterpret_cast<uintptr_t>(row) % 16 != 0 && current_worker->lane() < 8 * N)
     current_worker->report("ldmatrix: a row address is not 16-byte aligned");
   const uint64_t* bank = current_worker->exchange(to_bits(row));
