@@ -109,11 +109,16 @@ class GemmSpec:
     epilogue: str = ""
     a4: bool = False
     a4_mode: str = "dynamic"
+    # W4A4 on Blackwell's block-scaled FP4 MMA (sm_120a/sm_121a; the host runs its emulation):
+    # the kernel reads the 16-bit input and quantizes it as quantize_act (mode a4_mode) would.
+    native: bool = False
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:
             raise ValueError(f"the GEMM family takes f16 or bf16 activations, not {self.act.name}")
         _ = self.fused  # the GEMV spec checks the fused form
+        if self.native and (not self.a4 or self.prologue):
+            raise ValueError("the block-scaled FP4 GEMM takes W4A4 without a prologue")
 
     @classmethod
     def of(cls, fused: GemvSpec, m_max: int) -> GemmSpec:
@@ -140,7 +145,7 @@ class GemmSpec:
     @property
     def tile(self) -> Tile:
         n = max(w.out_features for w in self.weights)
-        return choose_tile(self.m_max, n, self.chunk, self.a4)
+        return choose_tile(self.m_max, n, self.chunk, self.a4, self.native)
 
     @property
     def name(self) -> str:
@@ -149,7 +154,9 @@ class GemmSpec:
         outs = "_".join(str(w.out_features) for w in f.weights)
         fused = ("_silu" if f.prologue else "") + EPILOGUES[f.epilogue]
         if f.a4:
-            fused += "_a4" + (f.a4_mode if f.prologue else "")
+            fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
+        if f.native:
+            fused += "_nvf4"
         return (
             f"qgemm_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}"
             f"_{self.tile.spell}{fused}"
@@ -167,26 +174,31 @@ class GemmSpec:
         return sum(self.tiles(w) for w in self.weights)
 
 
-def smem_bytes(tile: Tile, stages: int, a4: bool) -> int:
+def smem_bytes(tile: Tile, stages: int, a4: bool, native: bool = False) -> int:
     """Static shared memory of a kernel: per stage the two tiles (and W4A4's block factors),
-    plus a W4A4 prologue's per-row scales."""
-    rows = (tile.bm + tile.bn) * (tile.bk + ROW_PAD) * 2
-    factors = (tile.bm + tile.bn) * (tile.bk // 16) * 4 if a4 else 0
-    return stages * (rows + factors) + (tile.bm * 4 if a4 else 0)
+    plus W4A4's per-row scales. The block-scaled FP4 tiles hold packed codes (rows padded by 4
+    words) and a byte per block."""
+    rows = tile.bm + tile.bn
+    if native:
+        return stages * rows * ((tile.bk // 8 + 4) * 4 + tile.bk // 16) + tile.bm * 4
+    tiles = rows * (tile.bk + ROW_PAD) * 2
+    factors = rows * (tile.bk // 16) * 4 if a4 else 0
+    return stages * (tiles + factors) + (tile.bm * 4 if a4 else 0)
 
 
 @cache
-def choose_tile(m_max: int, n: int, chunk: int, a4: bool) -> Tile:
+def choose_tile(m_max: int, n: int, chunk: int, a4: bool, native: bool = False) -> Tile:
     """The table's tile for a bucket ending at `m_max` and `n` output rows. BK grows to the
-    fragment's chunk (a chunk never straddles two K steps); then, until shared memory fits, the
-    stages drop to 2, BN halves (keeping an even number of n8 tiles per warp), then BM."""
+    fragment's chunk (a chunk never straddles two K steps; the block-scaled FP4 MMA takes K in
+    64s); then, until shared memory fits, the stages drop to 2, BN halves (keeping an even
+    number of n8 tiles per warp), then BM."""
     t = next(t for m, n_min, t in GEMM_TILES if m_max <= m and n >= n_min)
-    bm, bn, bk, stages = t.bm, t.bn, max(t.bk, chunk), t.stages
+    bm, bn, bk, stages = t.bm, t.bn, max(t.bk, chunk, 64 if native else 16), t.stages
 
     def tile() -> Tile:
         return Tile(bm, bn, bk, t.warps_m, t.warps_n, stages, t.min_blocks)
 
-    while smem_bytes(tile(), stages, a4) > SMEM_BYTES:
+    while smem_bytes(tile(), stages, a4, native) > SMEM_BYTES:
         if stages > 2:
             stages -= 1
         elif bn // t.warps_n > 16:
@@ -210,10 +222,36 @@ def gemm_header() -> tuple[str, str]:
     return GEMM_HEADER, (TEMPLATES / GEMM_HEADER).read_text()
 
 
-def _a_loader(f: GemmSpec) -> str:
+def _variant(f: GemmSpec) -> dict[str, str]:
+    """The templates of what differs between the GEMM's kinds: the activation loader, the weight
+    adapter, the shared memory, the MMA step, and where the weight chunk goes."""
+    if f.native:
+        return {
+            "a_loader": "gemm/a_nvfp4_native.cuh.j2",
+            "b_adapter": "gemm/b_nvfp4_native.cuh.j2",
+            "smem": "gemm/smem_nvf4.cuh.j2",
+            "mma": "gemm/mma_nvf4.cuh.j2",
+            "b_tile": "&Bc[stage][row][c * CHUNK / 8]",
+            "b_scales": "&Bsf[stage][row][c * BPC]",
+        }
     if f.a4:
-        return "gemm/a_silu_nvfp4.cuh.j2" if f.prologue else "gemm/a_nvfp4.cuh.j2"
-    return "gemm/a_silu.cuh.j2" if f.prologue else "gemm/a_cp_async.cuh.j2"
+        loader = "gemm/a_silu_nvfp4.cuh.j2" if f.prologue else "gemm/a_nvfp4.cuh.j2"
+        return {
+            "a_loader": loader,
+            "b_adapter": "gemm/b_nvfp4_codes.cuh.j2",
+            "smem": "gemm/smem_a4.cuh.j2",
+            "mma": "gemm/mma_a4.cuh.j2",
+            "b_tile": "&Bs[stage][row][c * CHUNK]",
+            "b_scales": "&Bf[stage][row][c * BPC]",
+        }
+    return {
+        "a_loader": "gemm/a_silu.cuh.j2" if f.prologue else "gemm/a_cp_async.cuh.j2",
+        "b_adapter": "gemm/b_dequant.cuh.j2",
+        "smem": "gemm/smem_mma.cuh.j2",
+        "mma": "gemm/mma_16.cuh.j2",
+        "b_tile": "&Bs[stage][row][c * CHUNK]",
+        "b_scales": "nullptr",
+    }
 
 
 def gemm_kernel(spec: GemmSpec) -> Kernel:
@@ -244,26 +282,47 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
     params = _params(spec, frag.params)
     # Pieces rendered here from their own templates (the fragment with its context), so the
     # kernel template only places them.
+    v = _variant(f)
+    scale = "*act_scale" if f.a4_mode != "dynamic" else "row_scale[row]"
     parts = {
         "chunk": frag.chunk_elems,
         "row_bytes": w0.in_features // 2 + 4 * (w0.in_features // 16),
         "a4_mode": f.a4_mode,
+        "mode": 1 if f.a4_mode == "mul" else 0,
+        "scale": scale,
+        "paired": f.paired,
         **frag.context,
     }
     preamble = [render(frag.template, **frag.context)]
-    if f.a4 and f.prologue:
+    if f.a4 and (f.prologue or f.native):
         preamble.append(render("formats/nvfp4_quant.cuh"))
-    preamble.append(
-        render("gemm/b_nvfp4_codes.cuh.j2" if f.a4 else "gemm/b_dequant.cuh.j2", **parts)
-    )
-    row_scale = f.a4 and f.prologue and f.a4_mode == "dynamic"
+    preamble.append(render(v["b_adapter"], **parts))
+    row_scale = ""
+    if f.a4 and f.a4_mode == "dynamic" and (f.prologue or f.native):
+        row_scale = render("gemm/row_scale.cuh.j2" if f.prologue else "gemm/row_scale_x.cuh.j2")
+    finish = ""
+    if f.native:
+        # The row's activation factor is s / scale (mode 0) or s * scale (mode 1), the weight's
+        # s / g or s * g (its scale_op): the MMA took each s, these take the rest.
+        row_factor = f"(1.0f / {scale})" if parts["mode"] == 0 else scale
+        globals_ = ["w0_global_scale", "w1_global_scale"] if f.paired else ["sel_global_scale"] * 2
+        op = frag.context["scale_op"]
+        w_factors = ", ".join(f"(*{g})" if op == "*" else f"(1.0f / *{g})" for g in globals_)
+        finish = render(
+            "gemm/finish_nvf4.cuh.j2", row_factor=row_factor, w_factors=w_factors, paired=f.paired
+        )
     source = render(
         "qgemm.cu.j2",
         name=spec.name,
         doc="\n".join(f"// {line}" for line in _doc(spec)),
         preamble="\n".join(preamble),
-        a_loader=render(_a_loader(f), **parts).rstrip("\n"),
-        row_scale=render("gemm/row_scale.cuh.j2").rstrip("\n") if row_scale else "",
+        a_loader=render(v["a_loader"], **parts).rstrip("\n"),
+        row_scale=row_scale.rstrip("\n"),
+        smem=render(v["smem"]).rstrip("\n"),
+        mma=render(v["mma"]).rstrip("\n"),
+        finish=finish.rstrip("\n"),
+        b_tile=v["b_tile"],
+        b_scales=v["b_scales"],
         signature=",\n    ".join(f"{p.c_type} {p.name}" for p in params),
         act_t=act_t,
         tile=tile,
@@ -277,7 +336,6 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
         ],
         multi=len(segments) > 1 and not f.paired,
         b_args=b_args,
-        a4=f.a4,
         paired=f.paired,
         epilogue=f.epilogue,
     )
@@ -297,11 +355,11 @@ def _params(spec: GemmSpec, frag_params: tuple[KernelParam, ...]) -> list[Kernel
     inputs: tuple[KernelParam, ...]
     if f.prologue:
         inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
-    elif f.a4:
+    elif f.a4 and not f.native:
         inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
     else:
         inputs = (KernelParam("x", act_in, "buffer"),)
-    scale = f.a4 and f.prologue and f.a4_mode != "dynamic"
+    scale = f.a4 and (f.prologue or f.native) and f.a4_mode != "dynamic"
     return [
         *inputs,
         *(
@@ -339,13 +397,24 @@ def _doc(spec: GemmSpec) -> list[str]:
                 f"y{j} = {res}{x} W{j}^T; W{j} is [{w.out_features}, {w.in_features}] in "
                 f"{w0.format.spell()}"
             )
-    lines += [
+    lines.append(
         f"Tensor-core GEMM: {t.bm} x {t.bn} tiles (of {t.warps_m} x {t.warps_n} warps, each "
-        f"{t.mt} x {t.nt} m16n8k16 MMAs), K in steps of {t.bk} through {t.stages} stages;",
-        "fp32 accumulation. The weight tile is dequantized into shared memory by the format's",
-        "fragment, the activation tile "
-        + ("decoded from its NVFP4 codes" if f.a4 and not f.prologue else "staged")
-        + ("" if f.a4 or f.prologue else " by cp.async")
-        + (", each k16 block's product scaled by its two block factors." if f.a4 else "."),
-    ]
+        f"{t.mt} x {t.nt} MMAs), K in steps of {t.bk} through {t.stages} stages; fp32 accumulation."
+    )
+    if f.native:
+        lines += [
+            "Blackwell block-scaled FP4 MMA (m16n8k64, UE4M3 scales per 16; sm_120a/sm_121a,",
+            "compile-checked only: no machine here runs it; the host backend emulates it). The",
+            "activation tile is quantized to NVFP4 in the kernel, as quantize_act would.",
+        ]
+    elif f.a4:
+        lines.append(
+            "E2M1 codes decoded exactly into MMA operands; each k16 block's sum scaled by the "
+            "two block factors."
+        )
+    else:
+        lines.append(
+            "The weight tile is dequantized into shared memory by the format's fragment"
+            + ("." if f.prologue else "; the activation tile arrives by cp.async.")
+        )
     return lines

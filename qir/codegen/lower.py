@@ -10,7 +10,7 @@ of the GEMM's table. A node without a label (no select_kernels pass) runs the GE
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from qir.codegen.elementwise import elementwise_grid_x, elementwise_kernel
@@ -95,7 +95,7 @@ def value_bytes(t: object, sizes: dict[str, int]) -> int:
     return n * t.dtype.itemsize
 
 
-def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
+def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> list[Launch]:
     """A launch per family and batch-size range (see the module docstring); a W4A4 node also
     gets 16-bit twins for batches above W4A4_MAX_M."""
     node = graph.node(name)
@@ -125,11 +125,8 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
     first_gemm = node.attr("gemm_from_m")
     gemm_from = first_gemm if isinstance(first_gemm, int) else ALL_M[1] + 1
 
-    def launches(
-        spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
-    ) -> list[Launch]:
-        """The GEMV below gemm_from, the GEMM per tile bucket from there, within `when`."""
-        args = (
+    def args_of(ins_args: list[Arg], extra: list[Arg]) -> tuple[Arg, ...]:
+        return (
             *ins_args,
             *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
             *(Arg("value", o) for o in outputs),
@@ -137,6 +134,12 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
             *extra,
             Arg("M"),
         )
+
+    def launches(
+        spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
+    ) -> list[Launch]:
+        """The GEMV below gemm_from, the GEMM per tile bucket from there, within `when`."""
+        args = args_of(ins_args, extra)
         lo, hi = when
         out = []
         if lo < gemm_from:
@@ -145,8 +148,14 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
                 Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, gemv_when)
             )
         for bucket in bucket_ranges(max(lo, gemm_from), hi):
-            g = GemmSpec.of(spec, bucket[1])
-            out.append(Launch(gemm_kernel(g), g.grid_x, g.tile.bm, args, outputs, covers, bucket))
+            g, g_args = GemmSpec.of(spec, bucket[1]), args
+            if native_fp4 and spec.a4 and pre_quantized:
+                # Blackwell's block-scaled MMA quantizes the 16-bit input itself, as the
+                # quantize_act it replaces would (its mode and calibrated scale).
+                q_attrs = dict(graph.node(inputs[0]).attrs)
+                g = replace(g, native=True, a4_mode=act_quant_mode(q_attrs))
+                g_args = args_of(x16, _scale_args(q_attrs))
+            out.append(Launch(gemm_kernel(g), g.grid_x, g.tile.bm, g_args, outputs, covers, bucket))
         return out
 
     # The 16-bit path reads what quantize_act would have quantized.
@@ -184,14 +193,16 @@ def _lower_quantize_act(graph: Graph, name: str) -> Launch:
     return Launch(quantize_act_kernel(spec), 1, 1, args, (name,), (name,), (1, W4A4_MAX_M))
 
 
-def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
+def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, native_fp4: bool = False) -> Plan:
+    """The plan of a passed graph. native_fp4: W4A4 GEMMs on Blackwell's block-scaled FP4 MMA,
+    for sm_120a/sm_121a (the host backend emulates it; other GPUs cannot run those kernels)."""
     launches = []
     for name, node in graph.items():
         if node.op in ("input", "weight", "get"):
             continue  # leaves, and projections of a multi-output launch's results
         operands = graph.operands(name)
         if node.op == "qlinear":
-            launches.extend(_lower_qlinear(graph, name, m_tile))
+            launches.extend(_lower_qlinear(graph, name, m_tile, native_fp4))
         elif node.op == "quantize_act":
             launches.append(_lower_quantize_act(graph, name))
         elif spec(node.op).elementwise:

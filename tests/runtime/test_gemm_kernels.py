@@ -12,6 +12,9 @@ tiles on one merged projection at one batch size of the sweep."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 from typing import Any
 
 import numpy as np
@@ -20,6 +23,9 @@ import pytest
 import qir
 from qir.api import Compiled
 from qir.builder import Builder
+from qir.cli import main
+from qir.codegen.kernel import Kernel
+from qir.codegen.lower import lower
 from qir.dtypes import BF16, F16, DType
 from qir.formats.base import WeightFormat
 from qir.formats.dense import Dense
@@ -27,13 +33,19 @@ from qir.formats.fp8 import Fp8
 from qir.formats.mlx import MlxAffine
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.interpret import BindError
 from qir.models import load
 from qir.models.blocks import build
+from qir.passes.manager import PassOptions, run_pipeline
+from qir.runtime import nvrtc
+from qir.runtime.backend import get_backend
 from qir.runtime.executor import CompiledBlock
 from qir.runtime.host import HostBackend
+from qir.runtime.nvrtc import check_no_spills
 from tests.conftest import BACKENDS, DATA, FORMAT_ZOO, max_rel, random_weight, rel_err
 from tests.runtime.test_every_format import HIDDEN, INTER, RAGGED, block, close, inputs, w4a4
 
+needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x")
 SMALL = (1, 7, 16, 33, 64)  # the 64-row tiles (and W4A4)
 LARGE = (130, 257)  # the 128-row tiles
 GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
@@ -231,3 +243,136 @@ def test_sanitized_gemm_matches_the_plain_build(fmt: WeightFormat, tmp_path: Any
     ours, theirs = c(x), sanitized.run(x)
     for name, value in ours.items():
         assert value.tobytes() == theirs[name].tobytes(), name
+
+
+def silu(a: np.ndarray) -> np.ndarray:
+    return a / (1.0 + np.exp(-a))
+
+
+def test_cli_runs_130_rows_through_the_gemm(tmp_path: Any) -> None:
+    """`qir compile --m 130` plans GEMM launches for every projection, and `qir run` with 130
+    rows gives the float32 result of the tool's own decoded weights within 1e-2."""
+    ckpt = DATA / "mlx_affine4_g64_S"
+    golden = np.load(ckpt / "golden.npz")
+    x = np.random.default_rng(130).standard_normal((130, 256)).astype(np.float16)
+    np.save(tmp_path / "x.npy", x)
+    w = {k.split(".")[-1]: golden[k] for k in golden.files if k.startswith("W.0.")}
+    xf = x.astype(np.float32)
+    want = {
+        "mlp": {"y": xf + (silu(xf @ w["gate"].T) * (xf @ w["up"].T)) @ w["down"].T},
+        "qkv": {p: xf @ w[p].T for p in "qkv"},
+    }
+    for name, outputs in want.items():
+        plan = tmp_path / f"{name}.json"
+        assert (
+            main(["-q", "compile", str(ckpt), "--block", name, "--m", "130", "--json", str(plan)])
+            == 0
+        )
+        kernels = [k["name"] for k in json.loads(plan.read_text())["kernels"]]
+        assert kernels and all(k.startswith("qgemm_") for k in kernels), kernels
+        out = tmp_path / f"{name}.npz"
+        args = ["run", str(ckpt), "--block", name, "--input", str(tmp_path / "x.npy")]
+        assert main(["-q", *args, "--out", str(out), "--backend", "host"]) == 0
+        got = np.load(out)
+        for key, value in outputs.items():
+            assert got[key].shape == (130, value.shape[1])
+            assert rel_err(got[key], value) <= 1e-2, (name, key)
+
+
+def test_captured_batches_pad_within_a_family() -> None:
+    """Captures of 16, 64 and 256 rows run the GEMV, the 64-row and the 128-row GEMM tiles: a
+    batch replays the nearest capture that runs its own kernels, bit for bit as a plain run."""
+    graph, weights = block(MlxAffine(4, 64, BF16))
+    c = qir.compile(graph, weights, backend="host")
+    assert c.plan is not None
+    batches = c.capture_batches([16, 64, 256])
+    for m, size in ((10, 16), (40, 64), (100, 256)):
+        assert batches.capture_for(m) is batches.captures[size]
+        x = inputs(m)
+        for name, value in batches(x).items():
+            assert value.tobytes() == c(x)[name].tobytes(), (m, name)
+    with pytest.raises(BindError, match=r"M=10: no captured batch size of at least 10 rows"):
+        c.capture_batches([64])(inputs(10))
+
+
+@pytest.mark.parametrize("fmt", [Nvfp4("div", 4), Nvfp4("mul", 4)], ids=lambda f: f.tag())
+def test_block_scaled_fp4_gemm_on_the_host(
+    fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The W4A4 GEMMs on Blackwell's block-scaled FP4 MMA (what sm_120a runs; here its host
+    emulation): the kernel quantizes x as quantize_act would and equals the interpreter."""
+    graph, weights = block(fmt)
+    passed, _ = run_pipeline(graph, options=PassOptions(gemm_from_m=1))
+    plan = lower(passed, native_fp4=True)
+    native = [la.kernel.name for la in plan.launches if la.kernel.name.endswith("_nvf4")]
+    assert len(native) == 3 and all("_a4dynamic_" in n for n in native)
+    c = CompiledBlock(plan, get_backend("host"), weights)
+    ref = qir.compile(graph, weights, backend="reference")
+    for m in (7, 64):
+        x = inputs(m)
+        ours = c.run(x)
+        close(ours, ref(x), fmt)
+        monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
+        backward = c.run(x)
+        monkeypatch.delenv("QIR_HOST_SCHEDULE")
+        for name, value in ours.items():
+            assert value.tobytes() == backward[name].tobytes(), name
+
+
+# The compile gate beyond test_every_format's (which builds every kernel of its block, GEMMs
+# included, for sm_80 and sm_90): every GEMM kernel of that block for the Blackwell targets.
+BLACKWELL = ("sm_100a", "sm_120a")
+
+
+def gemm_kernels(graph: Graph, native_fp4: bool = False) -> list[Kernel]:
+    passed, _ = run_pipeline(graph, options=PassOptions(gemm_from_m=1))
+    launches = lower(passed, native_fp4=native_fp4).launches
+    return list({la.kernel: None for la in launches if la.kernel.name.startswith("qgemm")})
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("fmt", FORMAT_ZOO, ids=lambda f: f.tag())
+def test_gemm_kernels_build_for_blackwell_without_spills(fmt: WeightFormat) -> None:
+    for kernel in gemm_kernels(block(fmt)[0]):
+        check_no_spills(kernel, BLACKWELL)
+
+
+@needs_nvrtc
+def test_fused_forms_and_block_scaled_fp4_build_on_every_target_without_spills() -> None:
+    """The prologue GEMMs (16-bit and W4A4 quantizing in the prologue) on all four targets, and
+    the block-scaled FP4 GEMMs where their instruction exists: sm_120a and sm_121a (elsewhere
+    they trap)."""
+    for formats in ((MlxAffine(4, 64, BF16), MlxAffine(8, 64, BF16), Fp8("channel")),
+                    (Nvfp4("mul", 4), Nvfp4("div", 4), Nvfp4("div", 4))):  # fmt: skip
+        for kernel in gemm_kernels(prologue_mlp(*formats)[0]):
+            check_no_spills(kernel, ("sm_80", "sm_90", *BLACKWELL))
+    native = [k for k in gemm_kernels(block(Nvfp4("div", 4))[0], True) if k.name.endswith("nvf4")]
+    assert native
+    for kernel in native:
+        check_no_spills(kernel, ("sm_120a", "sm_121a"))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_block_scaled_fp4_instruction_is_in_the_sm_120a_build(tmp_path: Any) -> None:
+    """nvcc's PTX for sm_120a holds the block-scaled MMA; for sm_90 the kernel builds without it
+    (its helper traps there), and ptxas refuses the instruction itself for sm_100a."""
+    (kernel,) = [
+        k for k in gemm_kernels(projections(Nvfp4("div", 4))[0], True) if k.name.endswith("nvf4")
+    ]
+    (tmp_path / "k.cu").write_text(kernel.source)
+    for name, text in kernel.headers:
+        (tmp_path / name).write_text(text)
+
+    def ptx(arch: str) -> str:
+        out = tmp_path / f"{arch}.ptx"
+        cmd = ["nvcc", "-std=c++17", f"-arch={arch}", "-ptx", "k.cu", "-o", str(out)]
+        subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
+        return out.read_text()
+
+    assert "kind::mxf4nvf4.block_scale.scale_vec::4X" in ptx("sm_120a")
+    assert "block_scale" not in ptx("sm_90")
+    forced = tmp_path / "forced.cu"
+    forced.write_text("#define __CUDA_ARCH_FEAT_SM120_ALL 1\n" + kernel.source)
+    cmd = ["nvcc", "-std=c++17", "-arch=sm_100a", "-cubin", str(forced), "-o", "f.cubin"]
+    refused = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode != 0 and "not supported on .target 'sm_100a'" in refused.stderr

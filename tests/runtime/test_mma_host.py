@@ -60,7 +60,15 @@ def c_fragment(lane: int) -> list[tuple[int, int]]:
 
 # One kernel holds every case (one g++ build, one sanitized build), picked by `which`; each case
 # casts the byte buffers it is given. Blocks of 64 threads; single-warp cases leave warp 1 idle.
-CASES = {"mma": 0, "ldmatrix": 1, "ldmatrix_mma": 2, "cp_async": 3, "no_wait": 4, "misaligned": 5}
+CASES = {
+    "mma": 0,
+    "ldmatrix": 1,
+    "ldmatrix_mma": 2,
+    "cp_async": 3,
+    "no_wait": 4,
+    "misaligned": 5,
+    "nvf4": 6,
+}
 HELPERS = kernel(
     "mma_helpers",
     [("which", "int"), *((f"in{i}", "const uint8_t* __restrict__") for i in range(5))]
@@ -170,6 +178,19 @@ HELPERS = kernel(
     qir_cp_async_wait<0>();
     __syncwarp();
     out0[16 + t] = s[t];
+  } else if (which == 6) {
+    // Block-scaled FP4 (sm_120a's instruction, the emulation elsewhere): per tile and lane,
+    // in0: 4 registers of A codes, in1: 2 of B codes, in2: sfa and sfb, in3: 4 floats of C.
+    const int at = (blockIdx.x * 2 + t / 32) * 32 + lane;
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(in0) + at * 4;
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(in1) + at * 2;
+    const uint32_t* sf = reinterpret_cast<const uint32_t*>(in2) + at * 2;
+    const float* c = reinterpret_cast<const float*>(in3) + at * 4;
+    const uint32_t av[4] = {a[0], a[1], a[2], a[3]}, bv[2] = {b[0], b[1]};
+    const float cv[4] = {c[0], c[1], c[2], c[3]};
+    float d[4];
+    qir_mma_m16n8k64_nvf4(d, av, bv, cv, sf[0], sf[1]);
+    for (int i = 0; i < 4; ++i) reinterpret_cast<float*>(out0)[at * 4 + i] = d[i];
   } else {
     // ldmatrix rows 2 bytes past a 16-byte boundary.
     __shared__ __align__(16) uint16_t s[8][16];
@@ -371,6 +392,56 @@ def test_reading_before_the_wait_sees_stale_bytes(host: HostBackend) -> None:
 def test_misaligned_ldmatrix_row_fails_the_launch(host: HostBackend) -> None:
     with pytest.raises(RuntimeError, match="ldmatrix: a row address is not 16-byte aligned"):
         launch(host, "misaligned", [], [np.zeros(32, np.uint8)])
+
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def ue4m3(b: np.ndarray) -> np.ndarray:
+    e, m = (b >> 3) & 15, b & 7
+    return np.where(e > 0, (1 + m / 8) * 2.0 ** (e.astype(np.int64) - 7), m / 512.0)
+
+
+def nvf4_case(seed: int, tiles: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Random E2M1 codes of A (16x64) and B (64x8), UE4M3 scales per 16 along K, C; the
+    registers each lane passes (ISA layouts for the codes; sfa/sfb as qir_mma.cuh places
+    them) and the D each lane should get: the exact scaled sum plus C, rounded once."""
+    rng = np.random.default_rng(seed)
+    ca = rng.integers(0, 16, (tiles, 16, 64))
+    cb = rng.integers(0, 16, (tiles, 64, 8))
+    sa = rng.integers(0x20, 0x48, (tiles, 16, 4))  # 2^-3 .. 2^2: the sum stays exact
+    sb = rng.integers(0x20, 0x48, (tiles, 8, 4))
+    c = rng.integers(-64, 65, (tiles, 16, 8)).astype(np.float32)
+    fa, fb = np.zeros((tiles, 32, 4), np.uint32), np.zeros((tiles, 32, 2), np.uint32)
+    sf, fc = np.zeros((tiles, 32, 2), np.uint32), np.zeros((tiles, 32, 4), np.float32)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(4):
+            row, k0 = g + 8 * (i & 1), 8 * t + 32 * (i >> 1)
+            fa[:, lane, i] = sum(ca[:, row, k0 + j].astype(np.uint32) << (4 * j) for j in range(8))
+        for i in range(2):
+            k0 = 8 * t + 32 * i
+            fb[:, lane, i] = sum(cb[:, k0 + j, g].astype(np.uint32) << (4 * j) for j in range(8))
+        arow = g + 8 * (t & 1)
+        sf[:, lane, 0] = sum(sa[:, arow, b].astype(np.uint32) << (8 * b) for b in range(4))
+        sf[:, lane, 1] = sum(sb[:, g, b].astype(np.uint32) << (8 * b) for b in range(4))
+        for i, (r, col) in enumerate(c_fragment(lane)):
+            fc[:, lane, i] = c[:, r, col]
+    a = E2M1[ca] * np.repeat(ue4m3(sa), 16, axis=2)
+    b = E2M1[cb] * np.repeat(ue4m3(sb), 16, axis=2).transpose(0, 2, 1)
+    d = (np.einsum("tmk,tkn->tmn", a, b) + c).astype(np.float32)
+    want = np.stack(
+        [np.stack([d[:, r, col] for r, col in c_fragment(lane)], -1) for lane in range(32)], 1
+    )
+    return [fa, fb, sf, fc], want
+
+
+def test_block_scaled_fp4_mma_emulation_matches_numpy(host: HostBackend) -> None:
+    """The host body of sm_120a's block-scaled FP4 MMA (the GPU instruction itself is
+    compile-checked only: test_gemm_kernels builds it for sm_120a)."""
+    ins, want = nvf4_case(8, 4)
+    (got,) = launch(host, "nvf4", ins, [np.full((4, 32, 4), np.nan, np.float32)], blocks=2)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("variant", ["reverse", "sanitized"])

@@ -7,6 +7,15 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// Blackwell's warp-level block-scaled FP4 MMA (kind::mxf4nvf4) exists on sm_120a and sm_121a;
+// ptxas refuses it for sm_100a, whose block-scaled MMA is tcgen05's (tensor memory, one thread
+// issues; see README, "GPU paths").
+#if defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL)
+#define QIR_NATIVE_FP4 1
+#else
+#define QIR_NATIVE_FP4 0
+#endif
+
 #if defined(__CUDA_ARCH__)
 // The .shared address of a generic pointer into shared memory, as PTX's shared operands take it.
 __device__ __forceinline__ uint32_t qir_smem_addr(const void* p) {
@@ -56,6 +65,35 @@ __device__ __forceinline__ void qir_mma_m16n8k16<__nv_bfloat16>(float (&d)[4],
         "f"(c[2]), "f"(c[3]));
 #else
   qir_host::mma_m16n8k16<__nv_bfloat16>(d, a, b, c);
+#endif
+}
+
+// D = (A * scale_A) (B * scale_B) + C over one 16x8x64 tile of E2M1 codes, fp32 accumulation,
+// one UE4M3 scale per 16 elements of K (mma ... kind::mxf4nvf4.block_scale.scale_vec::4X, both
+// selectors 0). The PTX ISA's m16n8k64 layouts (g = lane / 4, t = lane % 4): a[i] holds 8 codes
+// (element j in nibble j) of A row g + 8 (i & 1), columns 8t + 32 (i >> 1) + j; b[i] holds B
+// column g, rows 8t + 32 i + j; d and c as for m16n8k16. sfa carries, byte b for k block b, the
+// scales of A row g + 8 (t & 1); sfb those of B column g. (This scale placement is how public
+// sm_120a kernels feed the instruction; the ISA's figure was not at hand.) On sm_120a/sm_121a
+// this is the instruction, compile-checked only: no machine here runs it; the host backend
+// runs the emulation in qir_host.h; other GPUs trap (callers guard with QIR_NATIVE_FP4).
+__device__ __forceinline__ void qir_mma_m16n8k64_nvf4(float (&d)[4], const uint32_t (&a)[4],
+                                                      const uint32_t (&b)[2],
+                                                      const float (&c)[4], uint32_t sfa,
+                                                      uint32_t sfb) {
+#if QIR_NATIVE_FP4
+  const uint16_t zero = 0;
+  asm volatile(
+      "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1"
+      ".f32.ue4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13}, %14, "
+      "{%15, %16}, %17, {%18, %19};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]), "r"(sfa), "h"(zero), "h"(zero), "r"(sfb), "h"(zero), "h"(zero));
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#else
+  qir_host::mma_m16n8k64_nvf4(d, a, b, c, sfa, sfb);
 #endif
 }
 

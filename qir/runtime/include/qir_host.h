@@ -774,6 +774,47 @@ __attribute__((noinline)) void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4
   for (unsigned i = 0; i < 4; ++i) d[i] = static_cast<float>(sum[i] + c[i]);
 }
 
+// E2M1 code (low 4 bits) and UE4M3 byte (sign ignored) as floats, exactly.
+inline float e2m1(uint32_t c) {
+  static const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  return (c & 8u) ? -mag[c & 7u] : mag[c & 7u];
+}
+inline float ue4m3(uint32_t b) {
+  const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+  return e ? std::ldexp(1.0f + m / 8.0f, static_cast<int>(e) - 7) : m * 0.001953125f;
+}
+
+// mma ... m16n8k64 kind::mxf4nvf4 scale_vec::4X (qir_mma_m16n8k64_nvf4 says where each lane's
+// operands and scales sit): each k16 block's E2M1 products sum exactly; the four block sums,
+// scaled by their two UE4M3 factors, and c are added in double and rounded once.
+__attribute__((noinline)) inline void mma_m16n8k64_nvf4(float (&d)[4], const uint32_t (&a)[4],
+                                                        const uint32_t (&b)[2],
+                                                        const float (&c)[4], uint32_t sfa,
+                                                        uint32_t sfb) {
+  const uint32_t mine[8] = {a[0], a[1], a[2], a[3], b[0], b[1], sfa, sfb};
+  const uint32_t* bank = current_worker->exchange_words(mine, 8);
+  constexpr unsigned W = Worker::kWords;
+  const unsigned lane = current_worker->lane();
+  const unsigned g = lane >> 2, t = lane & 3;
+  for (unsigned i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    double sum = c[i];
+    for (unsigned blk = 0; blk < 4; ++blk) {
+      float dot = 0.0f;  // at most 16 products of multiples of 1/4 below 36: exact
+      for (unsigned kk = 0; kk < 16; ++kk) {
+        const unsigned k = 16 * blk + kk, q = (k & 31) >> 3, j = k & 7, hi = k >> 5;
+        const uint32_t ra = bank[W * (4 * (row & 7) + q) + (row >> 3) + 2 * hi];
+        const uint32_t rb = bank[W * (4 * col + q) + 4 + hi];
+        dot += e2m1(ra >> (4 * j)) * e2m1(rb >> (4 * j));
+      }
+      const uint32_t sa = bank[W * (4 * (row & 7) + (row >> 3)) + 6] >> (8 * blk);
+      const uint32_t sb = bank[W * (4 * col) + 7] >> (8 * blk);
+      sum += static_cast<double>(dot) * ue4m3(sa & 0xFFu) * ue4m3(sb & 0xFFu);
+    }
+    d[i] = static_cast<float>(sum);
+  }
+}
+
 template <int N, bool Trans>
 __attribute__((noinline)) void ldmatrix(uint32_t (&r)[N], const void* row) {
   if (reinterpret_cast<uintptr_t>(row) % 16 != 0 && current_worker->lane() < 8 * N)
