@@ -3,10 +3,14 @@
 # in order of what matters most, each stage under its own time limit (seconds, overridable):
 #   1. every `gpu` test (cuda backend vs the interpreter and the goldens, every format,
 #      graph capture, DLPack, the CuPy pool)                     -> $OUT/gpu_tests.log
+#      (the GEMM family's included: cuda vs host vs the interpreter for every format and fusion,
+#      and the PTX mma.sync / ldmatrix / cp.async against their host emulation on the same inputs)
 #   2. benchmarks/llama_shapes.py: every format at Llama-3-8B shapes, fused vs unfused vs
 #      cuBLAS f16, against measured copy bandwidth                -> $OUT/bench.log, llama.json
-#   3. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
-#   4. compute-sanitizer racecheck and memcheck over one fused block of each format family
+#   3. the M sweep (1 .. 4096) of the GEMV/GEMM families over the layer's projections and
+#      8192 x 8192, five formats: us, GB/s, % of copy, TFLOP/s, x cuBLAS -> llama.sweep.json
+#   4. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
+#   5. compute-sanitizer racecheck and memcheck over one fused block of each format family
 #                                                                 -> $OUT/sanitizer.log
 # Worst case about 9 minutes with the default limits; typically far less. Call the device with
 # timeout_s 590 and read $OUT/summary.txt first; llama.json is written row by row, so a stage
@@ -17,8 +21,8 @@ set -uo pipefail
 : "${OUT:?OUT must name the folder whose files come back}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-T_TESTS="${T_TESTS:-150}" T_LLAMA="${T_LLAMA:-240}" T_RUNTIME="${T_RUNTIME:-60}"
-T_SANITIZER="${T_SANITIZER:-45}"
+T_TESTS="${T_TESTS:-200}" T_LLAMA="${T_LLAMA:-100}" T_SWEEP="${T_SWEEP:-140}"
+T_RUNTIME="${T_RUNTIME:-40}" T_SANITIZER="${T_SANITIZER:-30}"
 status=0
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -65,6 +69,11 @@ stage "gpu tests" "$T_TESTS" "$OUT/gpu_tests.log" \
 
 stage "llama_shapes" "$T_LLAMA" "$OUT/bench.log" \
     python3 benchmarks/llama_shapes.py --backend cuda --m 1 8 --json "$OUT/llama.json"
+
+# Rows are written as they are measured: a timeout keeps the sweep so far.
+stage "M sweep" "$T_SWEEP" "$OUT/bench.log" \
+    python3 benchmarks/llama_shapes.py --backend cuda --no-blocks --sweep --repeat 7 --inner 10 \
+    --formats mlx4g64bf16 awq4g128 nvfp4mul nvfp4mula4 fp8ch --json "$OUT/llama.json"
 
 stage "runtime" "$T_RUNTIME" "$OUT/bench.log" python3 benchmarks/runtime.py --repeat 200
 

@@ -145,3 +145,18 @@ def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "cold compile ms" in out and "threads ms" in out and "\nqkv    host [1] " in out
     assert re.search(r"kernel calls stubbed out.*\nqkv +\d+\.\d\n", out)
+
+
+def test_llama_shapes_sweep_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a GPU the M sweep says so, prints its plan (GEMV for decode, the GEMM's tiles for
+    prefill) and times the host backend's GEMM against its GEMV."""
+    bench = load("llama_shapes")
+    argv = ["--backend", "host", "--no-blocks", "--sweep", "--formats", "mlx4g64bf16"]
+    bench.main([*argv, "--shapes", "o", "--sweep-m", "1", "4096", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert "M sweep (device time, GB/s, TFLOP/s, vs cuBLAS f16): not measured: no GPU" in out
+    assert "M=1     qgemv_mlx4g64bf16_f16_n4096_k4096_m8 grid [1024, 1, 1]" in out
+    assert "M=4096  qgemm_mlx4g64bf16_f16_n4096_k4096_128x128x32s2 grid [32, 32, 1]" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("host backend, [256, 256]"))
+    times = dict(re.findall(r"(GEMM|GEMV) ([\d.]+) ms", line))
+    assert float(times["GEMM"]) > 0 and float(times["GEMV"]) > 0
