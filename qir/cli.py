@@ -18,7 +18,7 @@ import numpy as np
 from qir import dtypes
 from qir.api import Compiled, compile
 from qir.audit import audit
-from qir.codegen.lower import lower
+from qir.codegen.lower import Plan, lower
 from qir.dump import dump, plan_json
 from qir.errors import QirError, UsageError
 from qir.graph import Graph
@@ -123,12 +123,27 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     block = _block(args)
     after, _ = _pipeline(args, block)
-    text = json.dumps(plan_json(lower(after), args.m), indent=2) + "\n"
+    plan = lower(after)
+    text = json.dumps(plan_json(plan, args.m), indent=2) + "\n"
     if args.json:
         args.json.write_text(text)
-    else:
+    elif not args.resources:
         sys.stdout.write(text)
+    if args.resources:
+        _print_resources(plan, args.arch, args.m or 1)
     return 0
+
+
+def _print_resources(plan: Plan, arch: str, m: int) -> None:
+    """The static cost table of the launches that run at M (qir.runtime.resources)."""
+    from qir.runtime import nvrtc, resources
+    from qir.runtime.errors import BackendUnavailable
+
+    if not nvrtc.available():
+        raise BackendUnavailable("--resources compiles with NVRTC: pip install 'qir[compile]'")
+    nvrtc.check_arch(arch)
+    print(f"M={m}, {arch}")
+    sys.stdout.write(resources.format_table(resources.kernel_costs(plan, arch, m)))
 
 
 def _max_rel(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
@@ -359,6 +374,13 @@ def parser() -> argparse.ArgumentParser:
     _common(cmp_)
     cmp_.add_argument("--m", type=int, default=None, help="batch rows M to size the grids for")
     cmp_.add_argument("--json", type=Path, help="write the plan here instead of stdout")
+    cmp_.add_argument(
+        "--resources",
+        action="store_true",
+        help="print each kernel's static cost on --arch (registers, spills, occupancy, SASS "
+        "instructions and bytes in flight per 512 B of weights, the bandwidth bound) at --m",
+    )
+    cmp_.add_argument("--arch", default="sm_90", help="arch for --resources (default sm_90)")
     cmp_.set_defaults(func=cmd_compile)
 
     demo = sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from qir.cli import main
+from qir.runtime.nvrtc import available as nvrtc_available
+from qir.runtime.sass import available as sass_available
 from tests.conftest import BACKENDS, DATA, rel_err
 
 CKPT = DATA / "mlx_affine4_g64_S"
@@ -251,3 +254,26 @@ def test_run_audit_reports_each_w4a4_projection(tmp_path):
     for w4a4_vs_w4a16, w4a4_vs_f32, w4a16_vs_f32 in rows.values():
         # 4-bit activations cost far more than the 16-bit rounding does
         assert 0.01 < w4a4_vs_w4a16 < 0.5 and w4a16_vs_f32 < 0.01 < w4a4_vs_f32
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+def test_compile_resources_prints_the_cost_table(capsys):
+    ckpt = DATA / "awq_gemm_g64_S"
+    argv = ["compile", str(ckpt), "--block", "qkv", "--m", "1", "--arch", "sm_100a"]
+    assert main([*argv, "--resources"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("M=1, sm_100a\nkernel ") and "qgemv_awq4g64_f16_n256_256_256_k256_m8" in out
+    )
+    assert re.search(r"\b\d+ \((registers|threads|blocks|smem)\)", out)
+    assert "B200 (sm_100a): budget " in out
+    if sass_available():  # the SASS columns: a number and a bound
+        assert re.search(r"(issue|latency)-bound at \d+%", out)
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+def test_compile_resources_refuses_an_unknown_arch(capsys):
+    argv = ["compile", str(CKPT), "--block", "qkv", "--arch", "sm_999", "--resources"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qir: error: arch 'sm_999'") and err.count("\n") == 1

@@ -1,12 +1,13 @@
 """Checkpoint directories: config.json, format detection, and lazily read quantized linears.
 
-`load(dir)` reads config.json only; tensors are memory-mapped per module when `linear()` asks
-for them, so opening a large checkpoint to build one block touches just that block's bytes.
+`load(dir)` reads config.json, checks every field qir reads against one table
+(qir.models.config_fields) and validates every safetensors header; tensors are memory-mapped per
+module when `linear()` asks for them, so opening a large checkpoint to build one block touches
+just that block's bytes.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.base import FormatError
+from qir.models import strict_json
+from qir.models.checkpoint_dir import find, read_bytes
+from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
 from qir.models.safetensors_io import TensorStore
 from qir.types import QWeight
@@ -70,43 +74,41 @@ class Checkpoint:
         self.family = family
         self.store = TensorStore(path)
 
-    def _int(self, key: str, default: int | None = None) -> int:
-        value = self.config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise FormatError(f"{self.path}/config.json: {key} is {value!r}, expected an int >= 1")
-        return value
+    def field(self, key: str) -> Any:
+        """config.json's `key`, a top-level entry of config_fields.FIELDS (checked when the
+        checkpoint was opened); the entry's default where it is absent or null."""
+        value = self.config.get(key)
+        return BY_KEY[key].default if value is None else value
 
     @property
     def hidden_size(self) -> int:
-        return self._int("hidden_size")
+        return self.field("hidden_size")
 
     @property
     def intermediate_size(self) -> int:
-        return self._int("intermediate_size")
+        return self.field("intermediate_size")
 
     @property
     def num_layers(self) -> int:
-        return self._int("num_hidden_layers")
+        return self.field("num_hidden_layers")
 
     @property
     def num_heads(self) -> int:
-        return self._int("num_attention_heads")
+        return self.field("num_attention_heads")
 
     @property
     def num_kv_heads(self) -> int:
-        return self._int("num_key_value_heads", self.num_heads)
+        return self.field("num_key_value_heads") or self.num_heads
 
     @property
     def head_dim(self) -> int:
         # Absent or null means the HF default, hidden_size / num_heads.
-        if self.config.get("head_dim") is None:
-            return self.hidden_size // self.num_heads
-        return self._int("head_dim")
+        return self.field("head_dim") or self.hidden_size // self.num_heads
 
     @property
     def act_dtype(self) -> DType:
         for key in ("torch_dtype", "dtype"):
-            name = self.config.get(key)
+            name = self.field(key)
             if name is not None:
                 if name not in _ACT_DTYPES:
                     raise FormatError(
@@ -175,28 +177,31 @@ def _unsupported(config: Mapping[str, Any]) -> str:
 
 
 def load(path: str | Path) -> Checkpoint:
-    """Open a checkpoint directory: read config.json and detect its format (tensors stay lazy)."""
+    """Open a checkpoint directory: read and check config.json, detect its format, validate every
+    safetensors header (tensors stay lazy)."""
     path = Path(path)
-    if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise FormatError(f"{path}: checkpoint {what}")
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise FormatError(f"{cfg_path}: missing (a checkpoint directory needs config.json)")
     try:
-        config = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{cfg_path}: not JSON ({e})") from None
+        is_dir, exists = path.is_dir(), path.exists()
+    except OSError as e:  # a name too long, say
+        raise FormatError(f"{path}: cannot open ({e.strerror})") from None
+    if not is_dir:
+        raise FormatError(
+            f"{path}: checkpoint {'is not a directory' if exists else 'does not exist'}"
+        )
+    cfg_path = find(path, "config.json", "config.json")
+    if cfg_path is None:
+        raise FormatError(
+            f"{path / 'config.json'}: missing (a checkpoint directory needs config.json)"
+        )
+    config = strict_json.loads(read_bytes(cfg_path), str(cfg_path))
     if not isinstance(config, dict):
         raise FormatError(f"{cfg_path}: not a JSON object")
     # ModelOpt exports describe the quantization in hf_quant_config.json beside config.json
     # (older ones only there); matchers see it as config["hf_quant_config"].
-    hf_quant = path / "hf_quant_config.json"
-    if hf_quant.is_file():
-        try:
-            config.setdefault("hf_quant_config", json.loads(hf_quant.read_text()))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{hf_quant}: not JSON ({e})") from None
+    hf_quant = find(path, "hf_quant_config.json", "hf_quant_config.json")
+    if hf_quant is not None:
+        config.setdefault("hf_quant_config", strict_json.loads(read_bytes(hf_quant), str(hf_quant)))
+    check_config(config, str(cfg_path))
     load_all()
     for family in FAMILIES:
         if family.matches(config):

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.lower import lower
+from qir.dtypes import BF16
+from qir.formats.nvfp4 import Nvfp4
+from qir.passes.manager import run_pipeline
 from qir.runtime.errors import CompileError
 from qir.runtime.nvrtc import (
+    GATE_ARCHS,
     SpillError,
     available,
     check_no_spills,
     compile_cubin,
     kernel_include_dir,
     nvrtc_version,
+    ptxas_reports,
 )
+from tests.conftest import mlp_graph
 
 # A skip mark rather than importorskip: test_cuda imports this module's kernels on GPU machines
 # that have CuPy but not the `compile` extra.
@@ -139,12 +150,12 @@ def test_compiles_to_cubin_without_spills(kernel: Kernel, arch: str) -> None:
     assert f"'{kernel.name}' for '{arch}'" in result.log
 
 
-def test_check_no_spills_returns_one_result_per_arch() -> None:
+def test_check_no_spills_returns_one_result_per_gate_arch() -> None:
     results = check_no_spills(HALF_SUM)
-    assert [r.arch for r in results] == ["sm_80", "sm_90"]
+    assert [r.arch for r in results] == ["sm_80", "sm_90", "sm_100a", "sm_120a"]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", GATE_ARCHS)
 def test_spilling_kernel_is_rejected_naming_kernel_and_arch(arch: str) -> None:
     assert compile_cubin(SPILLY, arch).spill_bytes > 0
     with pytest.raises(SpillError, match=rf"kernel spilly spills \d+ bytes .* on {arch}") as info:
@@ -194,3 +205,46 @@ def test_nvrtc_error_type_falls_back_when_the_private_module_moves(
     monkeypatch.setitem(sys.modules, "cuda.core._utils.cuda_utils", None)
     assert nvrtc._nvrtc_error() is Exception
     assert nvrtc.available()  # the public API is all the backend needs
+
+
+def test_ptxas_report_reads_each_functions_figures() -> None:
+    result = compile_cubin(SPILLY, "sm_90")
+    report = ptxas_reports(result.log)["spilly"]
+    assert report == result.report
+    assert 0 < report.registers <= 32  # __launch_bounds__(1024, 2): 64K / 2048 threads
+    assert report.spill_stores > 0 and report.spill_loads > 0
+    assert report.stack_bytes >= report.spill_stores // 4  # spills live in the stack frame
+    assert result.spill_bytes == report.spill_stores + report.spill_loads
+
+
+def _issue14_down_projection() -> Kernel:
+    """The W4A4 down projection `qir dump` writes for an NVFP4 W4A4 MLP with hidden 512 and
+    intermediate 1408 (issue 14): 128 registers and 608 bytes of spills on sm_80/sm_90."""
+    g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
+    plan = lower(run_pipeline(g, "default")[0])
+    name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4"
+    return next(la.kernel for la in plan.launches if la.kernel.name == name)
+
+
+@pytest.mark.skipif(
+    shutil.which("nvcc") is None,
+    reason="nvcc is not on PATH (CI installs no CUDA toolkit; the NVRTC side runs there)",
+)
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120a"])
+def test_ptxas_figures_equal_nvccs_on_the_dumped_source(tmp_path: Path, arch: str) -> None:
+    """What the gate reads from NVRTC is what `nvcc -cubin -Xptxas -v` prints for the .cu that
+    `qir dump` writes: registers, stack, spill stores and loads, shared memory, barriers."""
+    for kernel in (_issue14_down_projection(), HALF_SUM, SPILLY):
+        cu = tmp_path / f"{kernel.name}.cu"
+        cu.write_text(kernel.source)
+        for header, text in kernel.headers:
+            (tmp_path / header).write_text(text)
+        nvcc = subprocess.run(
+            ["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", cu.name],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        theirs = ptxas_reports(nvcc.stdout + nvcc.stderr)[kernel.name]
+        assert compile_cubin(kernel, arch).report == theirs, (kernel.name, arch)

@@ -4,6 +4,7 @@ checkpoint tensors a linear needs. Registers no family."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,6 +39,16 @@ def config_int(q: Mapping[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FormatError(f"quantization_config.{key}: expected an integer, got {value!r}")
     return value
+
+
+def regex_match(pattern: str, module: str) -> bool:
+    """Whether the `re:<regex>` entry of a config list matches `module` from its start."""
+    try:
+        return re.match(pattern[3:], module) is not None
+    except re.error as e:
+        raise FormatError(
+            f"quantization_config: {pattern!r} is not a regular expression ({e})"
+        ) from None
 
 
 def not_converted(q: Mapping[str, Any], module: str) -> bool:

@@ -4,11 +4,10 @@ family."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from qir.models.families.common import quant_config
+from qir.models.families.common import quant_config, regex_match
 
 
 def ct_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -35,7 +34,7 @@ def targets(module: str, patterns: Any) -> bool:
     for t in patterns or ():
         if t in ("Linear", module):
             return True
-        if isinstance(t, str) and t.startswith("re:") and re.match(t[3:], module):
+        if isinstance(t, str) and t.startswith("re:") and regex_match(t, module):
             return True
     return False
 

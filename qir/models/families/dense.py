@@ -10,7 +10,6 @@ at all is a family of its own, read entirely as dense.
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ from qir.formats.base import FormatError
 from qir.formats.dense import DTYPES, Dense
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
+from qir.models.families.common import regex_match
 from qir.types import QWeight
 
 # checkpoint.load folds a ModelOpt hf_quant_config.json in as "hf_quant_config".
@@ -36,7 +36,7 @@ def is_excluded(module: str, patterns: Iterable[Any] | None) -> bool:
         if not isinstance(p, str) or not p:
             continue
         if p.startswith("re:"):
-            if re.match(p[3:], module):
+            if regex_match(p, module):
                 return True
         elif "*" in p or "?" in p:
             parts = module.split(".")

@@ -1,0 +1,376 @@
+"""The static cost table: what each kernel of a plan costs on an arch, from its compiled code
+alone (no GPU), and the bandwidth that cost allows at most.
+
+Per kernel: ptxas' registers, spills, stack and shared memory (NVRTC's ptxas -v, the figures
+nvcc -Xptxas -v prints); occupancy (resident blocks per SM from registers, shared memory and
+threads, with the GPU's allocation units); and, for kernels that stream weights, a model of the
+loop that streams them, read off the SASS (nvdisasm, the `sass` extra; qir.runtime.sass):
+
+1. Which loads read weights: the kernel's parameters are labelled (weight buffers from the
+   launch's arguments, and M), and a dataflow pass over the SASS tells which global loads take
+   their address from which buffer, and which branches test M.
+2. The weight loop: loops are back edges; the weight loop is the outermost loop containing
+   loads of the weight buffers (the one with the most such loads, if several). If no loop
+   holds them, the compiler unrolled the K loop entirely (each lane's few chunks), and the
+   whole kernel is the region.
+3. Chunks per pass: Python knows the format's chunk (weights a lane dequantizes at once, the
+   bytes of packed codes that takes), the chunks of a row each lane handles and the DRAM bytes
+   per weight with scales; the SASS tells how many bytes of codes one pass loads. Their ratio
+   is the chunks per pass (the compiler's unroll, times two for a gate/up pair): it must be a
+   whole number, and for an unrolled kernel every chunk of the lane's row; otherwise the cost
+   is not given and the note says why.
+4. Cost at M: every instruction of the weight loop once per pass, nested loops times their
+   trip counts, and the code that branches on M (one row of the batch per branch; the table
+   checks that a pass's branches cover whole multiples of the kernel's m_tile rows) in
+   proportion to the rows that run in each block of rows; a warp makes (its row's chunks /
+   chunks per pass) passes, and runs the rest of the kernel (set-up, shuffle reductions,
+   stores) once, counted the same way. Warp instructions per 512 B of weights = that total /
+   the DRAM bytes of the warp's rows x 512, summed over the blocks of rows (grid.y) that each
+   read the same weights.
+5. Bytes of weights in flight per SM: the most bytes of weight loads a warp has issued and not
+   yet used in a pass (the loads it issues before it first needs one), times 32 lanes, times
+   the warps resident per SM (occupancy, or fewer if the grid is small).
+
+The bound: a GPU issues SMs x schedulers x clock warp instructions per second; in the time its
+DRAM moves 512 B that is the budget per 512 B (qir.runtime.gpus). Issue-bound at budget / cost;
+latency-bound at bytes in flight / Little's law's bytes per SM (bandwidth x latency / SMs),
+whichever is lower.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qir.codegen.fragments import fragment_for
+from qir.codegen.lower import Launch, Plan
+from qir.runtime import sass
+from qir.runtime.gpus import Gpu, gpus_for
+from qir.runtime.nvrtc import PtxasReport, compile_cubin
+from qir.types import QWeight
+
+WARP = 32
+CODES = "weight"  # the buffer of packed codes, in every format
+
+
+@dataclass(frozen=True)
+class WeightStream:
+    """What Python knows about the weights a GEMV launch streams."""
+
+    buffers: frozenset[str]  # kernel parameters that are weight buffers
+    codes: frozenset[str]  # of which the packed codes
+    chunk_elems: int  # weights a lane dequantizes at once
+    chunk_code_bytes: float  # bytes of codes in a chunk
+    bytes_per_weight: float  # DRAM bytes per weight, scales included
+    chunks_per_lane: int  # chunks of one row a lane handles (the most, over lanes)
+    weights_per_warp: int  # rows of different weights one warp computes together (gate/up: 2)
+    row_bytes: int  # DRAM bytes of the rows one warp reads
+    m_tile: int  # batch rows one block covers
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    name: str
+    arch: str
+    gpu: Gpu
+    grid: tuple[int, int, int]
+    threads: int
+    ptxas: PtxasReport
+    blocks_per_sm: int
+    limiter: str  # what limits blocks_per_sm: registers, smem, threads or blocks
+    streams_weights: bool
+    region: str = ""  # "loop" (its address range) or "unrolled"
+    chunks_per_pass: int | None = None
+    instr_per_512: float | None = None
+    mix_per_512: dict[str, float] = field(default_factory=dict)
+    in_flight_per_sm: int | None = None  # bytes of weights
+    at_least: bool = False  # a nested loop with an unknown trip count was counted once
+    notes: tuple[str, ...] = ()
+
+    @property
+    def budget(self) -> float:
+        return self.gpu.instructions_per_bytes(512)
+
+    @property
+    def issue_pct(self) -> float | None:
+        return (
+            None if not self.instr_per_512 else min(100.0, 100 * self.budget / self.instr_per_512)
+        )
+
+    @property
+    def latency_pct(self) -> float | None:
+        if self.in_flight_per_sm is None:
+            return None
+        return min(100.0, 100 * self.in_flight_per_sm / self.gpu.bytes_in_flight_per_sm())
+
+    @property
+    def bound(self) -> str:
+        """ "issue-bound at N%" or "latency-bound at N%", whichever caps bandwidth lower."""
+        issue, latency = self.issue_pct, self.latency_pct
+        if issue is None or latency is None:
+            return "n/a" if not self.streams_weights else "?"
+        if issue <= latency:
+            return f"issue-bound at {'<=' if self.at_least else ''}{issue:.0f}%"
+        return f"latency-bound at {latency:.0f}%"
+
+
+def occupancy(gpu: Gpu, registers: int, smem: int, threads: int) -> tuple[int, str]:
+    """Resident blocks per SM and what limits them, as the CUDA occupancy calculator counts."""
+    warps = -(-threads // WARP)
+    limits = {"blocks": gpu.blocks_per_sm, "threads": gpu.threads_per_sm // (warps * WARP)}
+    if registers:
+        per_warp = -(-registers * WARP // gpu.register_unit) * gpu.register_unit
+        limits["registers"] = gpu.registers_per_sm // per_warp // warps
+    per_block = -(-(smem + gpu.smem_reserved_per_block) // gpu.smem_unit) * gpu.smem_unit
+    limits["smem"] = gpu.smem_per_sm // per_block
+    limiter = min(limits, key=lambda k: limits[k])
+    return limits[limiter], limiter
+
+
+def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
+    """The weight stream of a launch with weight arguments (None for quantize_act, elementwise)."""
+    params = launch.kernel.params
+    if len(params) != len(launch.args):
+        return None
+    buffers, codes, weights = set(), set(), []
+    for p, a in zip(params, launch.args, strict=True):
+        if a.kind != "weight":
+            continue
+        buffers.add(p.name)
+        if a.buffer == CODES:
+            codes.add(p.name)
+            w = plan.graph.node(a.ref).type
+            assert isinstance(w, QWeight)
+            weights.append(w)
+    if not weights:
+        return None
+    w = weights[0]
+    fmt = w.format
+    frag = fragment_for(fmt, w.out_features, w.in_features)
+    code = fmt.buffers(w.out_features, w.in_features)[CODES]
+    code_bytes = (
+        math.prod(code.concrete({})) * code.dtype.itemsize / (w.out_features * w.in_features)
+    )
+    per_warp = max(1, len(weights) // max(1, len(launch.outputs)))
+    return WeightStream(
+        buffers=frozenset(buffers),
+        codes=frozenset(codes),
+        chunk_elems=frag.chunk_elems,
+        chunk_code_bytes=frag.chunk_elems * code_bytes,
+        bytes_per_weight=fmt.bytes_per_weight(),
+        chunks_per_lane=-(-frag.chunks_per_row(w.in_features) // WARP),
+        weights_per_warp=per_warp,
+        row_bytes=round(per_warp * w.in_features * fmt.bytes_per_weight()),
+        m_tile=launch.m_tile,
+    )
+
+
+def param_slots(launch: Launch, arch: str) -> dict[int, str]:
+    """Constant-bank word -> kernel parameter name (M's is "M"), for the dataflow labels."""
+    base, offset, slots = sass.param_base(arch), 0, {}
+    for p, a in zip(launch.kernel.params, launch.args, strict=False):
+        size = 8 if p.kind == "buffer" else 4
+        offset = -(-offset // size) * size
+        for word in range(0, size, 4):
+            slots[base + offset + word] = "M" if a.kind == "M" else p.name
+        offset += size
+    return slots
+
+
+def kernel_costs(what: Plan | Any, arch: str, m: int, gpu: Gpu | None = None) -> list[KernelCost]:
+    """The cost table of the launches that run at batch size `m`, compiled for `arch` (through
+    the NVRTC cache), on `gpu` (default: the arch's reference GPU, qir.runtime.gpus). `what` is
+    a Plan or a qir.api.Compiled for a kernel backend."""
+    plan = what if isinstance(what, Plan) else getattr(what, "plan", None)
+    if not isinstance(plan, Plan):
+        raise TypeError("kernel_costs takes a Plan or a Compiled with a plan (host or cuda)")
+    target = gpu or gpus_for(arch)[0]
+    return [_cost(plan, launch, arch, m, target) for launch in plan.launches if launch.runs_for(m)]
+
+
+def _cost(plan: Plan, launch: Launch, arch: str, m: int, gpu: Gpu) -> KernelCost:
+    result = compile_cubin(launch.kernel, arch)
+    report = result.report
+    threads = math.prod(launch.kernel.block)
+    blocks, limiter = occupancy(gpu, report.registers, report.smem_bytes, threads)
+    stream = weight_stream(plan, launch)
+    base = KernelCost(
+        launch.kernel.name,
+        arch,
+        gpu,
+        launch.grid(m),
+        threads,
+        report,
+        blocks,
+        limiter,
+        stream is not None,
+    )
+    if stream is None:
+        return base
+    if not sass.available():
+        return _replace(base, notes=("SASS columns need nvdisasm: pip install 'qir[sass]'",))
+    instrs = sass.disassemble(result.cubin, launch.kernel.name)
+    return _stream_cost(base, launch, stream, instrs, m)
+
+
+def _replace(c: KernelCost, **changes: Any) -> KernelCost:
+    from dataclasses import replace
+
+    return replace(c, **changes)
+
+
+def _stream_cost(
+    base: KernelCost, launch: Launch, stream: WeightStream, instrs: Sequence[sass.Instr], m: int
+) -> KernelCost:
+    flow = sass.labels(instrs, param_slots(launch, base.arch))
+    loops = sass.loops(instrs)
+    loads = [
+        i
+        for i, ins in enumerate(instrs)
+        if ins.op in sass.GLOBAL_LOADS and flow.address[i] & stream.buffers
+    ]
+    if not loads:
+        return _replace(base, notes=("no load of the weight buffers found in the SASS",))
+    holding = [lp for lp in loops if any(i in lp for i in loads)]
+    outer = [lp for lp in holding if not any(lp.inside(o) for o in holding)]
+    notes: list[str] = []
+    if outer:
+        span = max(outer, key=lambda lp: sum(i in lp for i in loads))
+        where = f"loop {span.head * 16:#x}-{span.tail * 16:#x}"
+    else:
+        span = sass.Loop(0, len(instrs) - 1)
+        where = "unrolled"
+    whole = sass.region(instrs, sass.Loop(0, len(instrs) - 1), flow, loops, "M")
+    r = sass.region(instrs, span, flow, loops, "M") if outer else whole
+    code_bytes = sass.loaded_bytes(instrs, r, flow, set(stream.codes))
+    chunks = code_bytes / stream.chunk_code_bytes
+    expected = stream.chunks_per_lane * stream.weights_per_warp
+    if chunks != int(chunks) or chunks < 1 or chunks > expected:
+        notes.append(
+            f"a pass loads {code_bytes} B of codes per lane: not a whole number of "
+            f"{stream.chunk_code_bytes:g}-byte chunks up to {expected}"
+        )
+        return _replace(base, region=where, notes=tuple(notes))
+    if not outer and chunks != expected:
+        notes.append(f"unrolled kernel loads {chunks:.0f} chunks per lane, expected {expected}")
+        return _replace(base, region=where, notes=tuple(notes))
+    # A warp runs the weight loop once per `chunks` of its row's chunks, and the rest of the
+    # kernel (index set-up, the shuffle reductions, the stores) once.
+    passes = expected / chunks
+    mix: dict[str, float] = {}
+    for tile in range(launch.grid(m)[1]):
+        share = min(stream.m_tile, m - tile * stream.m_tile) / stream.m_tile
+        loop_mix = sass.cost(instrs, r, share) if outer else {}
+        for mix_part, times in (
+            (loop_mix, passes),
+            (sass.cost(instrs, whole, share, span if outer else None), 1.0),
+        ):
+            for op, n in mix_part.items():
+                mix[op] = mix.get(op, 0.0) + n * times * 512 / stream.row_bytes
+    unknown = [lp for lp in (*whole.unknown_loops, *r.unknown_loops) if lp != span]
+    if unknown:
+        spans = ", ".join(sorted({f"{lp.head * 16:#x}-{lp.tail * 16:#x}" for lp in unknown}))
+        notes.append(f"loops with an unknown trip count counted once: {spans}")
+    if outer and r.rows_covered % stream.m_tile:
+        notes.append(
+            f"{r.rows_covered} branches on M per pass, not a multiple of the kernel's "
+            f"{stream.m_tile} rows: the cost below {stream.m_tile} rows is approximate"
+        )
+    lanes_in_flight = sass.in_flight(
+        instrs, span, flow, set(stream.buffers), passes=2 if outer else 1
+    )
+    grid_blocks = launch.grid(m)[0] * launch.grid(m)[1]
+    resident = min(base.blocks_per_sm, -(-grid_blocks // base.gpu.sms))
+    warps = resident * -(-base.threads // WARP)
+    return _replace(
+        base,
+        region=where,
+        chunks_per_pass=int(chunks),
+        instr_per_512=sum(mix.values()),
+        mix_per_512=dict(sorted(mix.items(), key=lambda kv: -kv[1])),
+        in_flight_per_sm=lanes_in_flight * WARP * warps,
+        at_least=bool(unknown),
+        notes=tuple(notes),
+    )
+
+
+COLUMNS = (
+    "kernel",
+    "regs",
+    "spill st/ld",
+    "stack",
+    "smem",
+    "blocks/SM",
+    "instr/512B",
+    "in flight/SM",
+    "bound",
+)
+
+
+def format_table(costs: Sequence[KernelCost], mix_top: int = 6) -> str:
+    """The cost table as text: one line per kernel, then its region, its instruction mix per
+    512 B of weights and any notes; the GPU's budget last."""
+    if not costs:
+        return "no launch runs at this M\n"
+    rows = [COLUMNS]
+    for c in costs:
+        r = c.ptxas
+        rows.append(
+            (
+                c.name,
+                str(r.registers),
+                f"{r.spill_stores}/{r.spill_loads}",
+                str(r.stack_bytes),
+                str(r.smem_bytes),
+                f"{c.blocks_per_sm} ({c.limiter})",
+                _num(c, c.instr_per_512, ">={:.0f}" if c.at_least else "{:.0f}"),
+                _num(
+                    c,
+                    None if c.in_flight_per_sm is None else c.in_flight_per_sm / 1024,
+                    "{:.1f} KB",
+                ),
+                c.bound,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+        )
+        c = costs[n - 1]
+        if n == 0 or not c.streams_weights:
+            continue
+        detail = []
+        if c.region:
+            per = f", {c.chunks_per_pass} chunk(s) per lane per pass" if c.chunks_per_pass else ""
+            detail.append(f"{c.region}{per}")
+        if c.mix_per_512:
+            top = list(c.mix_per_512.items())[:mix_top]
+            detail.append("per 512 B: " + " ".join(f"{op} {n:.0f}" for op, n in top))
+        if detail:
+            lines.append("    " + "; ".join(detail))
+        lines += [f"    note: {n}" for n in c.notes]
+    g = costs[0].gpu
+    lines.append(
+        f"{g.name} ({costs[0].arch}): budget {g.instructions_per_bytes(512):.0f} warp instructions "
+        f"per 512 B ({g.sms} SMs x {g.schedulers_per_sm} x {g.clock_hz / 1e9:.2f} GHz against "
+        f"{g.bandwidth / 1e12:.2f} TB/s); Little's law {g.bytes_in_flight_per_sm() / 1024:.1f} KB "
+        "in flight per SM"
+    )
+    if not sass.available() and any(c.streams_weights for c in costs):
+        lines.append(
+            "instr/512B, in flight/SM, bound: not filled, no nvdisasm (pip install 'qir[sass]')"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _num(c: KernelCost, value: float | None, fmt: str) -> str:
+    if not c.streams_weights:
+        return "n/a"
+    return "?" if value is None else fmt.format(value)

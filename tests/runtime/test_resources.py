@@ -1,0 +1,230 @@
+"""The static cost table: GPU budget maths, occupancy, the SASS analyses on small hand-written
+instruction lists, and the table of real kernels compiled by NVRTC and read by nvdisasm."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from qir.builder import Builder
+from qir.codegen.lower import Plan, lower
+from qir.dtypes import BF16, F16
+from qir.formats.awq import Awq
+from qir.formats.nvfp4 import Nvfp4
+from qir.passes.manager import run_pipeline
+from qir.runtime import nvrtc, sass
+from qir.runtime.gpus import GPUS, gpu, gpus_for
+from qir.runtime.resources import format_table, kernel_costs, occupancy, weight_stream
+from qir.types import QWeight
+from tests.conftest import mlp_graph
+
+needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+needs_sass = pytest.mark.skipif(not sass.available(), reason="needs nvdisasm (qir[sass])")
+
+
+def test_h200_budget_is_the_issue_arithmetic() -> None:
+    """132 SMs x 4 schedulers x 1.98 GHz = 1.05e12 warp instructions/s against 4.8e12 B/s:
+    ~111 per 512 B; Little's law at 600 ns: ~22 KB in flight per SM."""
+    h200 = gpu("H200")
+    assert h200.warp_instructions_per_s == pytest.approx(1.05e12, rel=0.005)
+    assert h200.instructions_per_bytes(512) == pytest.approx(111, abs=1)
+    assert h200.bytes_in_flight_per_sm() == pytest.approx(22e3, rel=0.01)
+    # H100: the same SMs and clock against 3.35 TB/s, so more instructions per byte.
+    assert gpu("H100").instructions_per_bytes(512) == pytest.approx(160, abs=1)
+
+
+def test_every_gate_arch_has_a_reference_gpu() -> None:
+    assert [gpus_for(a)[0].name for a in nvrtc.GATE_ARCHS] == ["A100", "H200", "B200", "RTX 5090"]
+    assert {g.name for g in gpus_for("sm_90a")} == {"H100", "H200"}
+    with pytest.raises(Exception, match="sm_75"):
+        gpus_for("sm_75")
+    assert len(GPUS) == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "regs", "smem", "threads", "want"),
+    [
+        ("H200", 80, 0, 128, (6, "registers")),  # 2560 registers a warp: 25 warps
+        ("H200", 128, 0, 128, (4, "registers")),
+        ("H200", 32, 0, 128, (16, "threads")),  # 2048 threads
+        ("H200", 32, 48 * 1024, 128, (4, "smem")),  # 49 KB with the reserved 1 KB
+        ("RTX 5090", 32, 0, 128, (12, "threads")),  # 1536 threads per SM
+        ("A100", 72, 0, 128, (7, "registers")),  # 72 x 32 = 2304 -> 2304 (unit 256)
+        ("H200", 16, 0, 32, (32, "blocks")),
+    ],
+)
+def test_occupancy_counts_like_the_cuda_calculator(name, regs, smem, threads, want) -> None:
+    assert occupancy(gpu(name), regs, smem, threads) == want
+
+
+def _ins(*lines: str) -> tuple[sass.Instr, ...]:
+    """Instructions from 'opcode operands' text, with an optional '@P0 ' guard."""
+    out = []
+    for i, line in enumerate(lines):
+        guard = ""
+        if line.startswith("@"):
+            guard, line = line.split(" ", 1)
+        opcode, _, ops = line.partition(" ")
+        out.append(sass.Instr(i, opcode, sass._split(ops), guard))
+    return tuple(out)
+
+
+def _at(i: int) -> str:
+    return hex(i * sass.INSTRUCTION_BYTES)
+
+
+def test_counted_loop_trip_count_and_the_exit_before_a_plain_back_branch() -> None:
+    # R5 = 3 (as two halves), stepped by 4 before the test against 11: 3 -> 7 -> 11, 2 trips.
+    rotated = _ins(
+        "HFMA2.MMA R5, -RZ, RZ, 0, 1.78813934326171875e-07",
+        "IADD3 R5, R5, 0x4, RZ",
+        "ISETP.NE.AND P0, PT, R5, 0xb, PT",
+        f"@P0 BRA {_at(1)}",
+        "EXIT",
+    )
+    (loop,) = sass.loops(rotated)
+    assert (loop.head, loop.tail) == (1, 3) and sass.trip_count(rotated, loop) == 2
+    # sm_80's form: `@!P0 CALL.REL.NOINC out; BRA head`, the test before the step: 0..5 by 1.
+    exit_form = _ins(
+        "MOV R7, RZ",
+        "ISETP.GE.U32.AND P0, PT, R7, 0x5, PT",
+        "IADD3 R7, R7, 0x1, RZ",
+        f"@P0 CALL.REL.NOINC {_at(5)}",
+        f"BRA {_at(1)}",
+        "EXIT",
+    )
+    (loop,) = sass.loops(exit_form)
+    assert sass.trip_count(exit_form, loop) == 6
+    # A start that depends on the lane is not a counted loop; the padding self-branch no loop.
+    lane = _ins(
+        "S2R R7, SR_TID.X",
+        "IADD3 R7, R7, 0x20, RZ",
+        "ISETP.GE.AND P0, PT, R7, 0x1c0, PT",
+        f"@!P0 BRA {_at(1)}",
+        "EXIT",
+        f"BRA {_at(5)}",
+    )
+    (loop,) = sass.loops(lane)
+    assert sass.trip_count(lane, loop) is None
+
+
+def test_dataflow_labels_loads_by_buffer_and_branches_on_m() -> None:
+    # Parameters at sm_90's base 0x210: w (8 bytes) then x (8) then M (4).
+    slots = {0x210: "w", 0x214: "w", 0x218: "x", 0x21C: "x", 0x220: "M"}
+    code = _ins(
+        "LDC.64 R2, c[0x0][0x210]",
+        "LDCU.128 UR4, c[0x0][0x218]",  # x, then M and padding
+        "S2R R0, SR_TID.X",
+        "IMAD.WIDE R2, R0, 0x10, R2",
+        "LDG.E.128.CONSTANT R8, desc[UR8][R2.64]",
+        "IADD3 R4, P0, R0, UR4, RZ",
+        "IADD3.X R5, RZ, UR5, RZ, P0, !PT",
+        "ISETP.GE.AND P1, PT, R0, UR6, PT",
+        f"@P1 BRA {_at(11)}",
+        "LDG.E.64 R12, desc[UR8][R4.64]",
+        "FFMA R8, R8, R12, RZ",
+        "EXIT",
+    )
+    flow = sass.labels(code, slots)
+    assert flow.address[4] == {"w"} and flow.address[9] == {"x"}
+    assert flow.guard[8] == {"M"}
+    span = sass.Loop(0, len(code) - 1)
+    region = sass.region(code, span, flow, (), "M")
+    assert region.rows == ((8, 11),) and region.rows_covered == 1
+    # Rows that do not run skip the x load and the FFMA: half the rows, half of those two.
+    full, half = (sum(sass.cost(code, region, share).values()) for share in (1.0, 0.5))
+    assert full - half == pytest.approx(1.0) and full == len(code)
+    assert sass.loaded_bytes(code, region, flow, {"w"}) == 16
+    # The weight load is outstanding until the FFMA reads R8: 16 bytes per thread.
+    assert sass.in_flight(code, span, flow, {"w"}, passes=1) == 16
+
+
+def _down(fmt, hidden: int, inter: int, act=BF16) -> Plan:
+    b = Builder("down")
+    x = b.input("x", ("M", inter), act)
+    r = b.input("r", ("M", hidden), act)
+    w = b.weight("d", QWeight(fmt, hidden, inter), name="w_d")
+    b.output("y", b.add(r, b.qlinear(x, w, name="d")))
+    return lower(run_pipeline(b.graph, "default")[0])
+
+
+@needs_nvrtc
+@needs_sass
+def test_cost_table_of_a_real_kernel_agrees_with_its_sass_and_the_maths() -> None:
+    """AWQ 4-bit, K = 14336 (14 chunks of 32 weights per lane: a loop in the SASS). Every
+    figure comes from NVRTC and nvdisasm; the checks are what must hold between them."""
+    fmt = Awq(4, 128)
+    plan = _down(fmt, 256, 14336, F16)
+    (launch,) = plan.launches
+    one, eight = (kernel_costs(plan, "sm_90", m)[0] for m in (1, 8))
+    result = nvrtc.compile_cubin(launch.kernel, "sm_90")
+    instrs = sass.disassemble(result.cubin, launch.kernel.name)
+    # ptxas' registers cover every register the SASS names; no spill code without spills.
+    used = max(int(r[1:]) for i in instrs for tok in i.operands for r in re.findall(r"\bR\d+", tok))
+    assert used < one.ptxas.registers <= 255
+    assert one.ptxas.spill_stores == sum(i.op == "STL" for i in instrs) == 0
+    assert one.region.startswith("loop") and one.chunks_per_pass is not None
+    assert one.blocks_per_sm == occupancy(gpu("H200"), one.ptxas.registers, 0, 128)[0]
+    # The template does one fmaf per weight per row: 512 B hold 512 / bytes_per_weight weights,
+    # 32 per warp instruction. Seven more rows add exactly seven times that many FFMAs.
+    ffma_per_row = 512 / fmt.bytes_per_weight() / 32
+    assert one.mix_per_512["FFMA"] >= ffma_per_row
+    extra = eight.mix_per_512["FFMA"] - one.mix_per_512["FFMA"]
+    assert extra == pytest.approx(7 * ffma_per_row, rel=1e-6)
+    assert eight.instr_per_512 > one.instr_per_512 > eight.mix_per_512["FFMA"] - extra
+    # Each lane loads its chunk's 16 bytes of codes before using them: at least that much is
+    # in flight per warp, for every resident warp (the grid has 64 blocks: one per SM).
+    assert one.in_flight_per_sm >= 16 * 32 * 4
+    assert one.bound == min(
+        f"issue-bound at {one.issue_pct:.0f}%", f"latency-bound at {one.latency_pct:.0f}%"
+    ) or one.bound.endswith(f"{min(one.issue_pct, one.latency_pct):.0f}%")
+    table = format_table([one])
+    assert launch.kernel.name in table and "H200 (sm_90): budget 112" in table
+
+
+@needs_nvrtc
+@needs_sass
+def test_spill_figures_match_the_spill_code_in_the_sass() -> None:
+    """The W4A4 down projection of issue 14 (NVFP4, hidden 512, intermediate 1408): ptxas'
+    spill stores show as STL instructions, and the table says how many bytes."""
+    g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
+    plan = lower(run_pipeline(g, "default")[0])
+    costs = {c.name: c for c in kernel_costs(plan, "sm_90", 1)}
+    name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4"
+    result = nvrtc.compile_cubin(
+        next(la.kernel for la in plan.launches if la.kernel.name == name), "sm_90"
+    )
+    stl = sum(i.op == "STL" for i in sass.disassemble(result.cubin, name))
+    assert (costs[name].ptxas.spill_stores > 0) == (stl > 0)
+    assert f"{costs[name].ptxas.spill_stores}/{costs[name].ptxas.spill_loads}" in format_table(
+        list(costs.values())
+    )
+    # quantize_act streams no weights: its SASS columns are n/a.
+    qa = next(c for c in costs.values() if c.name.startswith("quantize_act"))
+    assert not qa.streams_weights and qa.bound == "n/a"
+
+
+@needs_nvrtc
+def test_without_nvdisasm_the_table_says_what_it_cannot_fill(monkeypatch) -> None:
+    monkeypatch.setattr(sass, "available", lambda: False)
+    plan = _down(Awq(4, 128), 256, 512, F16)
+    (cost,) = kernel_costs(plan, "sm_80", 1)
+    assert cost.instr_per_512 is None and cost.bound == "?" and cost.ptxas.registers > 0
+    table = format_table([cost])
+    assert "no nvdisasm (pip install 'qir[sass]')" in table and "A100 (sm_80)" in table
+
+
+def test_weight_stream_knows_the_chunk_and_the_code_buffer() -> None:
+    plan = _down(Awq(4, 128), 256, 14336, F16)
+    stream = weight_stream(plan, plan.launches[0])
+    assert stream is not None
+    assert stream.codes == {"w0_weight"} and stream.buffers == {
+        "w0_weight",
+        "w0_zeros",
+        "w0_scales",
+    }
+    assert stream.chunk_elems * 4 / 8 == stream.chunk_code_bytes  # 4-bit codes
+    assert stream.chunks_per_lane == -(-14336 // stream.chunk_elems // 32)
+    assert stream.weights_per_warp == 1 and stream.m_tile == 8
