@@ -158,7 +158,7 @@ def test_llama_shapes_sweep_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "M sweep (device time, GB/s, TFLOP/s, vs cuBLAS f16): not measured: no GPU" in out
     assert "M=1     qgemv_mlx4g64bf16_f16_n4096_k4096_m8 grid [1024, 1, 1]" in out
-    assert "M=4096  qgemm_mlx4g64bf16_f16_n4096_k4096_128x128x32s2 grid [32, 32, 1]" in out
+    assert "M=4096  qgemm_mlx4g64bf16_f16_n4096_k4096_128x128x32s2w2x4 grid [32, 32, 1]" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("host backend, [256, 256]"))
     times = dict(re.findall(r"(GEMM|GEMV) ([\d.]+) ms", line))
     assert float(times["GEMM"]) > 0 and float(times["GEMV"]) > 0

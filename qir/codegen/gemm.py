@@ -65,7 +65,7 @@ class Tile:
 
     @property
     def spell(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}s{self.stages}"
+        return f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.warps_m}x{self.warps_n}"
 
 
 # The one tile table: (largest M, smallest N, tile); the first row whose M bound is at least
@@ -76,7 +76,7 @@ class Tile:
 # only up to 64 rows (W4A4_MAX_M), inside the first bucket.
 GEMM_TILES: tuple[tuple[int, int, Tile], ...] = (
     (64, 4096, Tile(64, 64, 32, 2, 2, stages=3, min_blocks=2)),
-    (64, 0, Tile(64, 32, 32, 2, 1, stages=3, min_blocks=2)),
+    (64, 0, Tile(64, 32, 32, 4, 1, stages=3, min_blocks=2)),
     (MAX_M, 4096, Tile(128, 128, 32, 2, 4, stages=3, min_blocks=1)),
     (MAX_M, 0, Tile(128, 64, 32, 2, 2, stages=3, min_blocks=1)),
 )

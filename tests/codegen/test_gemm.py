@@ -69,13 +69,13 @@ def test_w4a4_nodes_split_at_their_crossover_and_at_64_rows() -> None:
     passed, _ = run_pipeline(mlp(Nvfp4("div", 4), BF16), options=PassOptions(gemm_from_m=1))
     names = [(la.kernel.name, la.when) for la in lower(passed).launches]
     assert [n for n, w in names if w == (1, 64) and n.startswith("qgemm")] == [
-        "qgemm_nvfp4diva4_bf16_n384_384_k256_64x32x32s3_silumul_a4",
-        "qgemm_nvfp4diva4_bf16_n256_k384_64x32x32s3_res_a4",
+        "qgemm_nvfp4diva4_bf16_n384_384_k256_64x32x32s3w4x1_silumul_a4",
+        "qgemm_nvfp4diva4_bf16_n256_k384_64x32x32s3w4x1_res_a4",
     ]
     # above 64 rows the 16-bit twins, on the 128-row tiles
     assert [n for n, w in names if w[0] == 65] == [
-        "qgemm_nvfp4diva4_bf16_n384_384_k256_128x64x32s3_silumul",
-        "qgemm_nvfp4diva4_bf16_n256_k384_128x64x32s3_res",
+        "qgemm_nvfp4diva4_bf16_n384_384_k256_128x64x32s3w2x2_silumul",
+        "qgemm_nvfp4diva4_bf16_n256_k384_128x64x32s3w2x2_res",
     ]
 
 
@@ -134,7 +134,7 @@ def test_template_substitutes() -> None:
 def test_kernel_source_spells_its_specialisation() -> None:
     w = QWeight(FMT4, 37, 256)
     k = gemm_kernel(GemmSpec((w, QWeight(FMT4, 40, 256)), F16, ALL_M[1]))
-    assert k.name == "qgemm_mlx4g64bf16_f16_n37_40_k256_128x64x32s3"
+    assert k.name == "qgemm_mlx4g64bf16_f16_n37_40_k256_128x64x32s3w2x2"
     assert k.block == (128, 1, 1)
     assert "y0 = x W0^T; W0 is [37, 256]" in k.source
     assert "qir_mma_m16n8k16<act_t>" in k.source and "qir_cp_async_cg16" in k.source
