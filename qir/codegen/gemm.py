@@ -9,6 +9,10 @@ memory by the format's own fragment (the GEMV's `qir_dequant_chunk`), so a forma
 module. Several weights sharing the input (q/k/v) take consecutive ranges of grid.x, each with
 its own scales; gate/up are interleaved by 8 rows in one tile so silu(g) * u is the epilogue.
 
+Numerics: the tensor cores multiply 16-bit operands, so each dequantized weight is rounded once to
+the activation type (f16 or bf16) where the GEMV multiplies it in fp32; products are exact and
+sums fp32. W4A4 loses nothing: E2M1 values are exact in both types.
+
 Python decides every constant here (the tile from `GEMM_TILES`, the pipeline depth from the
 shared-memory budget, the loaders, the argument expressions); the template only substitutes.
 """

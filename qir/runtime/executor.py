@@ -434,8 +434,9 @@ class CapturedBlock:
 class CapturedBatches:
     """Captures of one block for several batch sizes, the decode path when the batch changes
     from step to step. A call with M rows replays the smallest capture of at least M rows that
-    runs the same kernels as M does (W4A4 blocks switch to 16-bit twins above 64 rows, so 64 is
-    worth capturing), its rows past M left as they are. Every kernel computes each row from that
+    runs the same kernels as M does (the GEMV gives way to the GEMM at select_kernels' crossover,
+    the GEMM changes tiles above 64 rows, W4A4 blocks switch to 16-bit twins there: capture the
+    last size before each switch, such as 16 and 64), its rows past M left as they are. Every kernel computes each row from that
     row alone, so the first M rows are what a run at M gives, bit for bit. Returns views of
     those rows: overwritten by the next call of the same capture."""
 

@@ -396,3 +396,22 @@ def test_cuda_gemm_matches_the_host_gemm(fmt: WeightFormat, act: DType) -> None:
         for name, value in theirs.items():
             assert max_rel(np.asarray(ours[name]), value) <= 2e-3 * (10 if w4a4(fmt) else 1), name
         close(ours, want, fmt)
+
+
+def test_kernels_load_when_a_batch_size_first_needs_them() -> None:
+    """A block builds its decode kernels (M = 1) when compiled and the GEMM's only when a run
+    needs them: serving decode alone never compiles prefill kernels."""
+    graph, weights = block(MlxAffine(4, 64, BF16))
+    c = qir.compile(graph, weights, backend="host")
+    assert c.plan is not None and c._exec is not None
+
+    def loaded() -> set[str]:
+        assert c.plan is not None and c._exec is not None
+        names = zip(c.plan.launches, c._exec._loaded, strict=True)
+        return {la.kernel.name.split("_")[0] for la, k in names if k is not None}
+
+    assert loaded() == {"qgemv"}
+    c(inputs(5))
+    assert loaded() == {"qgemv"}
+    c(inputs(40))
+    assert loaded() == {"qgemv", "qgemm"}
