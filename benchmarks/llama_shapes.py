@@ -5,6 +5,16 @@ own launches, unfused, and, on a GPU, dense f16 cuBLAS (CuPy matmuls) as the bas
 
     python benchmarks/llama_shapes.py [--backend cuda|host] [--m 1 8] [--repeat 15]
         [--scale 1.0] [--formats mlx4g64bf16 ...] [--json results.json]
+        [--sweep [--sweep-m 1 2 ... 4096] [--shapes qkv o gate_up down 8192]]
+
+--sweep adds the M sweep of the kernel families (GEMV for decode, the tensor-core GEMM for
+prefill; select_kernels' table picks one per M): each projection of the layer (q/k/v merged
+4096 -> 6144, o 4096 -> 4096, gate/up 4096 -> 2 x 14336 with silu(g)*u, down 14336 -> 4096)
+and 8192 x 8192, per format and M: device time, GB/s and its share of a device copy, TFLOP/s
+from M = 64, and the ratio to CuPy's f16 matmul (cuBLAS) of the same shape in the same run.
+Without a GPU it prints that part as "not measured: no GPU" and runs what it can: the plan
+(family, kernel and grid per M) and the host backend's GEMM against its GEMV at M = 256 on a
+small shape, so a slowdown of the emulated tensor cores shows.
 
 Each block is captured for its M (`Compiled.capture`: one CUDA graph) and replayed; a sample is
 the device time of --inner replays between two CUDA events (wall time on the host backend),
@@ -33,6 +43,7 @@ import numpy as np
 
 import qir
 from qir.builder import Builder
+from qir.codegen.lower import lower
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
@@ -356,6 +367,168 @@ def summary(rows: Sequence[Row], extra: dict[str, Any]) -> list[str]:
     return lines
 
 
+# -- the M sweep: one projection per row -------------------------------------------------------
+
+SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+# name: (K, N of each weight sharing the input); gate_up is a pair with silu(g) * u as epilogue.
+SWEEP_SHAPES: dict[str, tuple[int, tuple[int, ...]]] = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+    "8192": (8192, (8192,)),
+}
+# M and shape of the host backend's GEMM-vs-GEMV timing.
+HOST_M, HOST_K, HOST_N = 256, 256, 128
+
+
+@dataclass
+class SweepRow:
+    format: str
+    shape: str
+    m: int
+    kernels: str  # the families that run, e.g. "qgemm" or "quantize_act+qgemv"
+    us: float
+    gbps: float
+    tflops: float  # 0 below M = 64
+    cublas_ratio: float  # cuBLAS f16 time / ours (x > 1: ours is faster); 0 if not measured
+
+
+def projection(
+    shape: str, fmt: WeightFormat, scale: float, seed: int
+) -> tuple[Graph, Weights, int, int]:
+    """One projection of the sweep (its K and total N scaled like dims(), multiples of 128)."""
+    k, ns = SWEEP_SHAPES[shape]
+    k = max(128, round(k * scale / 128) * 128)
+    ns = tuple(max(128, round(n * scale / 128) * 128) for n in ns)
+    rng = np.random.default_rng(seed)
+    b = Builder(shape)
+    x = b.input("x", ("M", k), F16)
+    weights: Weights = {}
+    outs = []
+    for j, n in enumerate(ns):
+        qw, weights[f"w{j}"] = tiled_weight(rng, fmt, n, k)
+        outs.append(b.qlinear(x, b.weight(f"w{j}", qw, name=f"w_{j}")))
+    if shape == "gate_up":
+        b.output("h", b.mul(b.silu(outs[0]), outs[1]))
+    else:
+        for j, o in enumerate(outs):
+            b.output(f"y{j}", o)
+    return b.graph, weights, k, sum(ns[:1] if shape == "gate_up" else ns)
+
+
+def families(c: qir.Compiled, m: int) -> str:
+    assert c.plan is not None
+    names = [la.kernel.name.split("_")[0] for la in c.plan.launches if la.runs_for(m)]
+    return "+".join(dict.fromkeys("quantize_act" if n == "quantize" else n for n in names))
+
+
+def plan_table(args: argparse.Namespace) -> None:
+    """The compile-time part of the sweep: which family and kernel each M runs, and its grid."""
+    for fmt in [f for f in FORMATS if not args.formats or f.tag() in args.formats]:
+        for shape in args.shapes:
+            graph, weights, _, _ = projection(shape, fmt, 1.0, 0)
+            plan = lower(qir.compile(graph, weights, backend="reference").graph)
+            for m in args.sweep_m:
+                for la in plan.launches:
+                    if la.runs_for(m) and not la.kernel.name.startswith("quantize_act"):
+                        print(
+                            f"  {fmt.tag():14} {shape:8} M={m:<5} {la.kernel.name} "
+                            f"grid {list(la.grid(m))} block {list(la.kernel.block)}"
+                        )
+
+
+def cublas_gemm_seconds(timer: Timer, k: int, n: int, m: int) -> float:
+    """CuPy's f16 matmul [m, k] x [k, n] (cuBLAS), rotating weight copies, as CUDA graphs."""
+    cp = timer._cp
+    rng = np.random.default_rng(m)
+    x = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
+    ws = [cp.asarray((rng.standard_normal((k, n), dtype=np.float32) * 0.02).astype(np.float16))
+          for _ in range(timer.copies(2 * k * n))]  # fmt: skip
+    y = cp.empty((m, n), dtype=cp.float16)
+    s, graphs = timer.stream, []
+    for w in ws:
+        with s:
+            cp.matmul(x, w, out=y)
+        s.synchronize()
+        s.begin_capture()
+        try:
+            with s:
+                cp.matmul(x, w, out=y)
+        finally:
+            graphs.append(s.end_capture())
+    return timer.seconds([lambda st, g=g: g.launch(st) for g in graphs])
+
+
+def sweep(args: argparse.Namespace, backend: str, copy: float) -> list[SweepRow]:
+    rows: list[SweepRow] = []
+    if backend != "cuda":
+        print("\nM sweep (device time, GB/s, TFLOP/s, vs cuBLAS f16): not measured: no GPU")
+        print("its plan at full size (family, kernel, grid per M):")
+        plan_table(args)
+        return rows
+    timer = Timer(backend, args.repeat, args.inner)
+    print(f"\n{'format':14} {'shape':8} {'M':>5} {'kernels':22} {'us':>9} {'GB/s':>7} "
+          f"{'%copy':>5} {'TFLOP/s':>7} {'cuBLAS/us':>9}")  # fmt: skip
+    formats = [f for f in FORMATS if not args.formats or f.tag() in args.formats]
+    for i, fmt in enumerate(formats):
+        for shape in args.shapes:
+            graph, weights, k, n = projection(shape, fmt, args.scale, i)
+            n_copies = timer.copies(sum(b.nbytes for w in weights.values() for b in w.values()))
+            copies = [qir.compile(graph, weights, backend=backend) for _ in range(n_copies)]
+            plan = copies[0].plan
+            assert plan is not None
+            gemm_n = n * (2 if shape == "gate_up" else 1)
+            for m in args.sweep_m:
+                x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
+                replays = [c.capture(m, stream=timer.stream) for c in copies]
+                for r in replays:
+                    r({"x": x.astype(np.float16)}, stream=timer.stream)
+                t = timer.seconds([lambda st, r=r: r(stream=st) for r in replays])
+                moved = sum(plan.bytes_moved(la, m) for la in plan.launches if la.runs_for(m))
+                flops = 2 * m * k * gemm_n / t / 1e12 if m >= 64 else 0.0
+                dense = cublas_gemm_seconds(timer, k, gemm_n, m)
+                row = SweepRow(fmt.tag(), shape, m, families(copies[0], m), t * 1e6,
+                               moved / t / 1e9, flops, dense / t)  # fmt: skip
+                rows.append(row)
+                print(f"{row.format:14} {shape:8} {m:>5} {row.kernels:22} {row.us:>9.1f} "
+                      f"{row.gbps:>7.0f} {100 * row.gbps / copy:>5.0f} "
+                      f"{row.tflops:>7.1f} {row.cublas_ratio:>9.2f}", flush=True)  # fmt: skip
+                save_sweep(args.json, rows)
+                del replays
+            del copies
+    return rows
+
+
+def save_sweep(path: str | None, rows: Sequence[SweepRow]) -> None:
+    if path:
+        sweep_path = path.removesuffix(".json") + ".sweep.json"
+        with open(sweep_path, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+
+
+def host_gemm_vs_gemv(repeat: int) -> tuple[float, float]:
+    """Host-backend seconds of one [HOST_M, HOST_K] x [HOST_K, HOST_N] projection through the
+    GEMM and through the GEMV (a regression in the tensor-core emulation shows here)."""
+    b = Builder("host")
+    x = b.input("x", ("M", HOST_K), F16)
+    qw, bufs = tiled_weight(np.random.default_rng(0), MlxAffine(4, 64, BF16), HOST_N, HOST_K)
+    b.output("y", b.qlinear(x, b.weight("w", qw, name="w_w")))
+    xs = {"x": np.random.default_rng(1).standard_normal((HOST_M, HOST_K)).astype(np.float16)}
+    out = []
+    for first_gemm in (1, HOST_M + 1):  # the GEMM at every M; the GEMV up to HOST_M
+        c = qir.compile(b.graph, {"w": bufs}, backend="host", gemm_from_m=first_gemm)
+        c(xs)
+        out.append(statistics.median(_wall(lambda c=c: c(xs)) for _ in range(repeat)))
+    return out[0], out[1]
+
+
+def _wall(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default=None, help="cuda or host (default: best available)")
@@ -365,6 +538,10 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     ap.add_argument("--scale", type=float, default=None, help="shrink every dimension")
     ap.add_argument("--formats", nargs="*", default=[], help="format tags, e.g. mlx4g64bf16")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--sweep", action="store_true", help="also the M sweep of the families")
+    ap.add_argument("--sweep-m", type=int, nargs="+", default=list(SWEEP_M))
+    ap.add_argument("--shapes", nargs="+", default=list(SWEEP_SHAPES), choices=list(SWEEP_SHAPES))
+    ap.add_argument("--no-blocks", action="store_true", help="skip the fused-vs-unfused blocks")
     args = ap.parse_args(argv)
     backend = args.backend or best_backend()
     if backend not in ("cuda", "host"):
@@ -378,9 +555,21 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         f"backend {backend}; shapes {dims(args.scale)}; median of {args.repeat} samples "
         f"of {args.inner} replays"
     )
-    print(f"{'format':14} {'blk':4} {'M':>3} {'variant':17} {'n':>3} {'MiB':>8} {'us':>9} GB/s")
-    rows, extra = measure(args, backend)
-    print("\n".join(["", "fused vs the others (x>1: fused is faster):", *summary(rows, extra)]))
+    rows: list[Row] = []
+    extra: dict[str, Any] = {}
+    if not args.no_blocks:
+        print(f"{'format':14} {'blk':4} {'M':>3} {'variant':17} {'n':>3} {'MiB':>8} {'us':>9} GB/s")
+        rows, extra = measure(args, backend)
+        print("\n".join(["", "fused vs the others (x>1: fused is faster):", *summary(rows, extra)]))
+    if args.sweep:
+        copy = extra.get("copy_gbps") or (
+            copy_gbps(Timer(backend, 3, 5)) if backend == "cuda" else 0
+        )
+        sweep(args, backend, copy)
+        if backend == "host":
+            gemm, gemv = host_gemm_vs_gemv(args.repeat)
+            print(f"\nhost backend, [{HOST_M}, {HOST_K}] x [{HOST_K}, {HOST_N}] MLX 4-bit: GEMM "
+                  f"{gemm * 1e3:.1f} ms, GEMV {gemv * 1e3:.1f} ms (GEMM/GEMV x{gemm / gemv:.2f})")  # fmt: skip
     return rows
 
 

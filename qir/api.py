@@ -120,14 +120,21 @@ def compile(
     m_tile: int = DEFAULT_M_TILE,
     weight_quantization: str = "declared",
     after_each: Callable[[str, Graph], None] | None = None,
+    gemm_from_m: int | None = None,
 ) -> Compiled:
     """Run the pass pipeline on a copy of `graph` and prepare it for `backend`.
 
     weight_quantization: which NVFP4 weights take 4-bit activations (`declared`: those whose
-    checkpoint calibrated them, `w4a4`: all, `w4a16`: none)."""
+    checkpoint calibrated them, `w4a4`: all, `w4a16`: none). gemm_from_m: the batch size from
+    which every f16/bf16 qlinear runs the tensor-core GEMM family instead of the GEMV (default:
+    the table in qir.passes.select_kernels)."""
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    options = PassOptions(weight_quantization=weight_quantization)
+    if gemm_from_m is not None and (
+        isinstance(gemm_from_m, bool) or not isinstance(gemm_from_m, int) or gemm_from_m < 1
+    ):
+        raise UsageError(f"gemm_from_m must be a positive int, got {gemm_from_m!r}")
+    options = PassOptions(weight_quantization=weight_quantization, gemm_from_m=gemm_from_m)
     passed, records = run_pipeline(graph, passes, after_each=after_each, options=options)
     c = Compiled(graph, passed, backend, weights, records)
     if backend != "reference":

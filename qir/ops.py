@@ -162,6 +162,7 @@ def _infer_qlinear(
         x = types[0].source
     else:
         x = _activation("qlinear", names, types, 0)
+    _check_kernel_label(attrs, x.dtype)
     if attrs.get("act_quant") is not None:
         if prologue != "silu_mul":
             raise IRTypeError("qlinear: act_quant quantizes a prologue's result; use quantize_act")
@@ -224,6 +225,31 @@ def _infer_qlinear(
                 f"the result {results[0]}"
             )
     return results[0] if len(results) == 1 else TupleType(tuple(results))
+
+
+# Kernel families a qlinear's `kernel` label may name (see passes/select_kernels.py): the GEMV at
+# every M, the GEMM at every M, or the GEMV below `gemm_from_m` rows and the GEMM from there.
+KERNEL_LABELS = ("gemv", "gemm", "gemv|gemm")
+
+
+def _check_kernel_label(attrs: Mapping[str, Any], act: dtypes.DType) -> None:
+    kernel, first = attrs.get("kernel"), attrs.get("gemm_from_m")
+    if kernel is not None and kernel not in KERNEL_LABELS:
+        raise IRTypeError(f"qlinear: unknown kernel {kernel!r}; known: {', '.join(KERNEL_LABELS)}")
+    if kernel not in (None, "gemv") and act == dtypes.F32:
+        raise IRTypeError(f"qlinear: kernel {kernel!r} takes f16 or bf16 activations, not f32")
+    if (first is not None) != (kernel in ("gemm", "gemv|gemm")):
+        raise IRTypeError('qlinear: gemm_from_m goes with kernel "gemm" or "gemv|gemm"')
+    if first is not None and (
+        isinstance(first, bool)
+        or not isinstance(first, int)
+        or first < 1
+        or (first > 1) != (kernel == "gemv|gemm")
+    ):
+        raise IRTypeError(
+            f'qlinear: gemm_from_m={first!r} must be an int, 1 for kernel "gemm", above 1 for '
+            '"gemv|gemm"'
+        )
 
 
 ACT_SCHEMES = ("nvfp4",)
@@ -429,7 +455,8 @@ OPS: dict[str, OpSpec] = {
             "qlinear",
             VARIADIC,
             _infer_qlinear,
-            frozenset({"prologue", "epilogue", "kernel", "fused", "act_quant"}) | ACT_SCALE_ATTRS,
+            frozenset({"prologue", "epilogue", "kernel", "gemm_from_m", "fused", "act_quant"})
+            | ACT_SCALE_ATTRS,
         ),
         OpSpec(
             "quantize_act",

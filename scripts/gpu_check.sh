@@ -3,14 +3,18 @@
 # in order of what matters most, each stage under its own time limit (seconds, overridable):
 #   1. every `gpu` test (cuda backend vs the interpreter and the goldens, every format,
 #      graph capture, DLPack, the CuPy pool)                     -> $OUT/gpu_tests.log
+#      (the GEMM family's included: cuda vs host vs the interpreter for every format and fusion,
+#      and the PTX mma.sync / ldmatrix / cp.async against their host emulation on the same inputs)
 #   2. benchmarks/llama_shapes.py: every format at Llama-3-8B shapes, fused vs unfused vs
 #      cuBLAS f16, against measured copy bandwidth                -> $OUT/bench.log, llama.json
-#   3. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
+#   3. the M sweep (1 .. 4096) of the GEMV/GEMM families over the layer's projections and
+#      8192 x 8192, five formats: us, GB/s, % of copy, TFLOP/s, x cuBLAS -> llama.sweep.json
+#   4. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
 #      benchmarks/layer_decode.py: a Llama-3-8B layer's decode step fused vs its sub-blocks,
 #      a 32-layer model's tokens/s and launches per token        -> $OUT/bench.log
-#   4. compute-sanitizer racecheck and memcheck over one fused block of each format family
+#   5. compute-sanitizer racecheck and memcheck over one fused block of each format family
 #                                                                 -> $OUT/sanitizer.log
-# Worst case about 10 minutes with the default limits; typically far less. Call the device with
+# Worst case about 8.3 minutes with the default limits; typically far less. Call the device with
 # timeout_s 590 and read $OUT/summary.txt first; llama.json is written row by row, so a stage
 # that times out still leaves what it measured. Every stage runs even when an earlier
 # one failed; the exit status is the first failure's.
@@ -19,8 +23,8 @@ set -uo pipefail
 : "${OUT:?OUT must name the folder whose files come back}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-T_TESTS="${T_TESTS:-150}" T_LLAMA="${T_LLAMA:-240}" T_RUNTIME="${T_RUNTIME:-60}"
-T_SANITIZER="${T_SANITIZER:-45}" T_LAYER="${T_LAYER:-45}"
+T_TESTS="${T_TESTS:-180}" T_LLAMA="${T_LLAMA:-90}" T_SWEEP="${T_SWEEP:-120}"
+T_RUNTIME="${T_RUNTIME:-30}" T_LAYER="${T_LAYER:-45}" T_SANITIZER="${T_SANITIZER:-30}"
 status=0
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -67,6 +71,11 @@ stage "gpu tests" "$T_TESTS" "$OUT/gpu_tests.log" \
 
 stage "llama_shapes" "$T_LLAMA" "$OUT/bench.log" \
     python3 benchmarks/llama_shapes.py --backend cuda --m 1 8 --json "$OUT/llama.json"
+
+# Rows are written as they are measured: a timeout keeps the sweep so far.
+stage "M sweep" "$T_SWEEP" "$OUT/bench.log" \
+    python3 benchmarks/llama_shapes.py --backend cuda --no-blocks --sweep --repeat 7 --inner 10 \
+    --formats mlx4g64bf16 awq4g128 nvfp4mul nvfp4mula4 fp8ch --json "$OUT/llama.json"
 
 stage "runtime" "$T_RUNTIME" "$OUT/bench.log" python3 benchmarks/runtime.py --repeat 200
 

@@ -162,6 +162,21 @@ def test_compile_scale_on_tiny_models(capsys: pytest.CaptureFixture[str]) -> Non
     assert "time at 2 layers / time at 1 (2 if linear)" in capsys.readouterr().out
 
 
+def test_llama_shapes_sweep_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a GPU the M sweep says so, prints its plan (GEMV for decode, the GEMM's tiles for
+    prefill) and times the host backend's GEMM against its GEMV."""
+    bench = load("llama_shapes")
+    argv = ["--backend", "host", "--no-blocks", "--sweep", "--formats", "mlx4g64bf16"]
+    bench.main([*argv, "--shapes", "o", "--sweep-m", "1", "4096", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert "M sweep (device time, GB/s, TFLOP/s, vs cuBLAS f16): not measured: no GPU" in out
+    assert "M=1     qgemv_mlx4g64bf16_f16_n4096_k4096_m8 grid [1024, 1, 1]" in out
+    assert "M=4096  qgemm_mlx4g64bf16_f16_n4096_k4096_128x128x32s2w2x4 grid [32, 32, 1]" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("host backend, [256, 256]"))
+    times = dict(re.findall(r"(GEMM|GEMV) ([\d.]+) ms", line))
+    assert float(times["GEMM"]) > 0 and float(times["GEMV"]) > 0
+
+
 @pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
 def test_static_roofline_on_one_format(capsys: pytest.CaptureFixture[str]) -> None:
     """The o projection (4096 -> 4096) of one format at M = 1 and 8 for sm_90: one kernel,

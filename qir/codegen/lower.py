@@ -1,19 +1,22 @@
-"""Lowering: one kernel launch per compute node of a (passed) graph.
+"""Lowering: one kernel launch per compute node of a (passed) graph, per batch-size range.
 
 The plan names, for each launch, the rendered kernel, how its grid grows with M, which batch
-sizes it serves (W4A4 launches take M <= 64, a 16-bit twin the rest) and where each argument
-comes from (a value, a weight buffer, a constant, or M itself), so an executor only binds
-memory."""
+sizes it serves and where each argument comes from (a value, a weight buffer, a constant, or M
+itself), so an executor only binds memory. A qlinear's launches split the batch sizes: W4A4
+takes M <= 64 and a 16-bit twin the rest; within each, the GEMV family runs below the node's
+`gemm_from_m` label (select_kernels) and the GEMM family from there, one launch per tile bucket
+of the GEMM's table. A node without a label (no select_kernels pass) runs the GEMV only."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
-from qir.codegen import elementwise, fragments, gemv, quantize_act
+from qir.codegen import elementwise, fragments, gemm, gemv, quantize_act
 from qir.codegen.elementwise import elementwise_grid_x
+from qir.codegen.gemm import GemmSpec, bucket_ranges
 from qir.codegen.gemv import GemvSpec
 from qir.codegen.kernel import Kernel
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
@@ -36,6 +39,7 @@ gemv_kernel = lru_cache(RENDERED)(gemv.gemv_kernel)
 quantize_act_kernel = lru_cache(RENDERED)(quantize_act.quantize_act_kernel)
 elementwise_kernel = lru_cache(RENDERED)(elementwise.elementwise_kernel)
 fragment_for = lru_cache(RENDERED)(fragments.fragment_for)
+gemm_kernel = lru_cache(RENDERED)(gemm.gemm_kernel)
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,9 @@ def value_bytes(t: object, sizes: dict[str, int]) -> int:
     return n * t.dtype.itemsize
 
 
-def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
-    """One GEMV launch; a W4A4 node also gets its 16-bit twin for batches above W4A4_MAX_M."""
+def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> list[Launch]:
+    """A launch per family and batch-size range (see the module docstring); a W4A4 node also
+    gets 16-bit twins for batches above W4A4_MAX_M."""
     node = graph.node(name)
     attrs = dict(node.attrs)
     operands = graph.operands(name)
@@ -137,10 +142,11 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
     frag = fragment_for(weights[0].format, weights[0].out_features, weights[0].in_features)
     covers = (name, *node.attr("fused", ()))
 
-    def launch(
-        spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
-    ) -> Launch:
-        args = (
+    first_gemm = node.attr("gemm_from_m")
+    gemm_from = first_gemm if isinstance(first_gemm, int) else ALL_M[1] + 1
+
+    def args_of(ins_args: list[Arg], extra: list[Arg]) -> tuple[Arg, ...]:
+        return (
             *ins_args,
             *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
             *(Arg("value", o) for o in outputs),
@@ -148,21 +154,41 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int) -> list[Launch]:
             *extra,
             Arg("M"),
         )
-        return Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, when)
+
+    def launches(
+        spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
+    ) -> list[Launch]:
+        """The GEMV below gemm_from, the GEMM per tile bucket from there, within `when`."""
+        args = args_of(ins_args, extra)
+        lo, hi = when
+        out = []
+        if lo < gemm_from:
+            gemv_when = (lo, min(hi, gemm_from - 1))
+            out.append(
+                Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, gemv_when)
+            )
+        for bucket in bucket_ranges(max(lo, gemm_from), hi):
+            g, g_args = GemmSpec.of(spec, bucket[1]), args
+            if native_fp4 and spec.a4 and pre_quantized:
+                # Blackwell's block-scaled MMA quantizes the 16-bit input itself, as the
+                # quantize_act it replaces would (its mode and calibrated scale).
+                q_attrs = dict(graph.node(inputs[0]).attrs)
+                g = replace(g, native=True, a4_mode=act_quant_mode(q_attrs))
+                g_args = args_of(x16, _scale_args(q_attrs))
+            out.append(Launch(gemm_kernel(g), g.grid_x, g.tile.bm, g_args, outputs, covers, bucket))
+        return out
 
     # The 16-bit path reads what quantize_act would have quantized.
-    x16 = [graph.operands(inputs[0])[0]] if pre_quantized else inputs
+    x16 = [Arg("value", v) for v in ([graph.operands(inputs[0])[0]] if pre_quantized else inputs)]
     plain = GemvSpec(weights, act, m_tile, prologue=prologue, epilogue=epilogue)
     if not a4:
-        return [launch(plain, [Arg("value", v) for v in x16], [], ALL_M)]
+        return launches(plain, x16, [], ALL_M)
     mode = act_quant_mode(attrs) if prologue else "dynamic"
     quant = GemvSpec(weights, act, m_tile, prologue, epilogue, a4=True, a4_mode=mode)
-    scale = _scale_args(attrs)
+    scale = _scale_args(attrs) if prologue else []
     return [
-        launch(
-            quant, [Arg("value", v) for v in inputs], scale if prologue else [], (1, W4A4_MAX_M)
-        ),
-        launch(plain, [Arg("value", v) for v in x16], [], (W4A4_MAX_M + 1, ALL_M[1])),
+        *launches(quant, [Arg("value", v) for v in inputs], scale, (1, W4A4_MAX_M)),
+        *launches(plain, x16, [], (W4A4_MAX_M + 1, ALL_M[1])),
     ]
 
 
@@ -193,7 +219,9 @@ def _lower_quantize_act(graph: Graph, name: str) -> Launch:
     return Launch(quantize_act_kernel(spec), 1, 1, args, (name,), (name,), (1, W4A4_MAX_M))
 
 
-def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
+def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, native_fp4: bool = False) -> Plan:
+    """The plan of a passed graph. native_fp4: W4A4 GEMMs on Blackwell's block-scaled FP4 MMA,
+    for sm_120a/sm_121a (the host backend emulates it; other GPUs cannot run those kernels)."""
     # The layer ops' lowerings build on Arg and Launch, defined here.
     from qir.codegen.lower_layer import LAYER_LOWERINGS
 
@@ -204,7 +232,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE) -> Plan:
             continue  # leaves, and projections of a multi-output launch's results
         operands = graph.operands(name)
         if node.op == "qlinear":
-            launches.extend(_lower_qlinear(graph, name, m_tile))
+            launches.extend(_lower_qlinear(graph, name, m_tile, native_fp4))
         elif node.op == "quantize_act":
             launches.append(_lower_quantize_act(graph, name))
         elif node.op in LAYER_LOWERINGS:

@@ -28,6 +28,8 @@ class PassOptions:
     """Knobs of parameterised passes (the CLI's --weight-quantization, ...)."""
 
     weight_quantization: str = "declared"
+    # select_kernels: the first M of the GEMM family for every node (None: its table).
+    gemm_from_m: int | None = None
 
 
 PASSES: dict[str, Callable[[PassOptions], Pass]] = {
@@ -40,7 +42,7 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "norm_act_quant": lambda o: NormActQuant(),
     "fold_rope": lambda o: FoldRope(),
     "dce": lambda o: DCE(),
-    "select_kernels": lambda o: SelectKernels(),
+    "select_kernels": lambda o: SelectKernels(o.gemm_from_m),
 }
 PIPELINES: dict[str, tuple[str, ...]] = {
     "default": (

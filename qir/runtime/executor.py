@@ -1,7 +1,10 @@
 """Runs a lowered plan on a backend.
 
-Weights are uploaded once, when the block is built, and the kernels are loaded then too: cold
-ones compile in parallel first (`load_kernels`). Each run binds the inputs (see
+Weights are uploaded once, when the block is built. A plan holds launches for every batch size
+(the GEMV and GEMM families, W4A4 and its 16-bit twins, each serving a range of M); a kernel is
+loaded the first time a run, capture or `load(m)` needs it, cold ones compiling in parallel
+(`load_kernels`), so a block used for decode alone never builds its prefill kernels (`qir cache
+warm` builds them all ahead of time). Each run binds the inputs (see
 `Backend.accept`), allocates one arena for the intermediates, laid out from liveness
 (`plan_memory`: a value's bytes are reused once its last reader has run; graph outputs are never
 in the arena), allocates fresh outputs, and launches the kernels in order on the given stream.
@@ -27,6 +30,7 @@ import bisect
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -270,7 +274,8 @@ class CompiledBlock:
             self._weights[wname] = {
                 b: backend.to_device(np.ascontiguousarray(bufs[b])) for b in names
             }
-        self._loaded = load_kernels(backend, [launch.kernel for launch in plan.launches])
+        self._loaded: list[Any] = [None] * len(plan.launches)
+        self._load_lock = threading.Lock()
         # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.
         self._consts = {
             a.value: backend.to_device(np.array([a.value], np.float32))
@@ -293,6 +298,7 @@ class CompiledBlock:
             for s, t in self._state_types.items()
         }
         self._state_env = {v: self._state[s] for v, s in self._aliases.items()}
+        self.load(1)
         # Uploads ran on the current stream; a run may launch on another that does not wait.
         backend.synchronize()
 
@@ -320,6 +326,18 @@ class CompiledBlock:
     def memory_plan(self, m: int) -> MemoryPlan:
         return self._layout(m).mem
 
+    def load(self, m: int) -> None:
+        """Load (compiling if cold) the kernels a run with M=`m` launches; the block does so for
+        M=1 when it is built, and each run or capture for its own M."""
+        active = self._layout(m).mem.active
+        if all(self._loaded[i] is not None for i in active):
+            return
+        with self._load_lock:
+            missing = [i for i in active if self._loaded[i] is None]
+            kernels = [self.plan.launches[i].kernel for i in missing]
+            for i, loaded in zip(missing, load_kernels(self.backend, kernels), strict=True):
+                self._loaded[i] = loaded
+
     def _layout(self, m: int) -> _Layout:
         if m not in self._layouts:
             mem, sizes = plan_memory(self.plan, m), {"M": m}
@@ -340,6 +358,7 @@ class CompiledBlock:
         with be.on(stream) as s:
             env, sizes, on_device = self._bind(inputs)
             m = sizes.get("M", 1)
+            self.load(m)
             layout = self._layout(m)
             self._allocate(env, layout)
             for i, grid in layout.launches:
@@ -359,6 +378,7 @@ class CompiledBlock:
         if m < 1:
             raise BindError(f"M must be at least 1, got {m}")
         be, graph, sizes = self.backend, self.plan.graph, {"M": m}
+        self.load(m)
         with be.on(stream):
             env: dict[str, Any] = {}
             for n in graph.inputs:
@@ -476,8 +496,9 @@ class CapturedBlock:
 class CapturedBatches:
     """Captures of one block for several batch sizes, the decode path when the batch changes
     from step to step. A call with M rows replays the smallest capture of at least M rows that
-    runs the same kernels as M does (W4A4 blocks switch to 16-bit twins above 64 rows, so 64 is
-    worth capturing), its rows past M left as they are. Every kernel computes each row from that
+    runs the same kernels as M does (the GEMV gives way to the GEMM at select_kernels' crossover,
+    the GEMM changes tiles above 64 rows, W4A4 blocks switch to 16-bit twins there: capture the
+    last size before each switch, such as 16 and 64), its rows past M left as they are. Every kernel computes each row from that
     row alone, so the first M rows are what a run at M gives, bit for bit. Returns views of
     those rows: overwritten by the next call of the same capture."""
 

@@ -14,6 +14,7 @@ from qir.codegen.fragments import fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import common_header, render
 from qir.dtypes import BF16, F16, F32
+from qir.formats import fp_codes
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
@@ -134,3 +135,46 @@ def test_fragment_decodes_equal_the_numpy_dequant(fmt: WeightFormat, be: HostBac
         # Scale (and bias) rounded to the pair type, then one rounding of c * s + b: within a
         # few ulps of the row's largest weight (|c * s| and |b| are at most about twice it).
         assert np.all(np.abs(got - ref) <= eps * (np.abs(ref) + 4 * row_max)), fmt.spell()
+
+
+def test_nvfp4_chunk_codes_for_w4a4_kernels(be: HostBackend) -> None:
+    """The raw side W4A4 kernels read (codes as loaded, each block's factor s * g or s / g, as
+    the numpy decode forms it), one call per chunk: what the GEMM family's W4A4 path calls."""
+    rows, k = 3, 64
+    for fmt in (Nvfp4("mul", 4), Nvfp4("div", 16)):
+        frag = fragment_for(fmt, rows, k)
+        _, bufs = random_weight(np.random.default_rng(2), rows, k, fmt)
+        chunks = frag.chunks_per_row(k)
+        blocks = frag.chunk_elems // 16
+        name = f"chunk_codes_{fmt.tag()}"
+        params = (
+            *frag.params,
+            KernelParam("words", "uint32_t*", "buffer"),
+            KernelParam("factors", "float*", "buffer"),
+        )
+        source = f"""\
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include "qir_common.cuh"
+{render(frag.template, **frag.context)}
+extern "C" __global__ void {name}({", ".join(f"{p.c_type} {p.name}" for p in params)}) {{
+  const int t = threadIdx.x, row = t / {chunks}, chunk = t % {chunks};
+  if (t >= {rows * chunks}) return;
+  uint32_t w[QIR_WORDS];
+  float f[{blocks}];
+  qir_nvfp4_chunk_codes({", ".join(p.name for p in frag.params)}, row, chunk, w, f);
+  for (int i = 0; i < QIR_WORDS; ++i) words[t * QIR_WORDS + i] = w[i];
+  for (int b = 0; b < {blocks}; ++b) factors[t * {blocks} + b] = f[b];
+}}
+"""
+        kern = be.load(Kernel(name, source, params, (32, 1, 1), (common_header(),)))
+        words = np.zeros(rows * k // 8, np.uint32)
+        factors = np.zeros(rows * k // 16, np.float32)
+        args = [np.ascontiguousarray(bufs[b]) for b in frag.buffers]
+        be.launch(kern, (1, 1, 1), [*args, words, factors])
+        assert words.tobytes() == np.ascontiguousarray(bufs["weight"]).tobytes()
+        s = fp_codes.e4m3_decode(bufs["block_scale"].reshape(-1))
+        g = np.float32(bufs["global_scale"][0])
+        want = s * g if fmt.scale_mode == "mul" else s / g
+        np.testing.assert_array_equal(factors, want.astype(np.float32))

@@ -89,8 +89,10 @@ def test_fused_block_matches_the_interpreter(
     # (above 64 rows 16-bit twins take over, with no quantize_act).
     assert compiled.launches_for(1) == (6 if w4a4(fmt) else 3)
     assert compiled.launches_for(70) == 3
-    # Batches 1, 9, 70 replay the captures of 8, 64, 72 rows, padded: no kernel may mix rows.
-    padded = compiled.capture_batches([8, 64, 72])
+    # Batches 1, 9, 70 replay the captures of 8, 16, 72 rows, padded: no kernel may mix rows.
+    # (Each pads within its kernel family: 70 and 72 rows run the GEMM, 9 and 16 the GEMV, or
+    # for W4A4 the GEMM from 9 rows on.)
+    padded = compiled.capture_batches([8, 16, 72])
     for m in BATCHES:
         x = inputs(m)
         ours = compiled(x)

@@ -59,12 +59,12 @@ def test_a_warmed_cache_serves_a_later_process_without_compiling(
     monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
     assert main(["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--host"]) == 0
     out = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().out.splitlines()]
-    # mlp: quantize_act of x and of h, the gate/up pair, down; the three GEMVs with their
-    # 16-bit twins for M > 64. qkv adds its merged projection and twin (x's quantize_act is
-    # the mlp's): 8 distinct kernels.
+    # mlp: quantize_act of x and of h; the gate/up pair and down, each as a W4A4 GEMV, a W4A4
+    # GEMM and a 16-bit GEMM for M > 64. qkv adds its merged projection's three (x's
+    # quantize_act is the mlp's): 11 distinct kernels.
     assert out[:2] == [
-        "sm_90: 8 kernels, 8 compiled, 0 already cached",
-        "host: 8 kernels, 8 compiled, 0 already cached",
+        "sm_90: 11 kernels, 11 compiled, 0 already cached",
+        "host: 11 kernels, 11 compiled, 0 already cached",
     ]
     later = subprocess.run(
         [sys.executable, "-c", LATER, str(CKPT)],
@@ -79,7 +79,7 @@ def test_a_warmed_cache_serves_a_later_process_without_compiling(
     # Warming again finds everything.
     assert main(["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--blocks", "qkv"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith("sm_90: 3 kernels, 0 compiled, 3 already cached")
+    assert line.startswith("sm_90: 4 kernels, 0 compiled, 4 already cached")
 
 
 @needs_nvrtc

@@ -12,7 +12,8 @@
 // no thread, maps no memory and makes no system call but the pool's futex wake-ups.
 //
 // Not supported: dynamic shared memory (`extern __shared__`), inline PTX (kernels guard it with
-// `#ifdef __CUDA_ARCH__`, which is never defined here), clusters, cooperative groups.
+// `#ifdef __CUDA_ARCH__`, which is never defined here; the tensor-core and cp.async helpers of
+// qir_mma.cuh run on the emulation below), clusters, cooperative groups.
 #pragma once
 
 #define QIR_HOST 1
@@ -101,6 +102,19 @@ struct Warp {
   // only once done reading, so one barrier per exchange is enough (the usual two-phase scheme
   // with the second phase folded into the next exchange's barrier).
   uint64_t slot[2][32];
+};
+
+// A cp.async a fiber started and has not waited for (see qir_host::cp_async).
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes, src_bytes;
+  unsigned group;  // the commit that closes it: the fiber's commit count when it was started
+};
+
+struct AsyncCopies {
+  std::vector<AsyncCopy> pending;
+  unsigned committed = 0;
 };
 
 #ifndef QIR_HOST_ABI
@@ -405,6 +419,7 @@ class Worker {
     const dim3& b = launch.block;
     n_ = b.x * b.y * b.z;
     fibers_.resize(n_);
+    async_.resize(n_);
     warps_.resize((n_ + 31) / 32);
     for (unsigned i = 0; i < n_; ++i) {
       Fiber& f = fibers_[i];
@@ -491,6 +506,30 @@ class Worker {
     return bank;
   }
 
+  // exchange() for n <= kWords words per lane: lane l's words are at [kWords * l, + n). The
+  // banks are made on first use (only the tensor-core emulation needs them).
+  static constexpr unsigned kWords = 16;
+  const uint32_t* exchange_words(const uint32_t* v, unsigned n) {
+    Fiber& f = fibers_[cur_];
+    Warp& w = warps_[f.warp];
+    if (words_.empty()) words_.resize(warps_.size() * 2 * 32 * kWords);
+    uint32_t* bank = &words_[(f.warp * 2 + (w.gen & 1)) * 32 * kWords];
+    std::memcpy(bank + f.lane * kWords, v, n * sizeof(uint32_t));
+    syncwarp();
+    return bank;
+  }
+
+  AsyncCopies& async_copies() { return async_[cur_]; }
+
+  // A misuse the GPU would fault on (a misaligned address): the launch fails with `msg`, and the
+  // fiber runs on (its results are not used).
+  void report(const std::string& msg) {
+    char where[96];
+    snprintf(where, sizeof where, " (thread (%u,%u,%u) of block (%u,%u,%u))", threadIdx.x,
+             threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z);
+    fail(launch_, msg + where);
+  }
+
   unsigned lane() const { return fibers_[cur_].lane; }
 
   unsigned active_mask() const {
@@ -506,7 +545,11 @@ class Worker {
   // run while some are still alive is a deadlock.
   bool run_block() {
     block_arrived_ = 0;
-    for (unsigned i = 0; i < n_; ++i) fibers_[i].state = State::runnable;
+    for (unsigned i = 0; i < n_; ++i) {
+      fibers_[i].state = State::runnable;
+      async_[i].pending.clear();  // copies a thread never waited for do not outlive its block
+      async_[i].committed = 0;
+    }
     for (unsigned w = 0; w < warps_.size(); ++w) {
       warps_[w].live = std::min(32u, n_ - w * 32);
       warps_[w].arrived = 0;
@@ -580,6 +623,8 @@ class Worker {
   Fibers* t_ = nullptr;
   std::vector<Fiber> fibers_;
   std::vector<Warp> warps_;
+  std::vector<AsyncCopies> async_;
+  std::vector<uint32_t> words_;  // exchange_words' banks: [warp][gen & 1][lane][kWords]
   unsigned cur_ = 0;
   unsigned block_arrived_ = 0;
 };
@@ -660,6 +705,159 @@ inline T shuffle(T v, Src src) {
   const unsigned lane = current_worker->lane();
   const uint64_t* bank = current_worker->exchange(to_bits(v));
   return from_bits<T>(bank[src(lane) % 32]);
+}
+
+// ---- Tensor cores and asynchronous copies: the portable bodies of qir_mma.cuh ---------------
+// The GEMM family's mma.sync, ldmatrix and cp.async. mma and ldmatrix are warp-collective: every
+// lane publishes its operands (registers, or a row address) in one warp exchange, then computes
+// what the PTX ISA says its own registers receive. cp.async copies are queued per thread and
+// performed at the cp.async.wait_group that covers them, so a kernel that reads the destination
+// before waiting (or, after its wait, before a barrier orders another thread's wait) reads stale
+// bytes here, as it might on a GPU.
+
+// 16-bit operand bits widened to float, exactly (the toolkit's host conversions are slower).
+inline float widen(uint16_t h, __half) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu;
+  const uint32_t m = h & 0x3FFu;
+  if (e == 0) {  // zero and subnormals: m * 2^-24 is exact in float
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | (e == 0x1F ? 0x7F800000u : (e + 112) << 23) | m << 13;
+  return from_bits<float>(bits);
+}
+inline float widen(uint16_t h, __nv_bfloat16) { return from_bits<float>(uint32_t{h} << 16); }
+
+template <typename T>
+inline float operand(uint32_t reg, unsigned half) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  return widen(static_cast<uint16_t>(reg >> (16 * half)), T{});
+}
+
+// The value an m16n8k16 mma with fp32 accumulation gives: each of the 16 products of two 16-bit
+// floats is exact in double, and their sum with c is rounded to fp32 once. (A tensor core adds in
+// its own order and precision; the results agree to fp32 rounding, and exactly where every
+// partial sum is representable, which scripts/gpu_check.sh checks on a GPU.) Lanes publish
+// their operands widened to float (A's 8, then B's 4), so each is converted once.
+template <typename T>
+__attribute__((noinline)) void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2], const float (&c)[4]) {
+  float mine[12];
+  for (unsigned i = 0; i < 4; ++i)
+    for (unsigned h = 0; h < 2; ++h) mine[2 * i + h] = operand<T>(a[i], h);
+  for (unsigned i = 0; i < 2; ++i)
+    for (unsigned h = 0; h < 2; ++h) mine[8 + 2 * i + h] = operand<T>(b[i], h);
+  uint32_t words[12];
+  std::memcpy(words, mine, sizeof words);
+  const float* bank = reinterpret_cast<const float*>(current_worker->exchange_words(words, 12));
+  constexpr unsigned W = Worker::kWords;
+  const unsigned lane = current_worker->lane();
+  const unsigned g = lane >> 2, t = lane & 3;
+  // This lane's rows g, g + 8 of A and columns 2t, 2t + 1 of B. A[row][k] is element k & 1 of
+  // register (row >= 8) + 2 (k >= 8) of lane 4 (row % 8) + (k % 8) / 2; B[k][col] element k & 1
+  // of register k >= 8 of lane 4 col + (k % 8) / 2.
+  float arow[2][16], bcol[2][16];
+  for (unsigned k = 0; k < 16; ++k) {
+    const unsigned kk = (k & 7) >> 1, e = k & 1, hi = k >> 3;
+    for (unsigned r = 0; r < 2; ++r) arow[r][k] = bank[W * (4 * g + kk) + 2 * (r + 2 * hi) + e];
+    for (unsigned j = 0; j < 2; ++j) bcol[j][k] = bank[W * (4 * (2 * t + j) + kk) + 8 + 2 * hi + e];
+  }
+  // The four outputs' sums advance together (independent chains), each over k in order.
+  double sum[4] = {0.0, 0.0, 0.0, 0.0};
+  for (unsigned k = 0; k < 16; ++k) {
+    const double a0 = arow[0][k], a1 = arow[1][k], b0 = bcol[0][k], b1 = bcol[1][k];
+    sum[0] += a0 * b0;
+    sum[1] += a0 * b1;
+    sum[2] += a1 * b0;
+    sum[3] += a1 * b1;
+  }
+  for (unsigned i = 0; i < 4; ++i) d[i] = static_cast<float>(sum[i] + c[i]);
+}
+
+// E2M1 code (low 4 bits) and UE4M3 byte (sign ignored) as floats, exactly.
+inline float e2m1(uint32_t c) {
+  static const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  return (c & 8u) ? -mag[c & 7u] : mag[c & 7u];
+}
+inline float ue4m3(uint32_t b) {
+  const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+  return e ? std::ldexp(1.0f + m / 8.0f, static_cast<int>(e) - 7) : m * 0.001953125f;
+}
+
+// mma ... m16n8k64 kind::mxf4nvf4 scale_vec::4X (qir_mma_m16n8k64_nvf4 says where each lane's
+// operands and scales sit): each k16 block's E2M1 products sum exactly; the four block sums,
+// scaled by their two UE4M3 factors, and c are added in double and rounded once.
+__attribute__((noinline)) inline void mma_m16n8k64_nvf4(float (&d)[4], const uint32_t (&a)[4],
+                                                        const uint32_t (&b)[2],
+                                                        const float (&c)[4], uint32_t sfa,
+                                                        uint32_t sfb) {
+  const uint32_t mine[8] = {a[0], a[1], a[2], a[3], b[0], b[1], sfa, sfb};
+  const uint32_t* bank = current_worker->exchange_words(mine, 8);
+  constexpr unsigned W = Worker::kWords;
+  const unsigned lane = current_worker->lane();
+  const unsigned g = lane >> 2, t = lane & 3;
+  for (unsigned i = 0; i < 4; ++i) {
+    const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    double sum = c[i];
+    for (unsigned blk = 0; blk < 4; ++blk) {
+      float dot = 0.0f;  // at most 16 products of multiples of 1/4 below 36: exact
+      for (unsigned kk = 0; kk < 16; ++kk) {
+        const unsigned k = 16 * blk + kk, q = (k & 31) >> 3, j = k & 7, hi = k >> 5;
+        const uint32_t ra = bank[W * (4 * (row & 7) + q) + (row >> 3) + 2 * hi];
+        const uint32_t rb = bank[W * (4 * col + q) + 4 + hi];
+        dot += e2m1(ra >> (4 * j)) * e2m1(rb >> (4 * j));
+      }
+      const uint32_t sa = bank[W * (4 * (row & 7) + (row >> 3)) + 6] >> (8 * blk);
+      const uint32_t sb = bank[W * (4 * col) + 7] >> (8 * blk);
+      sum += static_cast<double>(dot) * ue4m3(sa & 0xFFu) * ue4m3(sb & 0xFFu);
+    }
+    d[i] = static_cast<float>(sum);
+  }
+}
+
+template <int N, bool Trans>
+__attribute__((noinline)) void ldmatrix(uint32_t (&r)[N], const void* row) {
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0 && current_worker->lane() < 8 * N)
+    current_worker->report("ldmatrix: a row address is not 16-byte aligned");
+  const uint64_t* bank = current_worker->exchange(to_bits(row));
+  const unsigned lane = current_worker->lane();
+  auto at = [&](unsigned matrix, unsigned rr, unsigned cc) -> uint32_t {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(bank[8 * matrix + rr]);
+    return p[cc];
+  };
+  for (int i = 0; i < N; ++i) {
+    const unsigned q = lane >> 2, e = 2 * (lane & 3);
+    const uint32_t lo = Trans ? at(i, e, q) : at(i, q, e);
+    const uint32_t hi = Trans ? at(i, e + 1, q) : at(i, q, e + 1);
+    r[i] = lo | hi << 16;
+  }
+}
+
+inline void cp_async(void* dst, const void* src, unsigned bytes, int src_bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes)
+    current_worker->report("cp.async: an address is not aligned to the copy size");
+  if (src_bytes < 0 || static_cast<unsigned>(src_bytes) > bytes)
+    current_worker->report("cp.async: src-size must be in [0, copy size]");
+  AsyncCopies& q = current_worker->async_copies();
+  const unsigned n = std::min<unsigned>(static_cast<unsigned>(std::max(src_bytes, 0)), bytes);
+  q.pending.push_back({dst, src, bytes, n, q.committed});
+}
+
+inline void cp_async_commit() { ++current_worker->async_copies().committed; }
+
+inline void cp_async_wait(unsigned n) {
+  AsyncCopies& q = current_worker->async_copies();
+  // Groups older than the newest n committed ones complete, in the order they were started.
+  size_t kept = 0;
+  for (AsyncCopy& c : q.pending) {
+    if (c.group + n < q.committed) {
+      std::memcpy(c.dst, c.src, c.src_bytes);
+      std::memset(static_cast<char*>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
+    } else {
+      q.pending[kept++] = c;
+    }
+  }
+  q.pending.resize(kept);
 }
 
 }  // namespace qir_host

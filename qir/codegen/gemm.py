@@ -1,0 +1,426 @@
+"""The tensor-core GEMM family: prefill and batched serving (the GEMV family serves small M).
+
+One template (templates/qgemm.cu.j2) covers every format and fusion the GEMV does: a block
+computes a BM x BN tile of y = x W^T with `mma.sync` m16n8k16 (f16 or bf16 operands, fp32
+accumulation) on fragments loaded by `ldmatrix` from shared memory. The activation tile arrives
+by a multi-stage `cp.async` pipeline (or is computed while it is staged: the silu(g) * u
+prologue; decoded: W4A4's pre-quantized input); the weight tile is dequantized into shared
+memory by the format's own fragment (the GEMV's `qir_dequant_chunk`), so a format stays one
+module. Several weights sharing the input (q/k/v) take consecutive ranges of grid.x, each with
+its own scales; gate/up are interleaved by 8 rows in one tile so silu(g) * u is the epilogue.
+
+Numerics: the tensor cores multiply 16-bit operands, so each dequantized weight is rounded once to
+the activation type (f16 or bf16) where the GEMV multiplies it in fp32; products are exact and
+sums fp32. W4A4 loses nothing: E2M1 values are exact in both types.
+
+Python decides every constant here (the tile from `GEMM_TILES`, the pipeline depth from the
+shared-memory budget, the loaders, the argument expressions); the template only substitutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from qir.codegen.fragments import fragment_for
+from qir.codegen.gemv import EPILOGUES, GemvSpec
+from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.render import TEMPLATES, common_header, render
+from qir.dtypes import BF16, F16, DType
+from qir.types import QWeight
+
+MMA_HEADER = "qir_mma.cuh"
+GEMM_HEADER = "qir_gemm.cuh"
+# Static shared memory a block may declare (CUDA's limit without opting in to more).
+SMEM_BYTES = 48 * 1024
+# Halves of padding after each shared-memory row: rows (BK + 8) * 2 bytes apart put the 8 rows
+# an ldmatrix reads in 8 different 16-byte bank groups, and keep every row 16-byte aligned.
+ROW_PAD = 8
+MAX_M = 2**31 - 1
+# The GEMM's operand types: f32 activations stay on the GEMV family.
+ACTS = (F16, BF16)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A block's BM x BN output tile, its K step, its warps (warps_m x warps_n, each owning a
+    (BM / warps_m) x (BN / warps_n) sub-tile of m16n8 MMAs), the pipeline depth it starts from
+    (lowered while shared memory does not fit) and the resident blocks per SM it asks for."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int
+    warps_n: int
+    stages: int
+    min_blocks: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def mt(self) -> int:
+        return self.bm // self.warps_m // 16
+
+    @property
+    def nt(self) -> int:
+        return self.bn // self.warps_n // 8
+
+    @property
+    def spell(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.warps_m}x{self.warps_n}"
+
+
+# The one tile table: (largest M, smallest N, tile); the first row whose M bound is at least
+# the bucket's largest M and whose N bound the weight's out_features reach is taken. Defaults
+# sized by reasoning, not yet by measurements (benchmarks/llama_shapes.py sweeps M on a GPU):
+# up to 64 rows the weights dominate, so tiles are narrow in N (more blocks to stream them); past
+# that, 128 x 128 tiles of 8 warps reuse each dequantized weight tile over 128 rows. W4A4 runs
+# only up to 64 rows (W4A4_MAX_M), inside the first bucket.
+GEMM_TILES: tuple[tuple[int, int, Tile], ...] = (
+    (64, 4096, Tile(64, 64, 32, 2, 2, stages=3, min_blocks=2)),
+    (64, 0, Tile(64, 32, 32, 4, 1, stages=3, min_blocks=2)),
+    (MAX_M, 4096, Tile(128, 128, 32, 2, 4, stages=3, min_blocks=1)),
+    (MAX_M, 0, Tile(128, 64, 32, 2, 2, stages=3, min_blocks=1)),
+)
+# The M buckets the table distinguishes: a GEMM node gets one launch per bucket it serves.
+M_BUCKETS: tuple[int, ...] = tuple(sorted({m for m, _, _ in GEMM_TILES}))
+
+
+def bucket_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi] cut at the table's M buckets."""
+    out, start = [], lo
+    for bound in M_BUCKETS:
+        if start > hi:
+            break
+        if bound >= start:
+            out.append((start, min(bound, hi)))
+            start = bound + 1
+    return out
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM kernel: the fused form (as the GEMV family's spec has it: several weights, the
+    SiLU-gate prologue, the residual or silu_mul epilogue, W4A4) and the largest M of the tile
+    bucket it serves."""
+
+    weights: tuple[QWeight, ...]
+    act: DType
+    m_max: int
+    prologue: bool = False
+    epilogue: str = ""
+    a4: bool = False
+    a4_mode: str = "dynamic"
+    # W4A4 on Blackwell's block-scaled FP4 MMA (sm_120a/sm_121a; the host runs its emulation):
+    # the kernel reads the 16-bit input and quantizes it as quantize_act (mode a4_mode) would.
+    native: bool = False
+
+    def __post_init__(self) -> None:
+        if self.act not in ACTS:
+            raise ValueError(f"the GEMM family takes f16 or bf16 activations, not {self.act.name}")
+        _ = self.fused  # the GEMV spec checks the fused form
+        if self.native and (not self.a4 or self.prologue):
+            raise ValueError("the block-scaled FP4 GEMM takes W4A4 without a prologue")
+
+    @classmethod
+    def of(cls, fused: GemvSpec, m_max: int) -> GemmSpec:
+        """The GEMM of the fused form `fused` describes (its m_tile is the GEMV's own)."""
+        return cls(
+            fused.weights, fused.act, m_max, fused.prologue, fused.epilogue, fused.a4, fused.a4_mode
+        )
+
+    @property
+    def fused(self) -> GemvSpec:
+        return GemvSpec(
+            self.weights, self.act, 1, self.prologue, self.epilogue, self.a4, self.a4_mode
+        )
+
+    @property
+    def paired(self) -> bool:
+        return self.epilogue == "silu_mul"
+
+    @property
+    def chunk(self) -> int:
+        w = self.weights[0]
+        return fragment_for(w.format, w.out_features, w.in_features).chunk_elems
+
+    @property
+    def tile(self) -> Tile:
+        n = max(w.out_features for w in self.weights)
+        return choose_tile(self.m_max, n, self.chunk, self.a4, self.native)
+
+    @property
+    def name(self) -> str:
+        f = self
+        w0 = f.weights[0]
+        outs = "_".join(str(w.out_features) for w in f.weights)
+        fused = ("_silu" if f.prologue else "") + EPILOGUES[f.epilogue]
+        if f.a4:
+            fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
+        if f.native:
+            fused += "_nvf4"
+        return (
+            f"qgemm_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}"
+            f"_{self.tile.spell}{fused}"
+        )
+
+    def tiles(self, w: QWeight) -> int:
+        """Blocks along N that serve weight `w` (a pair's blocks serve both)."""
+        bn = self.tile.bn // 2 if self.paired else self.tile.bn
+        return -(-w.out_features // bn)
+
+    @property
+    def grid_x(self) -> int:
+        if self.paired:
+            return self.tiles(self.weights[0])
+        return sum(self.tiles(w) for w in self.weights)
+
+
+def smem_bytes(tile: Tile, stages: int, a4: bool, native: bool = False) -> int:
+    """Static shared memory of a kernel: per stage the two tiles (and W4A4's block factors),
+    plus W4A4's per-row scales. The block-scaled FP4 tiles hold packed codes (rows padded by 4
+    words) and a byte per block."""
+    rows = tile.bm + tile.bn
+    if native:
+        return stages * rows * ((tile.bk // 8 + 4) * 4 + tile.bk // 16) + tile.bm * 4
+    tiles = rows * (tile.bk + ROW_PAD) * 2
+    factors = rows * (tile.bk // 16) * 4 if a4 else 0
+    return stages * (tiles + factors) + (tile.bm * 4 if a4 else 0)
+
+
+@cache
+def choose_tile(m_max: int, n: int, chunk: int, a4: bool, native: bool = False) -> Tile:
+    """The table's tile for a bucket ending at `m_max` and `n` output rows. BK grows to the
+    fragment's chunk (a chunk never straddles two K steps; the block-scaled FP4 MMA takes K in
+    64s); then, until shared memory fits, the stages drop to 2, BN halves (keeping an even
+    number of n8 tiles per warp), then BM."""
+    t = next(t for m, n_min, t in GEMM_TILES if m_max <= m and n >= n_min)
+    bm, bn, bk, stages = t.bm, t.bn, max(t.bk, chunk, 64 if native else 16), t.stages
+
+    def tile() -> Tile:
+        return Tile(bm, bn, bk, t.warps_m, t.warps_n, stages, t.min_blocks)
+
+    while smem_bytes(tile(), stages, a4, native) > SMEM_BYTES:
+        if stages > 2:
+            stages -= 1
+        elif bn // t.warps_n > 16:
+            bn //= 2
+        elif bm // t.warps_m > 16:
+            bm //= 2
+        else:
+            raise ValueError(f"no GEMM tile from {t} fits {SMEM_BYTES} bytes of shared memory")
+    return tile()
+
+
+@cache
+def mma_header() -> tuple[str, str]:
+    """The mma / ldmatrix / cp.async helpers, as a (file name, text) header."""
+    return MMA_HEADER, (TEMPLATES / MMA_HEADER).read_text()
+
+
+@cache
+def gemm_header() -> tuple[str, str]:
+    """What GEMM kernels share besides the helpers (stores, decodes, the row scale)."""
+    return GEMM_HEADER, (TEMPLATES / GEMM_HEADER).read_text()
+
+
+def _variant(f: GemmSpec) -> dict[str, str]:
+    """The templates of what differs between the GEMM's kinds: the activation loader, the weight
+    adapter, the shared memory, the MMA step, and where the weight chunk goes."""
+    if f.native:
+        return {
+            "a_loader": "gemm/a_nvfp4_native.cuh.j2",
+            "b_adapter": "gemm/b_nvfp4_native.cuh.j2",
+            "smem": "gemm/smem_nvf4.cuh.j2",
+            "mma": "gemm/mma_nvf4.cuh.j2",
+            "b_tile": "&Bc[stage][row][c * CHUNK / 8]",
+            "b_scales": "&Bsf[stage][row][c * BPC]",
+        }
+    if f.a4:
+        loader = "gemm/a_silu_nvfp4.cuh.j2" if f.prologue else "gemm/a_nvfp4.cuh.j2"
+        return {
+            "a_loader": loader,
+            "b_adapter": "gemm/b_nvfp4_codes.cuh.j2",
+            "smem": "gemm/smem_a4.cuh.j2",
+            "mma": "gemm/mma_a4.cuh.j2",
+            "b_tile": "&Bs[stage][row][c * CHUNK]",
+            "b_scales": "&Bf[stage][row][c * BPC]",
+        }
+    return {
+        "a_loader": "gemm/a_silu.cuh.j2" if f.prologue else "gemm/a_cp_async.cuh.j2",
+        "b_adapter": "gemm/b_dequant.cuh.j2",
+        "smem": "gemm/smem_mma.cuh.j2",
+        "mma": "gemm/mma_16.cuh.j2",
+        "b_tile": "&Bs[stage][row][c * CHUNK]",
+        "b_scales": "nullptr",
+    }
+
+
+def gemm_kernel(spec: GemmSpec) -> Kernel:
+    f, tile = spec, spec.tile
+    w0 = f.weights[0]
+    frag = fragment_for(w0.format, w0.out_features, w0.in_features)
+    act_t = f.act.c_type
+    suffixes = [p.name.removeprefix("w_") for p in frag.params]
+    # Segments: weight j takes blocks [start, start + tiles(w)) of grid.x.
+    segments, start = [], 0
+    for j, w in enumerate(f.weights):
+        segments.append({"j": j, "N": w.out_features, "start": start})
+        start += spec.tiles(w)
+    if f.paired or len(f.weights) == 1:
+        select = {s: f"w0_{s}" for s in suffixes}
+        # A pair's tile interleaves gate (rows 8i..8i+7 of each 16) and up (the next 8).
+        b_args = ", ".join(
+            f"(row & 8) ? w1_{s} : w0_{s}" if f.paired else f"w0_{s}" for s in suffixes
+        )
+    else:
+        select = {}
+        for s in suffixes:
+            expr = f"w{len(f.weights) - 1}_{s}"
+            for seg in reversed(segments[:-1]):
+                expr = f"seg == {seg['j']} ? w{seg['j']}_{s} : {expr}"
+            select[s] = expr
+        b_args = ", ".join(f"sel_{s}" for s in suffixes)
+    params = _params(spec, frag.params)
+    # Pieces rendered here from their own templates (the fragment with its context), so the
+    # kernel template only places them.
+    v = _variant(f)
+    scale = "*act_scale" if f.a4_mode != "dynamic" else "row_scale[row]"
+    # The GEMM's own names come after the fragment's context: a fragment's keys (its "scale"
+    # kind, say) must not replace them.
+    parts = {
+        **frag.context,
+        "chunk": frag.chunk_elems,
+        "row_bytes": w0.in_features // 2 + 4 * (w0.in_features // 16),
+        "a4_mode": f.a4_mode,
+        "act_mode": 1 if f.a4_mode == "mul" else 0,
+        "act_scale": scale,
+        "paired": f.paired,
+    }
+    preamble = [render(frag.template, **frag.context)]
+    if f.a4 and (f.prologue or f.native):
+        preamble.append(render("formats/nvfp4_quant.cuh"))
+    preamble.append(render(v["b_adapter"], **parts))
+    row_scale = ""
+    if f.a4 and f.a4_mode == "dynamic" and (f.prologue or f.native):
+        row_scale = render("gemm/row_scale.cuh.j2" if f.prologue else "gemm/row_scale_x.cuh.j2")
+    finish = ""
+    if f.native:
+        # The row's activation factor is s / scale (mode 0) or s * scale (mode 1), the weight's
+        # s / g or s * g (its scale_op): the MMA took each s, these take the rest.
+        row_factor = f"(1.0f / {scale})" if parts["act_mode"] == 0 else scale
+        globals_ = ["w0_global_scale", "w1_global_scale"] if f.paired else ["sel_global_scale"] * 2
+        op = frag.context["scale_op"]
+        w_factors = ", ".join(f"(*{g})" if op == "*" else f"(1.0f / *{g})" for g in globals_)
+        finish = render(
+            "gemm/finish_nvf4.cuh.j2", row_factor=row_factor, w_factors=w_factors, paired=f.paired
+        )
+    source = render(
+        "qgemm.cu.j2",
+        name=spec.name,
+        doc="\n".join(f"// {line}" for line in _doc(spec)),
+        preamble="\n".join(preamble),
+        a_loader=render(v["a_loader"], **parts).rstrip("\n"),
+        row_scale=row_scale.rstrip("\n"),
+        smem=render(v["smem"]).rstrip("\n"),
+        mma=render(v["mma"]).rstrip("\n"),
+        finish=finish.rstrip("\n"),
+        b_tile=v["b_tile"],
+        b_scales=v["b_scales"],
+        signature=",\n    ".join(f"{p.c_type} {p.name}" for p in params),
+        act_t=act_t,
+        tile=tile,
+        K=w0.in_features,
+        chunk=frag.chunk_elems,
+        chunks_per_row=frag.chunks_per_row(w0.in_features),
+        segments=segments,
+        select=[
+            {"c_type": p.c_type, "suffix": s, "expr": select[s]}
+            for p, s in zip(frag.params, suffixes, strict=True)
+        ],
+        multi=len(segments) > 1 and not f.paired,
+        b_args=b_args,
+        paired=f.paired,
+        epilogue=f.epilogue,
+    )
+    return Kernel(
+        spec.name,
+        source,
+        tuple(params),
+        (tile.threads, 1, 1),
+        (common_header(), mma_header(), gemm_header()),
+    )
+
+
+def _params(spec: GemmSpec, frag_params: tuple[KernelParam, ...]) -> list[KernelParam]:
+    """The GEMV's parameter list (lowering binds both families' launches alike)."""
+    f = spec
+    act_in = f"const {f.act.c_type}* __restrict__"
+    inputs: tuple[KernelParam, ...]
+    if f.prologue:
+        inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
+    elif f.a4 and not f.native:
+        inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
+    else:
+        inputs = (KernelParam("x", act_in, "buffer"),)
+    scale = f.a4 and (f.prologue or f.native) and f.a4_mode != "dynamic"
+    return [
+        *inputs,
+        *(
+            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
+            for j in range(len(f.weights))
+            for p in frag_params
+        ),
+        *(
+            KernelParam(f"y{j}", f"{f.act.c_type}* __restrict__", "buffer")
+            for j in range(1 if f.paired else len(f.weights))
+        ),
+        *((KernelParam("r", act_in, "buffer"),) if f.epilogue == "residual" else ()),
+        *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
+        KernelParam("M", "int", "int"),
+    ]
+
+
+def _doc(spec: GemmSpec) -> list[str]:
+    """The comment lines at the top of the kernel: what it computes and how it is tiled."""
+    f, t = spec, spec.tile
+    w0 = f.weights[0]
+    x = "silu(g) * u" if f.prologue else "x"
+    if f.a4:
+        x = f"nvfp4({x})"
+    lines = []
+    if f.paired:
+        lines.append(
+            f"y0 = silu({x} W0^T) * ({x} W1^T); W0, W1 are [{w0.out_features}, {w0.in_features}]"
+            f" in {w0.format.spell()}"
+        )
+    else:
+        res = "r + " if f.epilogue == "residual" else ""
+        for j, w in enumerate(f.weights):
+            lines.append(
+                f"y{j} = {res}{x} W{j}^T; W{j} is [{w.out_features}, {w.in_features}] in "
+                f"{w0.format.spell()}"
+            )
+    lines.append(
+        f"Tensor-core GEMM: {t.bm} x {t.bn} tiles (of {t.warps_m} x {t.warps_n} warps, each "
+        f"{t.mt} x {t.nt} MMAs), K in steps of {t.bk} through {t.stages} stages; fp32 accumulation."
+    )
+    if f.native:
+        lines += [
+            "Blackwell block-scaled FP4 MMA (m16n8k64, UE4M3 scales per 16; sm_120a/sm_121a,",
+            "compile-checked only: no machine here runs it; the host backend emulates it). The",
+            "activation tile is quantized to NVFP4 in the kernel, as quantize_act would.",
+        ]
+    elif f.a4:
+        lines.append(
+            "E2M1 codes decoded exactly into MMA operands; each k16 block's sum scaled by the "
+            "two block factors."
+        )
+    else:
+        lines.append(
+            "The weight tile is dequantized into shared memory by the format's fragment"
+            + ("." if f.prologue else "; the activation tile arrives by cp.async.")
+        )
+    return lines
