@@ -26,4 +26,4 @@ typecheck: install-test
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto

@@ -75,7 +75,8 @@ def test_compile_writes_one_plan_entry_per_launch(tmp_path):
     assert main(["compile", str(CKPT), "--block", "qkv", "--m", "5", "--json", str(plan)]) == 0
     kernels = json.loads(plan.read_text())["kernels"]
     assert [k["nodes"] for k in kernels] == [["q_k_v", "q", "k", "v"]]
-    assert kernels[0]["grid"] == [3 * 64, 1, 1] and kernels[0]["block"] == [128, 1, 1]
+    # 3 x 256 rows, four rows per warp, four warps per block
+    assert kernels[0]["grid"] == [3 * 256 // 16, 1, 1] and kernels[0]["block"] == [128, 1, 1]
 
 
 def test_compile_reports_the_memory_plan(tmp_path):
@@ -271,8 +272,12 @@ def test_compile_resources_prints_the_cost_table(capsys):
     )
     assert re.search(r"\b\d+ \((registers|threads|blocks|smem)\)", out)
     assert "B200 (sm_100a): budget " in out
-    if sass_available():  # the SASS columns: a number and a bound
-        assert re.search(r"(issue|latency)-bound at \d+%", out)
+    if sass_available():
+        # The SASS columns: a bound, or for this checkpoint's K = 256 (shorter than one pass of
+        # a warp over K: no weight loop to read) a note that says so.
+        assert re.search(r"(issue|latency)-bound at \d+%", out) or re.search(
+            r"note: a pass loads \d+ B of codes per lane", out
+        )
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")

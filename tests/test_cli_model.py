@@ -65,10 +65,12 @@ def _plan(tmp_path: Path, ckpt: Path, block: str, *extra: str) -> dict[str, obje
     [
         # norm, q/k/v, append (+rope k), split + combine (+rope q) or prefill, o + residual,
         # norm, gate/up + silu*up, down + residual
-        (W4A16, 9, 8, 10),
+        # (every M: the 4 projections' GEMMs, two tile buckets each, and the norms' and
+        # attention's launches for both)
+        (W4A16, 9, 8, 18),
         # the norms computed inside the activation quantizations, one more quantization ahead
         # of o_proj and of down_proj; W4A4 kernels have 16-bit twins above 64 rows
-        (W4A4, 11, 10, 18),
+        (W4A4, 11, 10, 22),
     ],
 )
 def test_compile_lists_a_layers_launches(tmp_path, ckpt, decode, prefill, every):

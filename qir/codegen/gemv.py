@@ -45,11 +45,15 @@ EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul"}
 A4_MODES = ("dynamic", "mul", "div")
 
 
-def rows_per_warp(frag: Fragment, weights_per_warp: int) -> int:
+def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType) -> int:
     """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
     fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
-    spill."""
-    slots = 1 if frag.context.get("gathers") else SLOTS
+    spill; so do four slots of f32 activations (eight rows of x, each a float per weight), and
+    four of 2-bit codes at eight rows of x (16 codes a step: two slots)."""
+    if frag.context.get("gathers") or act == F32:
+        slots = 1
+    else:
+        slots = SLOTS // 2 if int(frag.context.get("step", 8)) > 8 else SLOTS
     return max(1, slots // weights_per_warp)
 
 
@@ -108,7 +112,7 @@ class GemvSpec:
 
     @property
     def rows_per_warp(self) -> int:
-        return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1)
+        return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1, self.act)
 
     def blocks(self, w: QWeight) -> int:
         return -(-w.out_features // (WARPS_PER_BLOCK * self.rows_per_warp))

@@ -47,10 +47,11 @@ from typing import Any
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import rows_per_warp
 from qir.codegen.lower import Launch, Plan
+from qir.dtypes import F16, F32
 from qir.runtime import sass
 from qir.runtime.gpus import Gpu, gpus_for
 from qir.runtime.nvrtc import PtxasReport, compile_cubin
-from qir.types import QWeight
+from qir.types import QWeight, TensorType
 
 WARP = 32
 CODES = "weight"  # the buffer of packed codes, in every format
@@ -136,7 +137,12 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     if len(params) != len(launch.args):
         return None
     buffers, codes, weights = set(), set(), []
+    act = F16
     for p, a in zip(params, launch.args, strict=True):
+        if a.kind == "value":
+            t = plan.value_type(a.ref)
+            if isinstance(t, TensorType) and t.dtype == F32:
+                act = F32
         if a.kind != "weight":
             continue
         buffers.add(p.name)
@@ -156,7 +162,7 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     )
     # A warp computes rows_per_warp rows of each of the weights it pairs (gate/up: 2).
     pairs = max(1, len(weights) // max(1, len(launch.outputs)))
-    per_warp = pairs * rows_per_warp(frag, pairs)
+    per_warp = pairs * rows_per_warp(frag, pairs, act)
     return WeightStream(
         buffers=frozenset(buffers),
         codes=frozenset(codes),

@@ -37,7 +37,8 @@ def test_kernel_name_spells_the_specialisation():
     pair = gemv_kernel(pair_spec)
     assert pair.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8_silumul"
     assert [p.name for p in pair.params][-2:] == ["y0", "M"]  # one result, silu(g) * u
-    assert pair_spec.grid_x == GemvSpec((w,), F16, 8).grid_x  # one warp per row of the pair
+    # A warp computes four rows of one weight, or two rows of gate and up each.
+    assert pair_spec.grid_x == 2 * GemvSpec((w,), F16, 8).grid_x
     with pytest.raises(ValueError, match="two weights of one shape"):
         GemvSpec((w,), F16, 8, epilogue="silu_mul")
     with pytest.raises(ValueError, match="two weights of one shape"):

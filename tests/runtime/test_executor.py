@@ -376,6 +376,8 @@ def test_misaligned_input_is_copied_not_read_unaligned(tmp_path) -> None:
     assert xa.ctypes.data % 16
     ours = qir.compile(b.graph, {"w": bufs}, backend="host")({"x": xa})["y"]
     ref = qir.interpret(b.graph, {"x": xa}, {"w": bufs})["y"]
+    # The GEMV sums a run's products in f16 pairs: within about 1e-3 of the row's largest output.
+    ref32 = ref.astype(np.float32)
     np.testing.assert_allclose(
-        ours.astype(np.float32), ref.astype(np.float32), rtol=2e-3, atol=2e-3
+        ours.astype(np.float32), ref32, rtol=2e-3, atol=2e-3 * float(np.abs(ref32).max())
     )

@@ -185,6 +185,15 @@ def test_w4a4_model_matches_the_reference(backend):
     long = (np.arange(70) * 11 + 5) % 256
     for tokens in (golden["tokens"], long):
         assert max_rel(ours.logits(tokens), ref.logits(tokens)) <= TOL[BF16]
+    # The caches the 70 rows wrote agree to bf16 rounding (the GEMV sums bf16 products in pairs,
+    # the interpreter in f32), but 4-bit activations amplify an ulp of k or v into flipped
+    # codes downstream (~15% at the next token's logits): the decode step after it is compared
+    # from the same cache.
+    cache, ref_cache = ours.compiled.state(), ref.compiled._state
+    for key, want in ref_cache.items():
+        got = np.asarray(cache[key]).view(want.dtype).reshape(want.shape)
+        assert max_rel(got, want) <= 2.0**-7, key
+        ref_cache[key] = got.copy()
     assert max_rel(ours.forward([7], 70)[0], ref.forward([7], 70)[0]) <= TOL[BF16]
     # 4-bit activations move these logits by 14% (L2) from the 16-bit numbers: o_proj's input
     # saturates its calibrated scale on these prompts (the fixture's ORACLE.md); unrelated

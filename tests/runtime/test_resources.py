@@ -202,14 +202,16 @@ def test_cost_table_of_a_real_kernel_agrees_with_its_sass_and_the_maths() -> Non
     figure comes from NVRTC and nvdisasm; the checks are what must hold between them."""
     fmt = Awq(4, 128)
     plan = _down(fmt, 256, 14336, F16)
-    (launch,) = plan.launches
+    launch = next(la for la in plan.launches if la.runs_for(1))  # the GEMV
     one, eight = (kernel_costs(plan, "sm_90", m)[0] for m in (1, 8))
     result = nvrtc.compile_cubin(launch.kernel, "sm_90")
     instrs = sass.disassemble(result.cubin, launch.kernel.name)
-    # ptxas' registers cover every register the SASS names; no spill code without spills.
+    # ptxas' registers cover every register the SASS names; no spills, and local stores only
+    # where ptxas reports a stack frame (the kernel's local arrays).
     used = max(int(r[1:]) for i in instrs for tok in i.operands for r in re.findall(r"\bR\d+", tok))
     assert used < one.ptxas.registers <= 255
-    assert one.ptxas.spill_stores == sum(i.op == "STL" for i in instrs) == 0
+    assert one.ptxas.spill_stores == 0
+    assert (sum(i.op == "STL" for i in instrs) > 0) == (one.ptxas.stack_bytes > 0)
     assert one.region.startswith("loop") and one.chunks_per_pass is not None
     assert one.region != eight.region  # one row of x and a tile of 8 take different paths
     assert (
@@ -239,7 +241,8 @@ def test_cost_table_of_a_real_kernel_agrees_with_its_sass_and_the_maths() -> Non
 @needs_sass
 def test_spill_figures_match_the_spill_code_in_the_sass() -> None:
     """The W4A4 down projection of issue 14 (NVFP4, hidden 512, intermediate 1408): ptxas'
-    spill stores show as STL instructions, and the table says how many bytes."""
+    spill stores and its stack frame (local arrays) are where STL instructions come from, and
+    the table says how many bytes."""
     g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
     plan = lower(run_pipeline(g, "default")[0])
     costs = {c.name: c for c in kernel_costs(plan, "sm_90", 1)}
@@ -248,7 +251,8 @@ def test_spill_figures_match_the_spill_code_in_the_sass() -> None:
         next(la.kernel for la in plan.launches if la.kernel.name == name), "sm_90"
     )
     stl = sum(i.op == "STL" for i in sass.disassemble(result.cubin, name))
-    assert (costs[name].ptxas.spill_stores > 0) == (stl > 0)
+    ptxas = costs[name].ptxas
+    assert (ptxas.spill_stores > 0 or ptxas.stack_bytes > 0) == (stl > 0)
     assert f"{costs[name].ptxas.spill_stores}/{costs[name].ptxas.spill_loads}" in format_table(
         list(costs.values())
     )
