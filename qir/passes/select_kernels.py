@@ -26,8 +26,8 @@ FAMILIES = ("gemv", "gemv|gemm", "gemm")
 # fragment, and for NVFP4 weights with 4-bit activations. Defaults set by reasoning, to be
 # replaced by `benchmarks/llama_shapes.py` measurements on a GPU: the GEMV's launch covers 8 rows
 # and re-reads the weights for every 8 more (from L2 while they fit), the GEMM reads them once
-# per 64 rows but dequantizes them into shared memory; the W4A4 GEMV forms its E2M1 products in
-# fp32 one by one, so its tensor-core replacement pays off from the second 8 rows on.
+# per 64 rows but dequantizes them into shared memory; the W4A4 GEMV's products are exact E2M1
+# pairs whose sums a tensor core forms as cheaply, so the GEMM takes over from the second 8 rows.
 GEMM_FROM_M: dict[str, int] = {
     "mlx_affine": 17,
     "awq": 17,
