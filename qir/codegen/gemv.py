@@ -37,9 +37,12 @@ WARPS_PER_BLOCK = 4
 # activations' load and permutation shared four ways. Grids stay above one block per SM at
 # Llama-3-8B shapes (the k/v projections alone excepted, which launch with q).
 SLOTS = 4
-# Resident blocks per SM the register allocation must allow: 4 blocks of 128 threads leave each
-# thread up to 128 registers.
-MIN_BLOCKS_PER_SM = 4
+# Resident blocks per SM the register allocation must allow: 3 blocks of 128 threads leave each
+# thread up to 168 registers. At 4 (128 registers) the eight-rows-of-x path of some formats
+# spilled 16-56 B on sm_80/sm_100a/sm_120a (AWQ, MLX 6-bit) once a run's pair sums are kept per
+# row of x. Fewer resident warps means fewer bytes in flight: `qir compile --resources` shows
+# how many per kernel.
+MIN_BLOCKS_PER_SM = 3
 # Epilogue -> its kernel-name suffix.
 EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul"}
 A4_MODES = ("dynamic", "mul", "div")

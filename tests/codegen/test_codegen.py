@@ -27,7 +27,7 @@ def test_kernel_name_spells_the_specialisation():
     w = QWeight(MlxAffine(4, 128, BF16), 512, 256)
     k = gemv_kernel(GemvSpec((w,), F16, 8))
     assert k.name == "qgemv_mlx4g128bf16_f16_n512_k256_m8"
-    assert f"void __launch_bounds__(128, 4) {k.name}(" in k.source
+    assert f"void __launch_bounds__(128, 3) {k.name}(" in k.source
     assert [p.name for p in k.params] == ["x", "w0_weight", "w0_scales", "w0_biases", "y0", "M"]
     assert k.headers[0][0] == "qir_common.cuh"
     dual = gemv_kernel(GemvSpec((w, w), F16, 8))
