@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -118,9 +119,14 @@ FMT4 = MlxAffine(4, 64, BF16)
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """Every test compiles into one per-session cache, never the user's ~/.cache/qir."""
+    """Every test compiles into one per-session cache, never the user's ~/.cache/qir. Under
+    pytest-xdist the workers share it (the cache locks per entry), so a kernel that tests on two
+    workers need is compiled once."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "qir-cache"
+    root.mkdir(exist_ok=True)
     mp = pytest.MonkeyPatch()
-    mp.setenv("QIR_CACHE_DIR", str(tmp_path_factory.mktemp("qir-cache")))
+    mp.setenv("QIR_CACHE_DIR", str(root))
     yield
     mp.undo()
 

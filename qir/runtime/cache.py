@@ -42,7 +42,8 @@ log = logging.getLogger("qir.runtime")
 PAYLOAD_VERSION = 1
 HOST = "host"  # g++ shared objects (or sanitizer executables)
 CUBIN = "cubin"  # NVRTC cubins with ptxas' register / spill counts
-NAMESPACES = (HOST, CUBIN)
+PCH = "host-pch"  # qir_host.h precompiled by g++ (host_pch.py): one directory per flag set
+NAMESPACES = (HOST, CUBIN, PCH)
 
 _MAGIC = b"QIRCACHE"
 _TRAILER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
@@ -286,7 +287,10 @@ def info(root: Path | None = None) -> list[NamespaceInfo]:
     out = []
     for ns in NAMESPACES:
         files = [p for p in (base / ns).rglob("*") if p.is_file()] if (base / ns).is_dir() else []
-        entries = [p for p in files if not p.name.startswith(".") and p.suffix != ".lock"]
+        # Not entries: temp files, locks, and the header copies beside precompiled headers.
+        entries = [
+            p for p in files if not p.name.startswith(".") and p.suffix not in (".lock", ".h")
+        ]
         out.append(NamespaceInfo(ns, len(entries), sum(p.stat().st_size for p in files)))
     return out
 

@@ -31,6 +31,7 @@ from qir.interpret import BindError
 from qir.runtime.backend import BoundLaunch
 from qir.runtime.cache import HOST, Artifact, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
+from qir.runtime.host_pch import PrecompiledHeader
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 HEADER = Path(__file__).parent / "include" / "qir_host.h"
@@ -120,10 +121,17 @@ class HostBackend:
         # Entries prepare() fetched (compiled or read and checksummed), for load() to take
         # instead of reading them again.
         self._prepared: dict[Kernel, Artifact] = {}
+        self._pch = PrecompiledHeader(
+            self.cache,
+            HEADER,
+            CXX,
+            cuda_include_dirs,
+            lambda: compiler_version() + toolkit_fingerprint(),
+        )
 
     # -- compile -------------------------------------------------------------------------------
 
-    def _flags(self, kernel: Kernel, build: Path) -> list[str]:
+    def _flags(self, kernel: Kernel, build: Path, precompiled: bool = True) -> list[str]:
         mode = (
             (*SANITIZE_FLAGS, f"-DQIR_HOST_RUNNER=qir_launch_{kernel.name}")
             if self.sanitize
@@ -132,7 +140,13 @@ class HostBackend:
         includes = [f"-I{d}" for d in (build, *cuda_include_dirs())]
         # Derived from the header, which is part of the key: no need to hash it into `options`.
         abi = f"-DQIR_HOST_ABI={_header_abi()}"
-        return [*BASE_FLAGS, *mode, abi, "-include", str(HEADER), *includes]
+        # Sanitizer builds are few and define a per-kernel macro the header reads: no .gch.
+        header = (
+            self._pch.header([*BASE_FLAGS, *mode, abi])
+            if precompiled and not self.sanitize
+            else HEADER
+        )
+        return [*BASE_FLAGS, *mode, abi, "-include", str(header), *includes]
 
     def key_parts(self, kernel: Kernel, source: str) -> dict[str, str]:
         """What a compiled kernel depends on, besides qir's codegen (see cache.key)."""
@@ -190,6 +204,12 @@ class HostBackend:
             cu.write_text(source)
             cmd = [CXX, *self._flags(kernel, build), str(cu), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0 and Path(cmd[cmd.index("-include") + 1]) != HEADER:
+                # A damaged .gch is a hard g++ error: the plain header decides, and tells.
+                cmd = [CXX, *self._flags(kernel, build, precompiled=False), str(cu), "-o", str(out)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode == 0:
+                    self._pch.discard()
             if proc.returncode != 0:
                 raise CompileError(
                     kernel.name, "g++", proc.stderr.strip(), source, filename=cu.name

@@ -339,11 +339,15 @@ def test_info_and_clear(tmp_path: Path) -> None:
     store = KernelCache(tmp_path)
     store.fetch("host", "k", "0" * 64, ".so", lambda: b"payload", what="test")
     (tmp_path / "unrelated.txt").write_text("not ours")
-    (ns_host, ns_cubin) = cache_mod.info(tmp_path)
+    (tmp_path / "host-pch" / "abc").mkdir(parents=True)
+    (tmp_path / "host-pch" / "abc" / "qir_host.h").write_text("// header")
+    (tmp_path / "host-pch" / "abc" / "qir_host.h.gch").write_bytes(b"pch")
+    (ns_host, ns_cubin, ns_pch) = cache_mod.info(tmp_path)
     assert (ns_host.name, ns_host.entries) == ("host", 1) and ns_host.bytes > len(b"payload")
     assert (ns_cubin.name, ns_cubin.entries, ns_cubin.bytes) == ("cubin", 0, 0)
-    assert cache_mod.clear(tmp_path) == 1
-    assert [ns.entries for ns in cache_mod.info(tmp_path)] == [0, 0]
+    assert (ns_pch.name, ns_pch.entries, ns_pch.bytes) == ("host-pch", 1, 12)
+    assert cache_mod.clear(tmp_path) == 2
+    assert [ns.entries for ns in cache_mod.info(tmp_path)] == [0, 0, 0]
     assert (tmp_path / "unrelated.txt").exists()  # the root may be shared: only our namespaces go
 
 
