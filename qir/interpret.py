@@ -135,8 +135,9 @@ def quantize_act(scheme: str, x: np.ndarray, attrs: Mapping[str, Any]) -> np.nda
 
 def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
     """Fused or not, the same numerics as the unfused ops: the prologue (or the silu_mul epilogue)
-    rounds silu(g) and the product to the act dtype like separate silu/mul ops would, the
-    residual epilogue adds the residual to the rounded projection."""
+    rounds silu(g) and the product to the act dtype like separate silu/mul ops would (an
+    rms_norm prologue rounds the normalised row as rms_norm stores it), the residual epilogue
+    adds the residual to the rounded projection."""
     attrs = dict(node.attrs)
     ins, ws, extras = qlinear_layout(len(args), attrs)
     m = args[0].shape[0]
@@ -149,6 +150,11 @@ def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarra
         scheme = attrs.get("act_quant")
         if isinstance(scheme, str) and m <= W4A4_MAX_M:
             x = quantize_act(scheme, x, attrs)
+    elif attrs.get("prologue") == "rms_norm":
+        x, nw = args[ins]
+        eps = attrs["eps"]
+        assert isinstance(eps, float)
+        x = rms_norm(x, nw, eps).astype(dt)
     else:
         (x,) = args[ins]
     outs = [(_f32(x) @ w.T).astype(dt) for w in args[ws]]

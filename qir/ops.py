@@ -124,19 +124,20 @@ def _infer_leaf(
     raise AssertionError("leaf types are given, not inferred")
 
 
-PROLOGUES = ("silu_mul",)
+PROLOGUES = ("silu_mul", "rms_norm")
 EPILOGUES = ("residual", "silu_mul")
 
 
 def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, slice, slice]:
     """Where a qlinear's inputs, weights and epilogue operands sit among its operands.
 
-    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input);
+    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input), or
+    (x, w) with prologue rms_norm (it reads rms_norm(x, w) with the node's eps);
     weights: one or more (several = one multi-output node reading its input once; with
     epilogue silu_mul exactly two, gate and up, and one result silu(x Wg^T) * (x Wu^T));
     then the residual r with epilogue residual (y = r + x W^T).
     """
-    n_in = 2 if attrs.get("prologue") == "silu_mul" else 1
+    n_in = 2 if attrs.get("prologue") in PROLOGUES else 1
     n_extra = 1 if attrs.get("epilogue") == "residual" else 0
     return (
         slice(0, n_in),
@@ -167,6 +168,10 @@ def _infer_qlinear(
         if prologue != "silu_mul":
             raise IRTypeError("qlinear: act_quant quantizes a prologue's result; use quantize_act")
         _check_act_rule("qlinear", attrs, "act_quant")
+    if prologue == "rms_norm":
+        normed = _infer_rms_norm(types[:2], names[:2], attrs)
+        assert isinstance(normed, TensorType)
+        x = normed
     if prologue == "silu_mul":
         u = _activation("qlinear", names, types, 1)
         if u != x:
@@ -207,8 +212,8 @@ def _infer_qlinear(
                 f"qlinear: {scheme} activations need K % 64 == 0, got {w0.in_features}"
             )
     if epilogue == "silu_mul":
-        if prologue is not None:
-            raise IRTypeError("qlinear epilogue silu_mul: takes no prologue")
+        if prologue == "silu_mul":
+            raise IRTypeError("qlinear epilogue silu_mul: takes no silu_mul prologue")
         if len(results) != 2 or results[0] != results[1]:
             shapes = ", ".join(str(r) for r in results)
             raise IRTypeError(
@@ -455,7 +460,9 @@ OPS: dict[str, OpSpec] = {
             "qlinear",
             VARIADIC,
             _infer_qlinear,
-            frozenset({"prologue", "epilogue", "kernel", "gemm_from_m", "fused", "act_quant"})
+            frozenset(
+                {"prologue", "epilogue", "kernel", "gemm_from_m", "fused", "act_quant", "eps"}
+            )
             | ACT_SCALE_ATTRS,
         ),
         OpSpec(

@@ -63,11 +63,11 @@ def _plan(tmp_path: Path, ckpt: Path, block: str, *extra: str) -> dict[str, obje
 @pytest.mark.parametrize(
     ("ckpt", "decode", "prefill", "every"),
     [
-        # norm, q/k/v, append (+rope k), split + combine (+rope q) or prefill, o + residual,
-        # norm, gate/up + silu*up, down + residual
-        # (every M: the 4 projections' GEMMs, two tile buckets each, and the norms' and
-        # attention's launches for both)
-        (W4A16, 9, 8, 18),
+        # q/k/v (+its norm), append (+rope k), split + combine (+rope q) or prefill,
+        # o + residual, gate/up (+its norm) + silu*up, down + residual
+        # (every M: the 4 projections' GEMMs, two tile buckets each, and attention's launches
+        # for both)
+        (W4A16, 7, 6, 16),
         # the norms computed inside the activation quantizations, one more quantization ahead
         # of o_proj and of down_proj; W4A4 kernels have 16-bit twins above 64 rows
         (W4A4, 11, 10, 22),

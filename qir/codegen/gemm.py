@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import EPILOGUES, GemvSpec
+from qir.codegen.gemv import EPILOGUES, GemvSpec, norm_param, norm_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
 from qir.dtypes import BF16, F16, DType
@@ -116,6 +116,7 @@ class GemmSpec:
     # W4A4 on Blackwell's block-scaled FP4 MMA (sm_120a/sm_121a; the host runs its emulation):
     # the kernel reads the 16-bit input and quantizes it as quantize_act (mode a4_mode) would.
     native: bool = False
+    norm: tuple[DType, float] | None = None  # input = rms_norm(x, nw), as GemvSpec.norm
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:
@@ -128,13 +129,27 @@ class GemmSpec:
     def of(cls, fused: GemvSpec, m_max: int) -> GemmSpec:
         """The GEMM of the fused form `fused` describes (its m_tile is the GEMV's own)."""
         return cls(
-            fused.weights, fused.act, m_max, fused.prologue, fused.epilogue, fused.a4, fused.a4_mode
+            fused.weights,
+            fused.act,
+            m_max,
+            fused.prologue,
+            fused.epilogue,
+            fused.a4,
+            fused.a4_mode,
+            norm=fused.norm,
         )
 
     @property
     def fused(self) -> GemvSpec:
         return GemvSpec(
-            self.weights, self.act, 1, self.prologue, self.epilogue, self.a4, self.a4_mode
+            self.weights,
+            self.act,
+            1,
+            self.prologue,
+            self.epilogue,
+            self.a4,
+            self.a4_mode,
+            self.norm,
         )
 
     @property
@@ -156,7 +171,7 @@ class GemmSpec:
         f = self
         w0 = f.weights[0]
         outs = "_".join(str(w.out_features) for w in f.weights)
-        fused = ("_silu" if f.prologue else "") + EPILOGUES[f.epilogue]
+        fused = ("_silu" if f.prologue else "") + norm_suffix(f.norm) + EPILOGUES[f.epilogue]
         if f.a4:
             fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
         if f.native:
@@ -248,8 +263,9 @@ def _variant(f: GemmSpec) -> dict[str, str]:
             "b_tile": "&Bs[stage][row][c * CHUNK]",
             "b_scales": "&Bf[stage][row][c * BPC]",
         }
+    loader = "gemm/a_norm.cuh.j2" if f.norm else "gemm/a_cp_async.cuh.j2"
     return {
-        "a_loader": "gemm/a_silu.cuh.j2" if f.prologue else "gemm/a_cp_async.cuh.j2",
+        "a_loader": "gemm/a_silu.cuh.j2" if f.prologue else loader,
         "b_adapter": "gemm/b_dequant.cuh.j2",
         "smem": "gemm/smem_mma.cuh.j2",
         "mma": "gemm/mma_16.cuh.j2",
@@ -306,6 +322,8 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
     row_scale = ""
     if f.a4 and f.a4_mode == "dynamic" and (f.prologue or f.native):
         row_scale = render("gemm/row_scale.cuh.j2" if f.prologue else "gemm/row_scale_x.cuh.j2")
+    if f.norm:
+        row_scale = render("gemm/row_norm.cuh.j2", eps=repr(f.norm[1]))
     finish = ""
     if f.native:
         # The row's activation factor is s / scale (mode 0) or s * scale (mode 1), the weight's
@@ -361,6 +379,8 @@ def _params(spec: GemmSpec, frag_params: tuple[KernelParam, ...]) -> list[Kernel
     inputs: tuple[KernelParam, ...]
     if f.prologue:
         inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
+    elif f.norm:
+        inputs = (KernelParam("x", act_in, "buffer"), norm_param(f.norm))
     elif f.a4 and not f.native:
         inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
     else:
@@ -388,6 +408,8 @@ def _doc(spec: GemmSpec) -> list[str]:
     f, t = spec, spec.tile
     w0 = f.weights[0]
     x = "silu(g) * u" if f.prologue else "x"
+    if f.norm:
+        x = f"rms_norm(x, nw) (eps {f.norm[1]})"
     if f.a4:
         x = f"nvfp4({x})"
     lines = []
@@ -421,6 +443,6 @@ def _doc(spec: GemmSpec) -> list[str]:
     else:
         lines.append(
             "The weight tile is dequantized into shared memory by the format's fragment"
-            + ("." if f.prologue else "; the activation tile arrives by cp.async.")
+            + ("." if f.prologue or f.norm else "; the activation tile arrives by cp.async.")
         )
     return lines

@@ -73,6 +73,8 @@ class GemvSpec:
     # silu(g) * u quantized in registers with a per-row ("dynamic") or calibrated scale.
     a4: bool = False
     a4_mode: str = "dynamic"  # dynamic | mul | div (prologue only)
+    # input = rms_norm(x, nw): the norm weight's dtype and eps (16-bit or f32 activations).
+    norm: tuple[DType, float] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -93,12 +95,15 @@ class GemvSpec:
             raise ValueError(f"W4A4 needs NVFP4 weights, got {self.weights[0].format.spell()}")
         if self.a4_mode not in A4_MODES:
             raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
+        if self.norm is not None and (self.prologue or self.a4):
+            raise ValueError("the rms_norm prologue takes 16-bit activations and no other prologue")
 
     @property
     def name(self) -> str:
         w0 = self.weights[0]
         outs = "_".join(str(w.out_features) for w in self.weights)
-        fused = ("_silu" if self.prologue else "") + EPILOGUES[self.epilogue]
+        fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm)
+        fused += EPILOGUES[self.epilogue]
         if self.a4:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
         return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
@@ -137,6 +142,8 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
     inputs: tuple[KernelParam, ...]
     if spec.prologue:
         inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
+    elif spec.norm:
+        inputs = (KernelParam("x", act_in, "buffer"), norm_param(spec.norm))
     elif spec.a4:
         inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
     else:
@@ -196,6 +203,8 @@ def _header(spec: GemvSpec) -> list[str]:
     """The comment at the top of the kernel: what it computes."""
     w0, k, fmt = spec.weights[0], spec.weights[0].in_features, spec.weights[0].format.spell()
     x = "silu(g[m, k]) * u[m, k]" if spec.prologue else "x[m, k]"
+    if spec.norm:
+        x = f"rms_norm(x, nw)[m, k] (eps {spec.norm[1]})"
     if spec.a4:
         x = f"nvfp4({x})"
     if spec.paired:
@@ -251,4 +260,16 @@ def _act_source(spec: GemvSpec) -> str:
         return "qir_act_a4{xq + (size_t)m0 * QIR_A4_ROW_BYTES}"
     if spec.prologue:
         return "qir_act_silu{g + row_off, u + row_off}"
+    if spec.norm:
+        return f"qir_act_norm<{spec.norm[0].c_type}>{{x + row_off, nw, {spec.norm[1]!r}}}"
     return "qir_act_x{x + row_off}"
+
+
+def norm_suffix(norm: tuple[DType, float] | None) -> str:
+    """The kernel-name part of an rms_norm prologue (the weight's dtype, as quantize_act's)."""
+    return f"_rmsnorm_w{norm[0].name}" if norm else ""
+
+
+def norm_param(norm: tuple[DType, float]) -> KernelParam:
+    """The norm weight an rms_norm prologue reads, after x."""
+    return KernelParam("nw", f"const {norm[0].c_type}* __restrict__", "buffer")

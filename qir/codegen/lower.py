@@ -180,7 +180,13 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> li
 
     # The 16-bit path reads what quantize_act would have quantized.
     x16 = [Arg("value", v) for v in ([graph.operands(inputs[0])[0]] if pre_quantized else inputs)]
-    plain = GemvSpec(weights, act, m_tile, prologue=prologue, epilogue=epilogue)
+    norm = None
+    if node.attr("prologue") == "rms_norm":
+        nw, eps = graph.node(inputs[1]).type, node.attr("eps")
+        assert isinstance(nw, TensorType) and isinstance(eps, float)
+        norm = (nw.dtype, eps)
+        x16 = [Arg("value", inputs[0]), Arg("weight", inputs[1], "weight")]
+    plain = GemvSpec(weights, act, m_tile, prologue=prologue, epilogue=epilogue, norm=norm)
     if not a4:
         return launches(plain, x16, [], ALL_M)
     mode = act_quant_mode(attrs) if prologue else "dynamic"

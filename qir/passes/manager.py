@@ -14,6 +14,7 @@ from qir.passes.dce import DCE
 from qir.passes.fold_rope import FoldRope
 from qir.passes.merge_parallel import MergeParallel
 from qir.passes.norm_act_quant import NormActQuant
+from qir.passes.norm_prologue import NormPrologue
 from qir.passes.residual_epilogue import ResidualEpilogue
 from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
@@ -40,6 +41,7 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
     "share_act_quant": lambda o: ShareActQuant(),
     "norm_act_quant": lambda o: NormActQuant(),
+    "norm_prologue": lambda o: NormPrologue(),
     "fold_rope": lambda o: FoldRope(),
     "dce": lambda o: DCE(),
     "select_kernels": lambda o: SelectKernels(o.gemm_from_m),
@@ -56,6 +58,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         "route_w4a4",
         "share_act_quant",
         "norm_act_quant",
+        "norm_prologue",
         "dce",
         "select_kernels",
     ),

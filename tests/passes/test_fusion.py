@@ -275,6 +275,7 @@ def test_default_pipeline_counts_and_ir():
         "route_w4a4": 0,
         "share_act_quant": 0,
         "norm_act_quant": 0,
+        "norm_prologue": 0,
         "dce": 0,
         "select_kernels": 2,
     }

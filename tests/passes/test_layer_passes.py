@@ -1,4 +1,4 @@
-"""Layer fusion passes (fold_rope, norm_act_quant): IR before/after, must-not-fire, counters,
+"""Layer fusion passes (fold_rope, norm_act_quant, norm_prologue): IR before/after, must-not-fire, counters,
 and the interpreter before == after, bit for bit, caches included."""
 
 from __future__ import annotations
@@ -162,3 +162,61 @@ def test_a_w4a4_layer_keeps_its_numbers_through_the_layer_passes():
     np.testing.assert_array_equal(got["y"], want["y"])
     for k in states[0]:
         np.testing.assert_array_equal(states[0][k], states[1][k])
+
+
+W16 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
+NORM16 = f"""
+graph norm16 {{
+  %x = input : f16[M, 128]
+  %nw = weight {{key="norm"}} : bf16[128]
+  %xn = rms_norm %x, %nw {{eps=1e-05}} : f16[M, 128]
+  %wq = weight {{key="q"}} : {W16}[128, 128]
+  %wk = weight {{key="k"}} : {W16}[64, 128]
+  %qk = qlinear %xn, %wq, %wk : (f16[M, 128], f16[M, 64])
+  %q = get %qk {{index=0}} : f16[M, 128]
+  %k = get %qk {{index=1}} : f16[M, 64]
+  output q = %q
+  output k = %k
+}}
+"""
+
+
+def test_norm_prologue_normalises_inside_the_projection(rng):
+    after, fired = run_pass(NORM16, "norm_prologue")
+    assert fired == 1
+    want = '%qk = qlinear %x, %nw, %wq, %wk {eps=1e-05, fused=["xn"], prologue="rms_norm"}'
+    assert want in after and "rms_norm %x" not in after
+    assert_same_numbers(NORM16, after, rng, m=5)
+    assert_same_numbers(NORM16, after, rng, m=70)
+    assert run_pass(after, "norm_prologue") == (after, 0)
+
+
+def test_norm_prologue_reaches_every_projection_of_one_norm(rng):
+    # q and k unmerged (say, different formats): both normalise; the norm's launch goes.
+    text = NORM16.replace(
+        "  %qk = qlinear %xn, %wq, %wk : (f16[M, 128], f16[M, 64])\n"
+        "  %q = get %qk {index=0} : f16[M, 128]\n  %k = get %qk {index=1} : f16[M, 64]\n",
+        "  %q = qlinear %xn, %wq : f16[M, 128]\n  %k = qlinear %xn, %wk : f16[M, 64]\n",
+    )
+    assert "%q = qlinear %xn, %wq" in text
+    after, fired = run_pass(text, "norm_prologue")
+    assert fired == 2 and "rms_norm %x" not in after
+    assert_same_numbers(text, after, rng, m=3)
+
+
+def test_norm_prologue_does_not_fire_when_the_norm_is_needed_anyway():
+    # A block output, a residual operand, a quantize_act (W4A4 owns that norm), another op.
+    outputs = NORM16.replace("  output q", "  output xn = %xn\n  output q")
+    assert run_pass(outputs, "norm_prologue")[1] == 0
+    residual = NORM16.replace(
+        "  output q",
+        f'  %wo = weight {{key="o"}} : {W16}[128, 128]\n'
+        '  %o = qlinear %q, %wo, %xn {epilogue="residual"} : f16[M, 128]\n'
+        "  output o = %o\n  output q",
+    )
+    assert run_pass(residual, "norm_prologue")[1] == 0
+    assert run_pass(NORM, "norm_prologue")[1] == 0
+    silu = NORM16.replace(
+        "  output q", "  %s = silu %xn : f16[M, 128]\n  output s = %s\n  output q"
+    )
+    assert run_pass(silu, "norm_prologue")[1] == 0

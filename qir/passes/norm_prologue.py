@@ -1,0 +1,64 @@
+"""RMSNorm as the prologue of the projections that read it (16-bit activations):
+`qlinear(rms_norm(x, w), W...)` becomes `qlinear x, w, W... {prologue="rms_norm", eps}`: the
+kernel normalises each row of x while it reads it, so the normalised activation is never written
+and the norm's own launch goes. In a decoder layer that is the input norm before the merged
+q/k/v and the post-attention norm before the gate/up pair (and the final norm before lm_head).
+
+Preconditions: after merge_parallel and silu_epilogue (one merged node per shared input, so the
+norm is recomputed by one launch, not one per projection) and after the W4A4 passes
+(route_w4a4, share_act_quant, norm_act_quant), which own norms that feed 4-bit activations.
+Numerics are unchanged: the kernel rounds the normalised row to the act dtype as rms_norm stores
+it. Does not fire: when the rms_norm result is a block output or has a reader that is not such a
+qlinear (a quantize_act, a residual operand, another op: the value must exist anyway), or on a
+qlinear that already has a prologue or quantizes its input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qir.graph import Graph
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+
+
+def _reads_as_input(graph: Graph, user: str, value: str) -> bool:
+    node = graph.node(user)
+    operands = graph.operands(user)
+    return (
+        node.op == "qlinear"
+        and node.attr("prologue") is None
+        and node.attr("act_quant") is None
+        and operands[0] == value
+        and value not in operands[1:]
+    )
+
+
+def _candidate(graph: Graph, name: str) -> bool:
+    xn = graph.operands(name)[0]
+    return (
+        graph.node(xn).op == "rms_norm"
+        and all(v != xn for _, v in graph.outputs)
+        and all(_reads_as_input(graph, u, xn) for u in graph.users(xn))
+    )
+
+
+def _fold(rw: Rewriter, m: Match) -> bool:
+    graph = rw.graph
+    node = graph.node(m.root)
+    xn, *rest = graph.operands(m.root)
+    x, w = graph.operands(xn)
+    fused = (*node.attr("fused", ()), xn)
+    attrs = node.with_attrs(prologue="rms_norm", eps=graph.node(xn).attr("eps"), fused=fused)
+    rw.redefine(m.root, attrs, [x, w, *rest])
+    return True
+
+
+RULE = Rule("norm_prologue", Pat("qlinear", check=_candidate), _fold)
+
+
+@dataclass(frozen=True)
+class NormPrologue:
+    name: str = "norm_prologue"
+
+    def run(self, graph: Graph) -> int:
+        return apply_rules(graph, [RULE])
