@@ -40,6 +40,17 @@ def max_rel(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours.astype(np.float32) - ref)) / np.max(np.abs(ref)))
 
 
+def max_rel_dot(ours: np.ndarray, ref: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
+    """max_rel for y = x @ w.T, relative to the larger of max |y| and the largest row's
+    sqrt(sum_k (x_k w_k)^2): the size of the partial sums a dot product's rounding scales with.
+    The GEMVs sum 16-bit products in f16/bf16 pairs, so where the terms cancel (a few outputs
+    of a short K) the error stays ~1e-3 of the partial sums, not of the small result."""
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    terms = float(np.sqrt(np.max((x32 * x32) @ (w32 * w32).T)))
+    ref32 = ref.astype(np.float32)
+    return float(np.max(np.abs(ours.astype(np.float32) - ref32)) / max(np.abs(ref32).max(), terms))
+
+
 # One of each weight format and variant the kernels specialise on (bit widths, group sizes,
 # scale dtypes, scale modes, activation bits), for tests that must cover every format.
 FORMAT_ZOO: tuple[WeightFormat, ...] = (

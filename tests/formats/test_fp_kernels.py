@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import qir
@@ -20,7 +20,7 @@ from qir.models import load
 from qir.models.blocks import build
 from qir.runtime.nvrtc import check_no_spills
 from qir.types import QWeight
-from tests.conftest import DATA, max_rel, rel_err
+from tests.conftest import DATA, max_rel, max_rel_dot, rel_err
 
 GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 FORMATS: list[WeightFormat] = [
@@ -70,6 +70,8 @@ def _qlinear(fmt: WeightFormat, n: int, k: int, act, rng):
     act=st.sampled_from([F16, BF16, F32]),
     seed=st.integers(0, 2**16),
 )
+# One output of K = 32 whose terms cancel to a tenth of their partial sums (found by CI).
+@example(fmt=Mxfp8(), n=1, k_blocks=1, m=1, act=F16, seed=0)
 def test_host_qlinear_equals_reference(fmt, n, k_blocks, m, act, seed):
     """K in steps of 32 (MX blocks); FP8 and dense also take K = 8 or 16 (narrower chunks)."""
     rng = np.random.default_rng(seed)
@@ -79,9 +81,9 @@ def test_host_qlinear_equals_reference(fmt, n, k_blocks, m, act, seed):
     ours = qir.compile(g, weights, backend="host")({"x": xa})["y"]
     ref = qir.compile(g, weights, backend="reference")({"x": xa})["y"]
     assert ours.shape == (m, n)
-    # fp32 accumulation in a different order, then both round to the act dtype.
+    # 16-bit pair sums against the interpreter's f32 (f32: another order), then both round.
     tol = {F16: 2e-3, BF16: 1.6e-2, F32: 1e-5}[act]
-    assert max_rel(ours, ref) <= tol
+    assert max_rel_dot(ours, ref, xa, fmt.dequantize(weights["w"], n, k)) <= tol
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.tag())
