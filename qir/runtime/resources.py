@@ -143,7 +143,8 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
             t = plan.value_type(a.ref)
             if isinstance(t, TensorType) and t.dtype == F32:
                 act = F32
-        if a.kind != "weight":
+        # A norm prologue's weight vector is read with the activations, not streamed.
+        if a.kind != "weight" or not isinstance(plan.graph.node(a.ref).type, QWeight):
             continue
         buffers.add(p.name)
         if a.buffer == CODES:
