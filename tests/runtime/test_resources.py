@@ -17,7 +17,7 @@ from qir.passes.manager import run_pipeline
 from qir.runtime import nvrtc, sass
 from qir.runtime.gpus import GPUS, gpu, gpus_for
 from qir.runtime.resources import format_table, kernel_costs, occupancy, weight_stream
-from qir.types import QWeight
+from qir.types import QWeight, TensorType
 from tests.conftest import mlp_graph
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
@@ -285,3 +285,21 @@ def test_weight_stream_knows_the_chunk_and_the_code_buffer() -> None:
     # A warp computes four rows (gemv.SLOTS) of the one weight.
     assert stream.weights_per_warp == 4 and stream.m_tile == 8
     assert stream.row_bytes == round(4 * 14336 * Awq(4, 128).bytes_per_weight())
+
+
+def test_a_norm_prologue_weight_is_not_part_of_the_weight_stream() -> None:
+    """q/k/v with their RMSNorm as the prologue: the norm's weight vector is read with the
+    activations, so the stream is the three projections' buffers alone."""
+    b = Builder("norm_qkv")
+    x = b.input("x", ("M", 4096), F16)
+    xn = b.rms_norm(x, b.param("norm", TensorType((4096,), BF16)), 1e-5)
+    for name, n in (("q", 4096), ("k", 1024), ("v", 1024)):
+        b.output(name, b.qlinear(xn, b.weight(name, QWeight(Awq(4, 128), n, 4096))))
+    plan = lower(run_pipeline(b.graph, "default")[0])
+    gemv = plan.launches[0]
+    assert gemv.kernel.name.endswith("_rmsnorm_wbf16") and "nw" in {
+        p.name for p in gemv.kernel.params
+    }
+    stream = weight_stream(plan, gemv)
+    assert stream is not None and stream.codes == {"w0_weight", "w1_weight", "w2_weight"}
+    assert stream.buffers == {f"w{j}_{s}" for j in range(3) for s in ("weight", "zeros", "scales")}
