@@ -162,8 +162,17 @@ def test_silu_mul_epilogue_takes_4_bit_input_but_no_prologue():
         "%h = qlinear %x, %w_gate, %w_up {",
         '%h = qlinear %x, %x, %w_gate, %w_up {prologue="silu_mul", ',
     )
-    with pytest.raises(VerifyError, match="takes no prologue"):
+    with pytest.raises(VerifyError, match="takes no silu_mul prologue"):
         parse(with_prologue)
+    # An RMSNorm prologue is fine: the pair reads the normalised x (norm_mlp's gate/up).
+    normed = text.replace(
+        "  %h = qlinear %x, %w_gate, %w_up {",
+        '  %nw = weight {key="n"} : bf16[64]\n'
+        '  %h = qlinear %x, %nw, %w_gate, %w_up {eps=1e-05, prologue="rms_norm", ',
+    )
+    assert parse(normed).node("h").attr("prologue") == "rms_norm"
+    with pytest.raises(VerifyError, match="rms_norm: weight"):
+        parse(normed.replace("bf16[64]", "bf16[32]"))
 
 
 def test_verify_checks_again_whatever_changed_since_it_last_passed(rng):
