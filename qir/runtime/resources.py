@@ -143,14 +143,14 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
             t = plan.value_type(a.ref)
             if isinstance(t, TensorType) and t.dtype == F32:
                 act = F32
-        # A norm prologue's weight vector is read with the activations, not streamed.
-        if a.kind != "weight" or not isinstance(plan.graph.node(a.ref).type, QWeight):
+        if a.kind != "weight":
             continue
+        w = plan.graph.node(a.ref).type
+        if not isinstance(w, QWeight):
+            continue  # a norm prologue's weight vector: read with the activations, not streamed
         buffers.add(p.name)
         if a.buffer == CODES:
             codes.add(p.name)
-            w = plan.graph.node(a.ref).type
-            assert isinstance(w, QWeight)
             weights.append(w)
     if not weights:
         return None
