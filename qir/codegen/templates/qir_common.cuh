@@ -75,8 +75,9 @@ __device__ __forceinline__ uint32_t qir_and_or(uint32_t a, uint32_t mask, uint32
   return qir_lop3<(0xF0 & 0xCC) | 0xAA>(a, mask, bits);
 }
 
-// Byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes {b:a} (CUDA's __byte_perm, sign
-// replication unused).
+// Byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes {b:a} (CUDA's __byte_perm), or,
+// where bit 4i + 3 of sel is set, that byte's sign bit copied into all 8 bits (PRMT's default
+// mode, which __byte_perm's documentation leaves out).
 __device__ __forceinline__ uint32_t qir_prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #if defined(__CUDA_ARCH__)
   uint32_t d;
@@ -85,8 +86,23 @@ __device__ __forceinline__ uint32_t qir_prmt(uint32_t a, uint32_t b, uint32_t se
 #else
   const uint64_t bytes = (uint64_t)b << 32 | a;
   uint32_t d = 0;
-  for (int i = 0; i < 4; ++i) d |= (uint32_t)(bytes >> (8 * ((sel >> (4 * i)) & 7u)) & 0xFFu) << (8 * i);
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t n = sel >> (4 * i), byte = (uint32_t)(bytes >> (8 * (n & 7u))) & 0xFFu;
+    d |= ((n & 8u) ? ((byte & 0x80u) ? 0xFFu : 0u) : byte) << (8 * i);
+  }
   return d;
+#endif
+}
+
+// c + the sum of the products of the 4 signed bytes of a and b (DP4A, sm_61 and later).
+__device__ __forceinline__ int qir_dp4a(uint32_t a, uint32_t b, int c) {
+#if defined(__CUDA_ARCH__)
+  int d;
+  asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  return c;
 #endif
 }
 
@@ -287,6 +303,47 @@ __device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
   p[2] = qir_e4m3x2_to_f16x2<1>(even);  // (4, 6)
   p[3] = qir_e4m3x2_to_f16x2<1>(odd);   // (5, 7)
 #endif
+}
+
+// E2M1 values times 2 are the integers 0, 1, 2, 3, 4, 6, 8, 12 and their negatives: products of
+// two sum exactly in int32 (DP4A, four a step). PRMT looks a code's magnitude up in an 8-byte
+// table; a code whose sign bit is set selects its table byte's sign instead, 0 (every entry is
+// positive). So one lookup yields the positive codes, and one with the sign bits flipped the
+// negative ones.
+constexpr uint32_t QIR_E2M1_X2_LO = 0x03020100u, QIR_E2M1_X2_HI = 0x0C080604u;
+
+// v, in a per-thread register: ptxas keeps a constant (or any warp-uniform value) in a uniform
+// register and copies it into a fresh one before every PRMT that reads it as its table, a
+// move per lookup. threadIdx.x >> 16 is 0 (a block has at most 1024 threads), but ptxas does
+// not fold it, and it varies by thread as far as ptxas knows.
+__device__ __forceinline__ uint32_t qir_per_thread(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  v |= tid >> 16;
+#endif
+  return v;
+}
+
+// The 8 E2M1 codes of w (element j in nibble j) as bytes 2|v| for codes v >= 0 (pos) and v < 0
+// (neg), 0 in the other's bytes: codes 4h .. 4h + 3 in word h, in k order. `lo` holds
+// QIR_E2M1_X2_LO (see qir_per_thread).
+__device__ __forceinline__ void qir_e2m1x8_split(uint32_t w, uint32_t (&pos)[2], uint32_t (&neg)[2],
+                                                 uint32_t lo = QIR_E2M1_X2_LO) {
+  const uint32_t f = w ^ 0x88888888u;
+  pos[0] = qir_prmt(lo, QIR_E2M1_X2_HI, w);
+  neg[0] = qir_prmt(lo, QIR_E2M1_X2_HI, f);
+  pos[1] = qir_prmt(lo, QIR_E2M1_X2_HI, w >> 16);
+  neg[1] = qir_prmt(lo, QIR_E2M1_X2_HI, f >> 16);
+}
+
+// The same codes as signed bytes 2v. pos - neg byte by byte: (pos | 0x80) - neg stays within
+// [116, 140] in every byte, so no byte borrows from the next.
+__device__ __forceinline__ void qir_e2m1x8_s8(uint32_t w, uint32_t (&v)[2]) {
+  uint32_t pos[2], neg[2];
+  qir_e2m1x8_split(w, pos, neg);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) v[h] = ((pos[h] | 0x80808080u) - neg[h]) ^ 0x80808080u;
 }
 
 // The same as value * 2^-6 on every arch.
