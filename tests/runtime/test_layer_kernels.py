@@ -254,12 +254,13 @@ def _gate_kernels() -> list[Any]:
     a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), 32, 128**-0.5, LLAMA3)
     for k in (attention_prefill_kernel(a), kv_append_kernel(a.cache, LLAMA3)):
         kernels[k.name] = k
-    # The GEMVs have their gate in test_every_format (those with a norm prologue here); the
-    # fixtures' attention kernels are the Llama shapes' with a smaller head.
+    # The GEMVs and GEMMs have their gates in test_every_format and test_gemm_kernels (those
+    # with a norm prologue here); the fixtures' attention kernels are the Llama shapes' with a
+    # smaller head.
     return [
         k
         for n, k in sorted(kernels.items())
-        if not (n.startswith("qgemv_") and "_rmsnorm_" not in n)
+        if not (n.startswith(("qgemv_", "qgemm_")) and "_rmsnorm_" not in n)
         and not (n.startswith("attn_") and "_d64_" in n)
     ]
 
@@ -319,8 +320,9 @@ def test_a_norm_prologue_in_the_gemv_and_the_gemm(backend, weight, act, monkeypa
 
 @pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x (qir[compile])")
 def test_layer_kernels_build_with_nvrtc_without_spills():
-    """The GEMVs have their own gate (test_every_format); here everything else of a layer and a
-    model, for the four target archs."""
+    """The GEMVs and GEMMs have their own gates (test_every_format, test_gemm_kernels); here
+    everything else of a layer and a model, and the GEMVs and GEMMs with a norm prologue, for the
+    four target archs."""
     kernels = _gate_kernels()
     assert {k.name.split("_")[0] for k in kernels} >= {
         "rms",
