@@ -262,6 +262,24 @@ def test_spill_figures_match_the_spill_code_in_the_sass() -> None:
 
 
 @needs_nvrtc
+@needs_sass
+def test_w4a4_gemv_multiplies_codes_as_integers_where_the_arch_has_no_fp4_conversion() -> None:
+    """sm_90 looks E2M1 codes up as bytes (PRMT) and sums their products with DP4A; sm_120a
+    converts code pairs to f16 in hardware and multiplies pairs (HFMA2). The host backend runs
+    the integer path, so the tests' numbers check it."""
+    g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
+    plan = lower(run_pipeline(g, "default")[0])
+    name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4"
+    mix = {
+        arch: next(c for c in kernel_costs(plan, arch, 1) if c.name == name).mix_per_512
+        for arch in ("sm_90", "sm_120a")
+    }
+    hopper, blackwell = mix["sm_90"], mix["sm_120a"]
+    assert hopper["IDP"] > 4 * hopper.get("HFMA2", 0) and hopper["PRMT"] >= hopper["IDP"] / 2
+    assert "IDP" not in blackwell and blackwell["HFMA2"] > 4 * blackwell.get("PRMT", 0)
+
+
+@needs_nvrtc
 def test_without_nvdisasm_the_table_says_what_it_cannot_fill(monkeypatch) -> None:
     monkeypatch.setattr(sass, "available", lambda: False)
     plan = _down(Awq(4, 128), 256, 512, F16)
