@@ -14,9 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 import qir
-from qir.cli import embedded_checkpoints
 from qir.models import load
 from qir.models.blocks import BLOCKS, build
+from qir.models.goldens import embedded_checkpoints
 from qir.runtime.backend import best_backend
 from qir.types import QWeight
 

@@ -16,9 +16,9 @@ import numpy as np
 from blocks import median_seconds  # benchmarks run as scripts: this folder is on sys.path
 
 import qir
-from qir.cli import embedded_checkpoints
 from qir.models import load
 from qir.models.blocks import BLOCKS, build
+from qir.models.goldens import embedded_checkpoints
 from qir.runtime.backend import best_backend
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

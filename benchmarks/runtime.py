@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 import qir
-from qir.cli import embedded_checkpoints
 from qir.codegen.lower import Plan, lower
 from qir.models import load
 from qir.models.blocks import BLOCKS, build
+from qir.models.goldens import embedded_checkpoints
 from qir.passes.manager import run_pipeline
 from qir.runtime.cache import KernelCache
 from qir.runtime.cuda import available

@@ -7,6 +7,7 @@ it with), else x @ W^T with the tool's own decoded W."""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -37,3 +38,9 @@ class DemoGolden:
             if key.format(m=m) in self.arrays:
                 return self.arrays[key.format(m=m)]
         return None
+
+
+def embedded_checkpoints() -> list[Path]:
+    """The checkpoints shipped inside the package (qir/models/embedded), in name order."""
+    root = resources.files("qir.models") / "embedded"
+    return sorted(Path(str(p)) for p in root.iterdir() if (Path(str(p)) / "config.json").is_file())

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from qir import cli
+from qir.cli import checkpoints as cli_checkpoints
 from qir.cli import main
 from tests.conftest import DATA
 
@@ -81,7 +81,7 @@ def test_inspect_lists_unquantized_lm_head_as_dense(capsys, case):
 
 def test_inspect_progress_when_slow(capsys, monkeypatch):
     clock = iter(range(0, 1000, 2))  # every module "takes" 2 s
-    monkeypatch.setattr(cli.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(cli_checkpoints.time, "monotonic", lambda: float(next(clock)))
     assert main(["inspect", str(DATA / "ct_fp8_dynamic_S")]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "qir: loading 1/9 modules" and err[-1] == "qir: loading 9/9 modules"

@@ -238,7 +238,7 @@ def test_every_command_refuses_in_one_line(
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cli, "embedded_checkpoints", lambda: [ck])  # what demo opens
+    monkeypatch.setattr(cli.demo, "embedded_checkpoints", lambda: [ck])  # what demo opens
     for command, argv in _commands(ck, out).items():
         code = cli.main(["-q", *argv])
         captured = capsys.readouterr()

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qir.cli import embedded_checkpoints
-from qir.models.goldens import FILE, DemoGolden
+from qir.models.goldens import FILE, DemoGolden, embedded_checkpoints
 from tests.conftest import DATA
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qir.cli import embedded_checkpoints, main
+from qir.cli import main
 from qir.codegen.kernel import Kernel
+from qir.models.goldens import embedded_checkpoints
 from qir.runtime import host as host_mod
 from qir.runtime import nvrtc as nvrtc_mod
 from qir.runtime.cache import KernelCache, codegen_hash

@@ -111,9 +111,9 @@ def test_a_bad_target_fails_before_anything_compiles(
 def test_without_a_gpu_the_targets_must_be_named(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import qir.cli
+    import qir.cli.cache
 
-    monkeypatch.setattr(qir.cli, "cuda_available", lambda: False)
+    monkeypatch.setattr(qir.cli.cache, "cuda_available", lambda: False)
     assert main(["-q", "cache", "warm", str(CKPT)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qir: error: cache warm: no GPU here") and "--arch sm_90" in err

@@ -1,0 +1,5 @@
+import sys
+
+from qir.cli import main
+
+sys.exit(main())

@@ -1,0 +1,95 @@
+"""Commands that read a checkpoint's weights: list its linears, decode one."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qir.models import load
+
+_WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed")
+
+
+def _natural(name: str) -> list[Any]:
+    # model.layers.2 before model.layers.10
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ck = load(args.checkpoint)
+    tensors = ck.store.keys()
+    modules = sorted(
+        {
+            name[: -len(suffix)]
+            for name in tensors
+            for suffix in _WEIGHT_SUFFIXES
+            # 1-D .weight tensors are norms, not linears
+            if name.endswith(suffix) and (suffix != ".weight" or len(ck.store.shape(name)) == 2)
+        },
+        key=_natural,
+    )
+    tty = sys.stderr.isatty()
+    start = shown = time.monotonic()
+    rows, total = [], 0
+    for i, module in enumerate(modules, 1):
+        lin = ck.linear(module)
+        w, facts = lin.weight, lin.weight.format.describe()
+        nbytes = sum(a.nbytes for a in lin.buffers.values())
+        total += nbytes
+        rows.append(
+            (
+                module,
+                w.format.spell(),
+                str(facts["bits"] or "-"),
+                str(facts["group"] or "-"),
+                f"[{w.out_features}, {w.in_features}]",
+                str(nbytes),
+                "yes" if facts["w4a4"] else "no",
+            )
+        )
+        # Progress only where someone watches (a TTY) or the load is slow, at most 2 lines/s.
+        now = time.monotonic()
+        if not args.quiet and (tty or now - start > 1) and (now - shown > 0.5 or i == len(modules)):
+            print(
+                f"qir: loading {i}/{len(modules)} modules",
+                file=sys.stderr,
+                end="\r" if tty else "\n",
+            )
+            shown = now
+    if tty and not args.quiet:
+        print(file=sys.stderr)
+    header = ("module", "format", "bits", "group", "shape [out, in]", "bytes", "W4A4")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    print(f"{len(rows)} linears, {total} bytes")
+    return 0
+
+
+def cmd_dequant(args: argparse.Namespace) -> int:
+    module = args.module
+    for suffix in _WEIGHT_SUFFIXES:
+        module = module.removesuffix(suffix)
+    lin = load(args.checkpoint).linear(module)
+    w = lin.weight.format.dequantize(lin.buffers, lin.weight.out_features, lin.weight.in_features)
+    np.save(args.out, w)
+    print(f"wrote {args.out}: float32 {list(w.shape)} from {lin.weight.format.spell()}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    ins = sub.add_parser("inspect", help="list a checkpoint's linears: format, bits, shape, bytes")
+    ins.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    ins.set_defaults(func=cmd_inspect)
+
+    deq = sub.add_parser("dequant", help="write one linear's weight as a float32 [out, in] .npy")
+    deq.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    deq.add_argument("module", help="module path, e.g. model.layers.0.mlp.down_proj")
+    deq.add_argument("-o", "--out", type=Path, required=True, help="output W.npy")
+    deq.set_defaults(func=cmd_dequant)

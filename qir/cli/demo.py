@@ -1,0 +1,70 @@
+"""`qir demo`: the embedded checkpoints' blocks on the best backend, against the reference and
+the producing tools' own outputs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from qir.api import Compiled, compile
+from qir.models import load
+from qir.models.blocks import build
+from qir.models.goldens import DemoGolden, embedded_checkpoints
+from qir.runtime.backend import BACKENDS, best_backend
+
+DEMO_M = (1, 5)
+# The sub-blocks the demo runs.
+PARTS = ("mlp", "qkv")
+
+
+def _max_rel(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
+    worst = 0.0
+    for k, r in ref.items():
+        r32 = r.astype(np.float32)
+        diff = np.max(np.abs(ours[k].astype(np.float32) - r32))
+        worst = max(worst, float(diff / max(float(np.max(np.abs(r32))), 1e-30)))
+    return worst
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    backend = args.backend or best_backend()
+    rng = np.random.default_rng(0)
+    rows = []
+    for path in embedded_checkpoints():
+        ck = load(path)
+        golden = DemoGolden.of(path)
+        for name in PARTS:
+            block = build(ck, name, 0)
+            c: Compiled = compile(block.graph, block.weights, backend=backend)
+            ref = compile(block.graph, block.weights, backend="reference")
+            for m in DEMO_M:
+                x = golden.x(m) if golden else None
+                if x is None:
+                    x = rng.standard_normal((m, ck.hidden_size), dtype=np.float32)
+                x = x.astype(ck.act_dtype.np)
+                ours = c({"x": x})
+                err = _max_rel(ours, ref({"x": x}))
+                tool = {k: v for k in ours if golden and (v := golden.output(k, m)) is not None}
+                vs_tool = _max_rel(ours, tool) if tool and tool.keys() == ours.keys() else None
+                rows.append((path.name, name, m, c.launches_for(m), backend, err, vs_tool))
+    header = ("checkpoint", "block", "M", "launches", "backend", "max rel err vs reference")
+    table: list[list[str]] = [[*header, "vs tool golden"]]
+    for r in rows:
+        vs = f"{r[6]:.2e}" if r[6] is not None else "-"
+        table.append([*(str(v) for v in r[:5]), f"{r[5]:.2e}", vs])
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)).rstrip())
+    return 0
+
+
+def register(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo", help="run the embedded checkpoints and check against the reference"
+    )
+    demo.add_argument(
+        "--backend", choices=BACKENDS, help="default: cuda if a GPU is present, else host"
+    )
+    demo.set_defaults(func=cmd_demo)
