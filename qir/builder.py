@@ -149,6 +149,18 @@ class Builder:
         """Row ids[m] of the (dequantized) table [vocab, features], in `dtype`."""
         return self._op("embedding", (ids, table), name, dtype=dtype.name)
 
+    def sample(
+        self,
+        logits: Value,
+        params: Value,
+        seed: Value,
+        positions: Value,
+        name: str | None = None,
+    ) -> Value:
+        """A token id per row of `logits`, drawn under the row's params (temperature, top_k,
+        top_p, min_p) with its seed and position keying the draw (qir.sampling)."""
+        return self._op("sample", (logits, params, seed, positions), name)
+
     def output(self, name: str, value: Value) -> None:
         check_name(name, "output")
         if any(n == name for n, _ in self.graph.outputs):

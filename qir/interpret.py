@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qir import rope
+from qir import rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
@@ -295,6 +295,7 @@ _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "rope": lambda node, args: rope.rotate(args[0], args[1], dict(node.attrs)),
     "attention": attention,
     "embedding": embedding,
+    "sample": lambda node, args: sampling.sample(*args),
 }
 
 

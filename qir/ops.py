@@ -450,6 +450,40 @@ def _infer_embedding(
     return TensorType((BATCH, table.in_features), dtypes.by_name(dt))
 
 
+# The columns of a sample op's params input, and the largest vocabulary (see qir.sampling).
+SAMPLING_PARAMS = 4
+MAX_VOCAB_BITS = 23
+
+
+def _infer_sample(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(logits [M, vocab], params f32[M, 4], seed i32[M], positions i32[M]) -> i32[M]: a
+    token id per row drawn from its logits under its (temperature, top_k, top_p, min_p), with
+    the row's seed and position keying the random draw (qir.sampling)."""
+    logits = _activation("sample", names, types, 0)
+    vocab = logits.shape[1]
+    assert isinstance(vocab, int)
+    if vocab > 2**MAX_VOCAB_BITS:
+        raise IRTypeError(
+            f"sample: {_desc(names[0], logits)} has more than 2^{MAX_VOCAB_BITS} ids (the "
+            "masses' sums would overflow 64 bits)"
+        )
+    params = types[1]
+    if not (
+        isinstance(params, TensorType)
+        and params.dtype == dtypes.F32
+        and params.shape == (BATCH, SAMPLING_PARAMS)
+    ):
+        raise IRTypeError(
+            f"sample: operand 1 ({_desc(names[1], params)}) must be "
+            f"f32[{BATCH}, {SAMPLING_PARAMS}] (temperature, top_k, top_p, min_p per row)"
+        )
+    for i in (2, 3):
+        _checked("sample", names, types, i, index_problem)
+    return TensorType((BATCH,), INDEX_DTYPE)
+
+
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
@@ -482,6 +516,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec("kv_append", 5, _infer_kv_append, ROPE_ATTRS),
         OpSpec("attention", 4, _infer_attention, frozenset({"scale"}) | ROPE_ATTRS),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
+        OpSpec("sample", 4, _infer_sample),
     )
 }
 

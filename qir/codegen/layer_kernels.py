@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from qir import rope
+from qir import rope, sampling
 from qir.codegen.fragments import fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
@@ -36,6 +36,11 @@ def layer_header() -> tuple[str, str]:
 
 def _headers() -> tuple[tuple[str, str], ...]:
     return (common_header(), layer_header())
+
+
+def c_double(v: float) -> str:
+    """A C double literal holding v exactly (Python's repr round-trips)."""
+    return repr(float(v))
 
 
 def c_float(v: float) -> str:
@@ -242,6 +247,38 @@ def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
     source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
     params = (*_attention_inputs(a.cache.act.c_type), _buf("y", a.cache.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+# Threads of the sampling kernel's block (one block per row).
+SAMPLE_THREADS = 256
+
+
+def sample_kernel(act: DType, vocab: int) -> Kernel:
+    name = f"sample_{act.name}_v{vocab}"
+    source = render(
+        "sample.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        vocab=vocab,
+        threads=SAMPLE_THREADS,
+        exp_desc="k = floor(x log2(e) + 1/2), r = x - k ln2, Taylor to r^12, times 2^k",
+        exp_floor=c_double(sampling.EXP_FLOOR),
+        log2e=c_double(sampling.LOG2E),
+        ln2_hi=c_double(sampling.LN2_HI),
+        ln2_lo=c_double(sampling.LN2_LO),
+        exp_coeffs=[c_double(c) for c in sampling.EXP_COEFFS],
+        mass_bits=sampling.MASS_BITS,
+        mass_scale=c_double(2.0**sampling.MASS_BITS),
+    )
+    params = (
+        _buf("logits", act.c_type),
+        _buf("params", "float"),
+        _buf("seed", "int32_t"),
+        _buf("pos", "int32_t"),
+        _buf("next", "int32_t", False),
+        _M,
+    )
+    return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())
 
 
 def embedding_kernel(table: QWeight, act: DType) -> tuple[Kernel, int, tuple[str, ...]]:

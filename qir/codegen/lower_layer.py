@@ -1,4 +1,4 @@
-"""Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding): each returns
+"""Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding, sample): each returns
 its launches and the temps they pass between them (see Plan.temps).
 
 Attention takes two kernel families by batch size: up to DECODE_MAX_M rows the split-K decode
@@ -22,6 +22,7 @@ from qir.codegen.layer_kernels import (
     kv_append_kernel,
     rms_norm_kernel,
     rope_kernel,
+    sample_kernel,
 )
 from qir.codegen.lower import ALL_M, Arg, Launch
 from qir.dtypes import F32
@@ -146,10 +147,19 @@ def lower_embedding(graph: Graph, name: str) -> Lowered:
     return [Launch(kernel, grid_x, 1, args, (name,), (name,))], {}
 
 
+def lower_sample(graph: Graph, name: str) -> Lowered:
+    logits = graph.operands(name)[0]
+    t = _tensor(graph, logits)
+    kernel = sample_kernel(t.dtype, _int(t.shape[1]))
+    args = (*(Arg("value", a) for a in graph.operands(name)), Arg("value", name), Arg("M"))
+    return [Launch(kernel, 1, 1, args, (name,), (name,))], {}
+
+
 LAYER_LOWERINGS: dict[str, Callable[[Graph, str], Lowered]] = {
     "rms_norm": lower_rms_norm,
     "rope": lower_rope,
     "kv_append": lower_kv_append,
     "attention": lower_attention,
     "embedding": lower_embedding,
+    "sample": lower_sample,
 }
