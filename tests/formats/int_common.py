@@ -12,9 +12,7 @@ import pytest
 
 import qir
 from qir.builder import Builder
-from qir.codegen.gemv import GemvSpec, gemv_kernel
-from qir.codegen.kernel import Kernel
-from qir.dtypes import F16, F32, DType
+from qir.dtypes import F16, DType
 from qir.formats import parse_format
 from qir.formats.base import WeightFormat
 from qir.models import load
@@ -67,18 +65,6 @@ def check_qlinear_host(
     tol = 1e-4 if act.itemsize == 4 else HOST_TOL_F16
     wd = qw.format.dequantize(bufs, qw.out_features, qw.in_features)
     assert max_rel_dot(ours, ref, xa, wd) <= tol
-
-
-def fixture_kernels(case: str) -> list[Kernel]:
-    """The unfused GEMV kernel of every linear of layer 0, in f16 and f32 activations."""
-    ck = load(DATA / case)
-    seen: dict[str, Kernel] = {}
-    for p in PROJ:
-        w = ck.linear(ck.layer_module(0, p)).weight
-        for act in (F16, F32):
-            k = gemv_kernel(GemvSpec((w,), act, 8))
-            seen[k.name] = k
-    return list(seen.values())
 
 
 def check_spell(fmt: WeightFormat) -> None:

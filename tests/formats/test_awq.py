@@ -18,7 +18,6 @@ from qir.formats.awq import GROUP_SIZES, Awq, read_gemv, repack_gemm, unpack_gem
 from qir.formats.base import FormatError
 from qir.models import load
 from qir.models.checkpoint import LAYER_LINEARS
-from qir.runtime.nvrtc import check_no_spills
 from qir.types import QWeight
 from tests.conftest import DATA
 from tests.formats.int_common import (
@@ -26,7 +25,6 @@ from tests.formats.int_common import (
     check_fixture_block,
     check_qlinear_host,
     check_spell,
-    fixture_kernels,
     golden,
     needs_host,
 )
@@ -400,9 +398,3 @@ def test_host_qlinear_equals_reference(group, n, k_groups, m, act, seed) -> None
     k = group * k_groups
     bufs = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
     check_qlinear_host(QWeight(fmt, n, k), bufs, m, rng, act)
-
-
-@pytest.mark.parametrize("kernel", fixture_kernels("awq_gemm_g64_S"), ids=lambda k: k.name)
-def test_fixture_kernels_build_with_nvrtc_without_spills(kernel) -> None:
-    results = check_no_spills(kernel, archs=("sm_80", "sm_90"))
-    assert [r.arch for r in results] == ["sm_80", "sm_90"]

@@ -20,7 +20,6 @@ from qir.formats.base import FormatError
 from qir.formats.ct_int import CtInt
 from qir.models import load
 from qir.models.families.ct_int import matches_config
-from qir.runtime.nvrtc import check_no_spills
 from qir.types import QWeight
 from tests.conftest import DATA
 from tests.formats.int_common import (
@@ -28,7 +27,6 @@ from tests.formats.int_common import (
     check_fixture_block,
     check_qlinear_host,
     check_spell,
-    fixture_kernels,
     golden,
     needs_host,
 )
@@ -346,9 +344,3 @@ def test_host_qlinear_equals_reference(bits, group, n, k_groups, m, scale_dtype,
     k = group * k_groups
     bufs = fmt.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
     check_qlinear_host(QWeight(fmt, n, k), bufs, m, rng, F32)
-
-
-@pytest.mark.parametrize("kernel", fixture_kernels(CASE), ids=lambda k: k.name)
-def test_fixture_kernels_build_with_nvrtc_without_spills(kernel) -> None:
-    results = check_no_spills(kernel, archs=("sm_80", "sm_90"))
-    assert [r.arch for r in results] == ["sm_80", "sm_90"]

@@ -15,13 +15,11 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 import qir
-from qir.codegen.gemv import GemvSpec, gemv_kernel
 from qir.dtypes import BF16, F16, F32, I32, U8, U32
 from qir.formats.base import FormatError
 from qir.formats.gptq import BITS, Gptq, repack
 from qir.models import load
 from qir.models.blocks import build
-from qir.runtime.nvrtc import check_no_spills
 from qir.types import QWeight
 from tests.conftest import max_rel
 from tests.formats.int_common import (
@@ -375,16 +373,3 @@ def test_host_qlinear_equals_reference(bits, ckfmt, group, act_order, n, k_units
         g_idx = rng.permutation(g_idx).astype(np.int32)
     bufs = fmt.quantize_grouped(rng.standard_normal((n, k), dtype=np.float32) * 0.05, g_idx)
     check_qlinear_host(QWeight(fmt, n, k), bufs, m, rng, F32)
-
-
-KERNEL_FORMATS = [Gptq(bits, 128, "gptq", act, F16) for bits in BITS for act in (0, 1)] + [
-    Gptq(4, 32, "gptq_v2", 0, BF16)
-]
-
-
-@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.tag())
-@pytest.mark.parametrize("act", [F16, F32], ids=lambda d: d.name)
-def test_kernels_build_with_nvrtc_without_spills(fmt: Gptq, act) -> None:
-    kernel = gemv_kernel(GemvSpec((QWeight(fmt, 4096, 4096),), act, 8))
-    results = check_no_spills(kernel, archs=("sm_80", "sm_90"))
-    assert [r.arch for r in results] == ["sm_80", "sm_90"]

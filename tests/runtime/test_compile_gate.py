@@ -1,76 +1,448 @@
-"""The compile gate at a checkpoint's shapes, not only the toy shapes of the other tests:
-whether a GEMV spills depends on K (ptxas unrolls its loop over K), so the fused MLP and q/k/v
-GEMVs (and W4A4's quantize_act) of one format per dequant fragment, and of W4A4, are built for
-every gate arch at hidden 512 and intermediate 1408 (issue 14's W4A4 down projection,
-K = 1408) and must not spill. The GEMMs' loop over K tiles is never unrolled (`#pragma unroll 1`
-in qgemm.cu.j2): their code does not depend on K, and their gates build them at small shapes
-(test_every_format.py, test_gemm_kernels.py). The figures are ptxas' own, the ones
-`nvcc -Xptxas -v` prints for the dumped .cu (tests/runtime/test_nvrtc.py compares them)."""
+"""The compile gate: one list of the distinct kernels qir emits (GATE), each built by NVRTC once
+per target arch, with no spills, a cubin, and ptxas' registers within the register file. The
+figures are ptxas' own, the ones `nvcc -Xptxas -v` prints for the dumped .cu
+(tests/runtime/test_nvrtc.py compares them).
+
+What makes two kernels distinct here is what can change ptxas' register allocation:
+- the family and its template (GEMV, each GEMM tile, quantize_act, the layer kernels, ...);
+- the format's dequant fragment and the code path it takes (MLX codes straddling words or not,
+  2-bit rows per warp, AWQ's nibble order, GPTQ act-order's float path, FP8, MX, NVFP4 W4A16
+  and W4A4, dense weights);
+- the fusion (gate/up pair with silu(g) * u, residual, merged outputs, silu and RMSNorm
+  prologues, W4A4's activation modes, unfused) and the activation dtype (f32 takes the GEMV's
+  float path, bf16 its own pair type);
+- the shapes where spills appear: a GEMV's loop over K is unrolled by ptxas, so GEMVs are
+  built at Llama-3-8B's K (4096 and 14336) and at a checkpoint's (512 and 1408: issue 14's W4A4
+  down projection spilled there); a GEMM's K loop is `#pragma unroll 1` (K-independent code)
+  and its tile follows N: 64 x 64 and 128 x 128 at Llama's N, 64 x 32 and 128 x 64 below 4096.
+Bit widths, group sizes and scale dtypes beyond those pick constants, not code paths; the host
+tests (test_every_format, test_gemm_kernels) run every format of FORMAT_ZOO.
+
+The GEMVs of most formats sit at their register cap on sm_100a/sm_120a (168 = 64K / (128
+threads x 3 blocks)), the GEMMs well below 255: so every entry is built for every arch.
+
+Adding a kernel: one entry in GATE, a name and a function from the target arch to the kernels
+(`graph(...)` lowers a graph the way `qir compile` does). `must` lists name fragments the
+entry's kernels must contain, so an entry that silently stops producing its kernel fails.
+Kernels an earlier entry already has are built once. Every kernel template must be reached by
+some entry (test_every_template_is_gated)."""
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
 import pytest
 
 from qir.builder import Builder
 from qir.codegen.kernel import Kernel
-from qir.codegen.lower import lower
-from qir.dtypes import BF16, F16
+from qir.codegen.layer_kernels import (
+    AttentionSpec,
+    CacheShape,
+    RopeSpec,
+    attention_combine_kernel,
+    attention_prefill_kernel,
+    attention_split_kernel,
+    kv_append_kernel,
+    rope_kernel,
+    sample_kernel,
+)
+from qir.codegen.lower import Launch, lower
+from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
+from qir.formats.ct_int import CtInt
+from qir.formats.dense import Dense
 from qir.formats.fp8 import Fp8
+from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
-from qir.formats.mx import Mxfp4
+from qir.formats.mx import Mxfp4, Mxfp8
 from qir.formats.nvfp4 import Nvfp4
-from qir.passes.manager import run_pipeline
+from qir.graph import Graph
+from qir.models import load
+from qir.models.blocks import build
+from qir.ops import W4A4_MAX_M
+from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime import nvrtc
-from qir.runtime.executor import prepare_all
 from qir.types import QWeight
-from tests.conftest import mlp_graph
+from tests.conftest import DATA
 
 pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
 
-HIDDEN, INTER, KV = 512, 1408, 128
-# One format per dequant fragment (MLX affine with codes straddling words, packed integer
-# codes, FP8, MX, NVFP4 W4A16) and NVFP4 W4A4 (the 4-bit activation kernels).
-FORMATS: tuple[WeightFormat, ...] = (
-    MlxAffine(3, 64, BF16),
-    Awq(4, 128),
-    Fp8("channel"),
-    Mxfp4(),
-    Nvfp4("mul", 16),
-    Nvfp4("div", 4),
+TEMPLATES = Path(__file__).parents[2] / "qir" / "codegen" / "templates"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    inter: int
+    kv: int  # k and v projections' rows
+
+
+LLAMA3_8B = Shapes(4096, 14336, 1024)
+CHECKPOINT = Shapes(512, 1408, 128)
+
+
+def mlp(fmt: WeightFormat, s: Shapes, act: DType = F16) -> Graph:
+    """gate/up paired (silu(g) * u epilogue) at K = hidden, down + residual at K = inter."""
+    b = Builder("mlp")
+    x = b.input("x", ("M", s.hidden), act)
+    ws = {
+        n: b.weight(n, QWeight(fmt, o, i), name=f"w_{n}")
+        for n, (o, i) in {
+            "gate": (s.inter, s.hidden),
+            "up": (s.inter, s.hidden),
+            "down": (s.hidden, s.inter),
+        }.items()
+    }
+    h = b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
+    b.output("y", b.add(x, b.qlinear(h, ws["down"])))
+    return b.graph
+
+
+def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16) -> Graph:
+    """q, k and v merged into one launch of three outputs."""
+    b = Builder("qkv")
+    x = b.input("x", ("M", s.hidden), act)
+    for n, o in {"q": s.hidden, "k": s.kv, "v": s.kv}.items():
+        b.output(n, b.qlinear(x, b.weight(n, QWeight(fmt, o, s.hidden), name=f"w_{n}")))
+    return b.graph
+
+
+def prologue_mlp(gate: WeightFormat, up: WeightFormat, down: WeightFormat, s: Shapes) -> Graph:
+    """gate and up in different formats (not merged): silu(g) * u is down_proj's prologue."""
+    b = Builder("prologue")
+    x = b.input("x", ("M", s.hidden), F16)
+    g = b.qlinear(x, b.weight("gate", QWeight(gate, s.inter, s.hidden), name="w_gate"))
+    u = b.qlinear(x, b.weight("up", QWeight(up, s.inter, s.hidden), name="w_up"))
+    w = b.weight("down", QWeight(down, s.hidden, s.inter), name="w_down")
+    b.output("y", b.qlinear(b.mul(b.silu(g), u), w))
+    return b.graph
+
+
+def one(fmt: WeightFormat, n: int, k: int, act: DType = F16) -> Graph:
+    b = Builder("one")
+    x = b.input("x", ("M", k), act)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(fmt, n, k), name="w_w")))
+    return b.graph
+
+
+def graph(
+    make: Callable[[], Graph],
+    keep: Callable[[Launch], bool] = lambda launch: True,
+    passes: str = "default",
+    native_fp4: bool = False,
+) -> Callable[[str], list[Kernel]]:
+    """The kernels `qir compile` plans for a graph (those of the launches `keep` accepts)."""
+
+    def kernels(arch: str) -> list[Kernel]:
+        passed, _ = run_pipeline(make(), passes, options=PassOptions())
+        launches = lower(passed, native_fp4=native_fp4).launches
+        return [la.kernel for la in launches if keep(la)]
+
+    return kernels
+
+
+def gemm(la: Launch) -> bool:
+    return la.kernel.name.startswith("qgemm_")
+
+
+def decode_and_res_prefill(la: Launch) -> bool:
+    """All but the 16-bit GEMMs of the 64-row bucket and the epilogues other than the residual
+    in the 128-row one: per format, the GEMMs differ only in the weight tile's decode, and the
+    128-row tiles hold the most accumulators (W4A4's GEMMs, 64-row only, all stay)."""
+    name = la.kernel.name
+    return not gemm(la) or "_a4" in name or (la.when[1] > W4A4_MAX_M and name.endswith("_res"))
+
+
+def model(fixture: str) -> Callable[[str], list[Kernel]]:
+    """A fixture's whole model (every layer kernel, embedding, final norm, lm_head), except
+    what other entries build at larger shapes: GEMVs and GEMMs without a norm prologue,
+    attention with its small head."""
+
+    def keep(la: Launch) -> bool:
+        name = la.kernel.name
+        if name.startswith(("qgemv_", "qgemm_")):
+            return "_rmsnorm_" in name
+        return not (name.startswith("attn_") and "_d64_" in name)
+
+    return graph(lambda: build(load(DATA / fixture), "model", 0).graph, keep)
+
+
+LLAMA3_ROPE = RopeSpec.of(
+    {
+        "head_dim": 128,
+        "theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 )
 
 
-def _kernels() -> list[Kernel]:
-    seen: dict[str, Kernel] = {}
-    rng = np.random.default_rng(0)
-    for fmt in FORMATS:
-        act = BF16 if isinstance(fmt, Nvfp4) else F16
-        mlp, _ = mlp_graph(rng, HIDDEN, INTER, fmt, act)
-        b = Builder("qkv")
-        x = b.input("x", ("M", HIDDEN), act)
-        for name, n in {"q": HIDDEN, "k": KV, "v": KV}.items():
-            w = b.weight(name, QWeight(fmt, n, HIDDEN), name=f"w_{name}")
-            b.output(name, b.qlinear(x, w, name=name))
-        for g in (mlp, b.graph):
-            for launch in lower(run_pipeline(g, "default")[0]).launches:
-                if not launch.kernel.name.startswith("qgemm"):
-                    seen.setdefault(launch.kernel.name, launch.kernel)
-    return list(seen.values())
+def attention(heads: int) -> Callable[[str], list[Kernel]]:
+    """Llama-3's attention kernels (8 KV heads of 128, a 4096-row cache) for `heads` q heads."""
+    a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), heads, 128**-0.5, LLAMA3_ROPE)
+    return lambda arch: [
+        attention_split_kernel(a),
+        attention_combine_kernel(a),
+        attention_prefill_kernel(a),
+        kv_append_kernel(a.cache, LLAMA3_ROPE),
+        rope_kernel(BF16, heads, LLAMA3_ROPE),
+    ]
 
 
-@pytest.mark.parametrize("arch", nvrtc.GATE_ARCHS)
-def test_kernels_at_checkpoint_shapes_build_without_spills(arch: str) -> None:
-    kernels = _kernels()
-    prepare_all(lambda k: nvrtc.compile_cubin(k, arch), kernels)  # on the compile threads
-    results = [nvrtc.compile_cubin(k, arch) for k in kernels]  # then from the cache
-    spilling = {
-        k.name: f"{r.report.spill_stores}/{r.report.spill_loads} B spill stores/loads"
-        for k, r in zip(kernels, results, strict=True)
-        if r.spill_bytes
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    kernels: Callable[[str], Iterable[Kernel]]  # the target arch -> its kernels
+    must: tuple[str, ...] = ()  # name fragments some kernel of the entry must contain
+    archs: tuple[str, ...] = nvrtc.GATE_ARCHS
+
+
+# One format per dequant fragment and code path, at Llama-3-8B's MLP: the GEMVs at K 4096 and
+# 14336, the 128 x 128 GEMM tiles (and W4A4's 64-row ones).
+FRAGMENTS: tuple[tuple[str, WeightFormat, DType], ...] = (
+    ("mlx3g64", MlxAffine(3, 64, BF16), F16),  # codes straddle words
+    ("mlx2g32", MlxAffine(2, 32, F16), F16),  # two rows a warp, 64-wide K steps
+    ("mlx8g64", MlxAffine(8, 64, BF16), F16),
+    ("awq4g128", Awq(4, 128), F16),  # AWQ's nibble order
+    ("gptq3g128act", Gptq(3, 128, "gptq", 1, F16), F16),  # act-order: the float path
+    ("ct4g32", CtInt(4, 32, BF16), F16),
+    ("fp8ch", Fp8("channel"), F16),
+    ("mxfp8", Mxfp8(), F16),
+    ("mxfp4", Mxfp4(), F16),
+    ("nvfp4mul", Nvfp4("mul", 16), BF16),  # W4A16
+    ("nvfp4diva4", Nvfp4("div", 4), BF16),  # W4A4: quantize_act, the a4 GEMV and GEMMs
+    ("densebf16", Dense(BF16), F16),
+)
+
+GPTQ_BITS = (
+    Gptq(2, 128, "gptq", 1, F16),
+    Gptq(8, 128, "gptq", 1, F16),
+    Gptq(4, 128, "gptq", 0, F16),
+    Gptq(8, 32, "gptq_v2", 0, BF16),
+)
+
+GATE: tuple[Entry, ...] = (
+    *(
+        Entry(
+            f"mlp-{tag}-llama3-8b",
+            graph(lambda f=fmt, a=act: mlp(f, LLAMA3_8B, a), decode_and_res_prefill),
+            ("qgemv_", "_k4096_m8_silumul", "_k14336_m8_res", "qgemm_"),
+        )
+        for tag, fmt, act in FRAGMENTS
+    ),
+    # The 16-bit GEMM's tiles and epilogues at Llama's N on one format: 64 x 64 and 128 x 128,
+    # the gate/up pair and the residual.
+    Entry(
+        "mlp-mlx4g64-llama3-8b-gemms",
+        graph(lambda: mlp(MlxAffine(4, 64, BF16), LLAMA3_8B), gemm),
+        ("_64x64x32s3w2x2_silumul", "_64x64x32s3w2x2_res", "_128x128x32s2w2x4_silumul"),
+    ),
+    # Below N = 4096: 64 x 32 and 128 x 64, merged outputs (q, k, v in one launch).
+    Entry(
+        "qkv-mlx3g64-checkpoint",
+        graph(lambda: qkv(MlxAffine(3, 64, BF16), CHECKPOINT)),
+        ("qgemv_mlx3g64bf16_f16_n512_128_128_k512_m8", "_64x32x32s3w4x1", "_128x64x32s3w2x2"),
+    ),
+    # Issue 14's W4A4 MLP (its down projection at K = 1408 spilled 608 bytes on sm_80/sm_90);
+    # mul mode with f16 activations for the down projection.
+    Entry(
+        "mlp-nvfp4diva4-checkpoint",
+        graph(lambda: mlp(Nvfp4("div", 4), CHECKPOINT, BF16), decode_and_res_prefill),
+        ("qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4", "quantize_act_", "_64x32x32s3w4x1_res_a4"),
+    ),
+    Entry(
+        "down-nvfp4mula4-checkpoint",
+        graph(
+            lambda: mlp(Nvfp4("mul", 4), CHECKPOINT, F16),
+            lambda la: "_k1408_" in la.kernel.name and "_a4" in la.kernel.name,
+        ),
+        ("qgemv_nvfp4mula4_f16_n512_k1408_m8_res_a4", "_res_a4"),
+    ),
+    # silu(g) * u in down_proj's prologue: 16-bit, and W4A4 quantizing it there.
+    Entry(
+        "prologue-16bit-checkpoint",
+        graph(
+            lambda: prologue_mlp(
+                MlxAffine(4, 64, BF16), MlxAffine(8, 64, BF16), Fp8("channel"), CHECKPOINT
+            ),
+            lambda la: "_silu" in la.kernel.name,
+        ),
+        ("qgemv_fp8ch_f16_n512_k1408_m8_silu", "_64x32x32s3w4x1_silu", "_128x64x32s3w2x2_silu"),
+    ),
+    Entry(
+        "prologue-w4a4-checkpoint",
+        graph(
+            lambda: prologue_mlp(Nvfp4("mul", 4), Nvfp4("div", 4), Nvfp4("div", 4), CHECKPOINT),
+            lambda la: "_silu" in la.kernel.name,
+        ),
+        (
+            "qgemv_nvfp4diva4_f16_n512_k1408_m8_silu_a4dynamic",
+            "_silu_a4dynamic",
+            "_128x64x32s3w2x2_silu",
+        ),
+    ),
+    # f32 activations: the GEMV's float path (no GEMM takes f32), one row a warp.
+    Entry(
+        "f32-acts-checkpoint",
+        lambda arch: [
+            *graph(lambda: mlp(MlxAffine(4, 64, BF16), CHECKPOINT, F32))(arch),
+            *graph(lambda: qkv(Nvfp4("mul", 4), CHECKPOINT, F32))(arch),
+            *graph(lambda: qkv(Dense(F32), CHECKPOINT, F32))(arch),
+        ],
+        (
+            "qgemv_mlx4g64bf16_f32_n1408_1408_k512_m8_silumul",
+            "qgemv_mlx4g64bf16_f32_n512_k1408_m8_res",
+            "qgemv_nvfp4mula4_f32_n512_128_128_k512_m8_a4",
+            "quantize_act_nvfp4_f32",
+            "qgemv_densef32_f32_",
+        ),
+    ),
+    # GPTQ's other bit widths, act-order (the float path) and not, at Llama's K.
+    Entry(
+        "one-gptq-bits-llama3-8b",
+        lambda arch: [
+            k
+            for fmt in GPTQ_BITS
+            for k in graph(lambda f=fmt: one(f, 4096, 4096), lambda la: not gemm(la))(arch)
+        ],
+        ("qgemv_gptq2g128act", "qgemv_gptq8g128act", "qgemv_gptq4g128f16", "qgemv_gptqv28g32bf16"),
+    ),
+    # The passes off: one launch per op (elementwise kernels in each dtype, a GEMV of one
+    # output).
+    Entry(
+        "mlp-unfused-checkpoint",
+        lambda arch: [
+            k
+            for act in (F16, BF16, F32)
+            for k in graph(
+                lambda a=act: mlp(MlxAffine(4, 64, BF16), CHECKPOINT, a),
+                lambda la: (
+                    la.kernel.name.startswith("ew_")
+                    or la.kernel.name == "qgemv_mlx4g64bf16_f16_n512_k1408_m8"
+                ),
+                passes="none",
+            )(arch)
+        ],
+        ("ew_silu_f16", "ew_mul_bf16", "ew_add_f32", "qgemv_mlx4g64bf16_f16_n512_k1408_m8"),
+    ),
+    # NVFP4 rows whose K is an odd multiple of 16: the 64-bit-load chunk path.
+    Entry(
+        "one-nvfp4-k48",
+        graph(lambda: one(Nvfp4("div", 16), 40, 48), lambda la: not gemm(la)),
+        ("qgemv_nvfp4div_f16_n40_k48",),
+    ),
+    # Blackwell's block-scaled FP4 MMA, where the instruction exists (elsewhere it traps).
+    Entry(
+        "w4a4-gemm-block-scaled-fp4",
+        lambda arch: [
+            k
+            for make in (mlp, qkv)
+            for k in graph(
+                lambda m=make: m(Nvfp4("div", 4), CHECKPOINT, BF16),
+                lambda la: la.kernel.name.endswith("_nvf4"),
+                native_fp4=True,
+            )(arch)
+        ],
+        ("_silumul_a4dynamic_nvf4", "_res_a4dynamic_nvf4", "_64x32x64s3w4x1_a4dynamic_nvf4"),
+        archs=("sm_120a", "sm_121a"),
+    ),
+    # A decoder layer and a model: RMSNorm (alone, in the GEMV/GEMM prologue, in quantize_act),
+    # KV append, split and prefill attention, embedding, lm_head.
+    Entry(
+        "model-mlx4-w4a16",
+        model("mlx_affine4_g64_S"),
+        ("embedding_mlx4", "kv_append_", "qgemv_", "qgemm_", "_rmsnorm_wbf16_silumul"),
+    ),
+    Entry(
+        "model-nvfp4-w4a4",
+        model("ct_nvfp4_w4a4_S"),
+        ("rms_norm_", "quantize_act_nvfp4_bf16_k256_div_rmsnorm"),
+    ),
+    Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
+    Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),
+    # Qwen's vocabulary: the loops' trip counts do not change the code, the dtype does.
+    Entry(
+        "sample-qwen-vocab",
+        lambda arch: [sample_kernel(act, 151936) for act in (F16, BF16, F32)],
+        ("sample_f16", "sample_bf16", "sample_f32"),
+    ),
+)
+
+
+@cache
+def _kernels(entry_id: str, arch: str) -> tuple[Kernel, ...]:
+    entry = next(e for e in GATE if e.id == entry_id)
+    return tuple({k.name: k for k in entry.kernels(arch)}.values())
+
+
+def _earlier(entry_id: str, arch: str) -> set[tuple[str, str]]:
+    """The kernels of the entries before `entry_id` that build for `arch`."""
+    seen: set[tuple[str, str]] = set()
+    for e in GATE:
+        if e.id == entry_id:
+            return seen
+        if arch in e.archs:
+            seen |= {(k.name, k.source) for k in _kernels(e.id, arch)}
+    raise KeyError(entry_id)
+
+
+@pytest.mark.parametrize(
+    ("entry", "arch"),
+    [pytest.param(e, a, id=f"{e.id}-{a}") for e in GATE for a in e.archs],
+)
+def test_kernels_build_without_spills(entry: Entry, arch: str) -> None:
+    kernels = _kernels(entry.id, arch)
+    names = [k.name for k in kernels]
+    missing = [m for m in entry.must if not any(m in n for n in names)]
+    assert not missing, f"{entry.id}: no kernel named *{missing[0]}* in {names}"
+    earlier = _earlier(entry.id, arch)
+    for kernel in kernels:
+        if (kernel.name, kernel.source) in earlier:
+            continue  # built by an earlier entry
+        (result,) = nvrtc.check_no_spills(kernel, archs=(arch,))
+        assert result.cubin[:4] == b"\x7fELF", kernel.name
+        assert 0 < result.registers <= 255, (kernel.name, result.registers)
+
+
+# The kernel families by name prefix, and the template each is rendered from.
+FAMILIES = {
+    "qgemv_": "qgemv.cu.j2",
+    "qgemm_": "qgemm.cu.j2",
+    "quantize_act_": "quantize_act.cu.j2",
+    "ew_": "elementwise.cu.j2",
+    "rms_norm_": "rms_norm.cu.j2",
+    "rope_": "rope.cu.j2",
+    "kv_append_": "kv_append.cu.j2",
+    "attn_split_": "attention_split.cu.j2",
+    "attn_combine_": "attention_combine.cu.j2",
+    "attn_prefill_": "attention_prefill.cu.j2",
+    "embedding_": "embedding.cu.j2",
+    "sample_": "sample.cu.j2",
+}
+
+
+def test_every_template_is_gated() -> None:
+    """A kernel template no entry renders would never be built for a GPU: add an entry (and
+    its family here) with the template."""
+    assert {p.name for p in TEMPLATES.glob("*.cu.j2")} == set(FAMILIES.values())
+    gated = {
+        prefix
+        for e in GATE
+        for k in _kernels(e.id, e.archs[0])
+        for prefix in FAMILIES
+        if k.name.startswith(prefix)
     }
-    assert {k.name.split("_")[0] for k in kernels} == {"qgemv", "quantize"}
-    assert all(r.cubin[:4] == b"\x7fELF" for r in results)
-    assert spilling == {}, f"spills on {arch}"
+    assert gated == set(FAMILIES)
+
+
+def test_gate_entries_are_distinct() -> None:
+    ids = [e.id for e in GATE]
+    assert len(set(ids)) == len(ids)
+    assert all(set(e.archs) <= set(nvrtc.GATE_ARCHS) | {"sm_121a"} for e in GATE)

@@ -41,7 +41,6 @@ from qir.runtime import nvrtc
 from qir.runtime.backend import get_backend
 from qir.runtime.executor import CompiledBlock
 from qir.runtime.host import HostBackend
-from qir.runtime.nvrtc import check_no_spills
 from tests.conftest import BACKENDS, DATA, FORMAT_ZOO, ON_GPU, max_rel, random_weight, rel_err
 from tests.runtime.test_every_format import HIDDEN, INTER, RAGGED, block, close, inputs, w4a4
 
@@ -319,39 +318,10 @@ def test_block_scaled_fp4_gemm_on_the_host(
             assert value.tobytes() == backward[name].tobytes(), name
 
 
-# The compile gate beyond test_every_format's (which builds every kernel of its block, GEMMs
-# included, for sm_80 and sm_90): every GEMM kernel of that block for a Blackwell target, the
-# formats alternating between sm_100a and sm_120a (NVRTC builds are what this costs).
-BLACKWELL = ("sm_100a", "sm_120a")
-
-
 def gemm_kernels(graph: Graph, native_fp4: bool = False) -> list[Kernel]:
     passed, _ = run_pipeline(graph, options=PassOptions(gemm_from_m=1))
     launches = lower(passed, native_fp4=native_fp4).launches
     return list({la.kernel: None for la in launches if la.kernel.name.startswith("qgemm")})
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("fmt", FORMAT_ZOO, ids=lambda f: f.tag())
-def test_gemm_kernels_build_for_blackwell_without_spills(fmt: WeightFormat) -> None:
-    arch = BLACKWELL[FORMAT_ZOO.index(fmt) % 2]
-    for kernel in gemm_kernels(block(fmt)[0]):
-        check_no_spills(kernel, (arch,))
-
-
-@needs_nvrtc
-def test_fused_forms_and_block_scaled_fp4_build_on_every_target_without_spills() -> None:
-    """The prologue GEMMs (16-bit and W4A4 quantizing in the prologue) on all four targets, and
-    the block-scaled FP4 GEMMs where their instruction exists: sm_120a and sm_121a (elsewhere
-    they trap)."""
-    for formats in ((MlxAffine(4, 64, BF16), MlxAffine(8, 64, BF16), Fp8("channel")),
-                    (Nvfp4("mul", 4), Nvfp4("div", 4), Nvfp4("div", 4))):  # fmt: skip
-        for kernel in gemm_kernels(prologue_mlp(*formats)[0]):
-            check_no_spills(kernel, ("sm_80", "sm_90", *BLACKWELL))
-    native = [k for k in gemm_kernels(block(Nvfp4("div", 4))[0], True) if k.name.endswith("nvf4")]
-    assert native
-    for kernel in native:
-        check_no_spills(kernel, ("sm_120a", "sm_121a"))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")

@@ -1,6 +1,7 @@
 """Layer kernels (RMSNorm, RoPE, KV-cache append, split and prefill attention, embedding) on the
 host backend, and the cuda backend on a GPU: against the interpreter, transformers' goldens and
-an independent forward; replays of a captured decode step; the NVRTC compile gate."""
+an independent forward; replays of a captured decode step (their NVRTC builds:
+tests/runtime/test_compile_gate.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,6 @@ import qir
 from qir.codegen.layer_kernels import (
     AttentionSpec,
     CacheShape,
-    RopeSpec,
-    attention_combine_kernel,
-    attention_prefill_kernel,
-    attention_split_kernel,
-    kv_append_kernel,
 )
 from qir.codegen.lower import lower
 from qir.dtypes import BF16, F16, F32
@@ -26,7 +22,6 @@ from qir.interpret import BindError
 from qir.models import Model, load
 from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
-from qir.runtime import nvrtc
 from qir.runtime.executor import plan_memory
 from tests.conftest import BACKENDS, DATA, greedy_prefix, max_rel, rel_err
 from tests.models.synthetic_llama import Forward, write_llama
@@ -225,46 +220,6 @@ def _bytes(m: int, n: int, dt: Any) -> int:
     return -(-m * n * dt.itemsize // 256) * 256
 
 
-LLAMA3 = RopeSpec.of(
-    {
-        "head_dim": 128,
-        "theta": 500000.0,
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-)
-ARCHS = ("sm_80", "sm_90", "sm_100a", "sm_120a")
-
-
-def _gate_kernels() -> list[Any]:
-    """Every kernel of a fused W4A16 and W4A4 model of the fixtures, and the attention kernels
-    at Llama-3-8B (32 heads on 8) and -70B (64 on 8) shapes with a 4096-row cache."""
-    kernels = {}
-    for fixture in (W4A16, W4A4):
-        b = build(load(DATA / fixture), "model", 0)
-        for launch in lower(run_pipeline(b.graph, "default")[0]).launches:
-            kernels[launch.kernel.name] = launch.kernel
-    for heads in (32, 64):
-        a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), heads, 128**-0.5, LLAMA3)
-        for k in (attention_split_kernel(a), attention_combine_kernel(a)):
-            kernels[k.name] = k
-    a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), 32, 128**-0.5, LLAMA3)
-    for k in (attention_prefill_kernel(a), kv_append_kernel(a.cache, LLAMA3)):
-        kernels[k.name] = k
-    # The GEMVs and GEMMs have their gates in test_every_format and test_gemm_kernels (those
-    # with a norm prologue here); the fixtures' attention kernels are the Llama shapes' with a
-    # smaller head.
-    return [
-        k
-        for n, k in sorted(kernels.items())
-        if not (n.startswith(("qgemv_", "qgemm_")) and "_rmsnorm_" not in n)
-        and not (n.startswith("attn_") and "_d64_" in n)
-    ]
-
-
 NORMED = """
 graph normed {
   %x = input : @ACT[M, 256]
@@ -316,25 +271,6 @@ def test_a_norm_prologue_in_the_gemv_and_the_gemm(backend, weight, act, monkeypa
             again = ours(x)
             monkeypatch.delenv("QIR_HOST_SCHEDULE")
             assert host_array(again["q"]).tobytes() == host_array(got["q"]).tobytes(), m
-
-
-@pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x (qir[compile])")
-def test_layer_kernels_build_with_nvrtc_without_spills():
-    """The GEMVs and GEMMs have their own gates (test_every_format, test_gemm_kernels); here
-    everything else of a layer and a model, and the GEMVs and GEMMs with a norm prologue, for the
-    four target archs."""
-    kernels = _gate_kernels()
-    assert {k.name.split("_")[0] for k in kernels} >= {
-        "rms",
-        "quantize",
-        "kv",
-        "attn",
-        "embedding",
-    }
-    normed = {k.name.split("_")[0] for k in kernels if "_rmsnorm_" in k.name}
-    assert normed == {"qgemv", "qgemm", "quantize"}
-    for kernel in kernels:
-        nvrtc.check_no_spills(kernel, archs=ARCHS)
 
 
 def test_blocks_with_state_replay_only_captured_batch_sizes(gqa):
