@@ -40,6 +40,7 @@ from qir.passes.manager import run_pipeline
 from qir.runtime import sass
 from qir.runtime.gpus import gpus_for
 from qir.runtime.resources import KernelCost, kernel_costs
+from qir.target import Target
 from qir.types import QWeight
 
 LLAMA3_8B = {"hidden": 4096, "inter": 14336, "q": 4096, "kv": 1024}
@@ -94,9 +95,9 @@ def graph(block: str, fmt: WeightFormat, d: dict[str, int]) -> Graph:
     return b.graph
 
 
-def plan_for(block: str, fmt: WeightFormat) -> Plan:
+def plan_for(block: str, fmt: WeightFormat, arch: str = "sm_90") -> Plan:
     passed, _ = run_pipeline(graph(block, fmt, LLAMA3_8B), "default")
-    return lower(passed)
+    return lower(passed, target=Target(arch))
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     rows = []
     for fmt in formats:
         for block in args.blocks:
-            plan = plan_for(block, fmt)
+            plan = plan_for(block, fmt, args.arch)
             for m in args.m:
                 for cost in kernel_costs(plan, args.arch, m, gpus[0]):
                     rows.append(Row(fmt.tag(), m, block, cost))

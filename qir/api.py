@@ -14,8 +14,9 @@ from qir.errors import UsageError
 from qir.graph import Graph
 from qir.interpret import Weights, empty_state, interpret
 from qir.passes.manager import PassOptions, PassRecord, run_pipeline
-from qir.runtime.backend import BACKENDS, get_backend
+from qir.runtime.backend import BACKENDS, get_backend, resolve_target
 from qir.runtime.executor import CapturedBatches, CapturedBlock, CompiledBlock
+from qir.target import DEFAULT, Target
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Compiled:
     weights: Weights
     records: list[PassRecord] = field(default_factory=list)
     plan: Plan | None = None
+    target: Target = DEFAULT  # what the plan's kernels are for
     _exec: CompiledBlock | None = None
     # The reference backend's states (KV caches) by key; kernel backends keep theirs on the
     # device (CompiledBlock.state).
@@ -98,7 +100,7 @@ class Compiled:
         if self.plan is not None:
             return self.plan
         try:  # the reference backend runs no kernels, but the picture shows what it would launch
-            return lower(self.graph)
+            return lower(self.graph, target=self.target)
         except NotImplementedError:
             return None
 
@@ -121,13 +123,16 @@ def compile(
     weight_quantization: str = "declared",
     after_each: Callable[[str, Graph], None] | None = None,
     gemm_from_m: int | None = None,
+    target: str | Target | None = None,
 ) -> Compiled:
     """Run the pass pipeline on a copy of `graph` and prepare it for `backend`.
 
     weight_quantization: which NVFP4 weights take 4-bit activations (`declared`: those whose
     checkpoint calibrated them, `w4a4`: all, `w4a16`: none). gemm_from_m: the batch size from
     which every f16/bf16 qlinear runs the tensor-core GEMM family instead of the GEMV (default:
-    the table in qir.passes.select_kernels)."""
+    the table in qir.passes.select_kernels). target: the GPU the kernels are for ("sm_90",
+    "sm_120a"; qir.target): the cuda backend's is its device's (naming another is an error),
+    elsewhere this machine's GPU's, else sm_90. The host backend runs any target's kernels."""
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if gemm_from_m is not None and (
@@ -136,8 +141,9 @@ def compile(
         raise UsageError(f"gemm_from_m must be a positive int, got {gemm_from_m!r}")
     options = PassOptions(weight_quantization=weight_quantization, gemm_from_m=gemm_from_m)
     passed, records = run_pipeline(graph, passes, after_each=after_each, options=options)
-    c = Compiled(graph, passed, backend, weights, records)
-    if backend != "reference":
-        c.plan = lower(passed, m_tile)
-        c._exec = CompiledBlock(c.plan, get_backend(backend), weights)
+    be = get_backend(backend) if backend != "reference" else None
+    c = Compiled(graph, passed, backend, weights, records, target=resolve_target(target, be))
+    if be is not None:
+        c.plan = lower(passed, m_tile, c.target)
+        c._exec = CompiledBlock(c.plan, be, weights)
     return c

@@ -1,6 +1,6 @@
 """Writing a compiled block to a directory: the IR before and after passes, and one .cu per
 kernel (named by its specialisation) with the headers it includes beside it, so each file
-compiles on its own with `nvcc -std=c++17 -arch=sm_90 -cubin`."""
+compiles on its own with `nvcc -std=c++17 -arch=<the plan's target> -cubin`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def weights_bytes(graph: Graph) -> int:
 
 
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
-    """One entry per launch: kernel name, block, grid, the IR nodes it covers; for a given M only
+    """The target, then one entry per launch: kernel name, block, grid, the IR nodes it covers;
+    for a given M only
     the launches that run at that M, with the bytes each moves, and the memory a run allocates
     (the intermediates' arena planned from liveness, with each value's offset; the outputs),
     else every launch with the range of M it serves."""
@@ -68,7 +69,8 @@ def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
         else:
             entry["m_range"] = list(launch.when)
         kernels.append(entry)
-    out: dict[str, object] = {"graph": plan.graph.name, "kernels": kernels}
+    target = {"arch": plan.target.arch, "features": list(plan.target.features)}
+    out: dict[str, object] = {"graph": plan.graph.name, "target": target, "kernels": kernels}
     if m:
         mem = plan_memory(plan, m)
         out["memory"] = {

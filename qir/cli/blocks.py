@@ -19,6 +19,7 @@ from qir.cli.options import (
     model_of,
     pipeline,
     print_ir,
+    target_of,
     token_ids,
 )
 from qir.codegen.lower import Plan, lower
@@ -66,6 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         passes=args.passes,
         weight_quantization=args.weight_quantization,
         after_each=print_ir(args),
+        target=args.arch,
     )
     out = c(inputs)
     arrays: dict[str, Any] = {k: np.asarray(v).astype(np.float32) for k, v in out.items()}
@@ -100,36 +102,39 @@ def _run_model(args: argparse.Namespace) -> int:
 def cmd_dump(args: argparse.Namespace) -> int:
     block = block_of(args)
     after, records = pipeline(args, block)
-    plan = lower(after)
+    plan = lower(after, target=target_of(args))
     files = dump(block.graph, after, plan, args.out)
     for r in records:
         print(f"pass {r.name}: {r.matches} match(es), {r.seconds * 1e3:.2f} ms")
-    print(f"wrote {len(files)} files to {args.out} ({len(plan.launches)} kernel launches)")
+    print(
+        f"wrote {len(files)} files to {args.out} ({len(plan.launches)} kernel launches, "
+        f"{plan.target.arch})"
+    )
     return 0
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     block = block_of(args)
     after, _ = pipeline(args, block)
-    plan = lower(after)
+    plan = lower(after, target=target_of(args))
     text = json.dumps(plan_json(plan, args.m), indent=2) + "\n"
     if args.json:
         args.json.write_text(text)
     elif not args.resources:
         sys.stdout.write(text)
     if args.resources:
-        _print_resources(plan, args.arch, args.m or 1)
+        _print_resources(plan, args.m or 1)
     return 0
 
 
-def _print_resources(plan: Plan, arch: str, m: int) -> None:
+def _print_resources(plan: Plan, m: int) -> None:
     """The static cost table of the launches that run at M (qir.runtime.resources)."""
     from qir.runtime import nvrtc, resources
     from qir.runtime.errors import BackendUnavailable
 
     if not nvrtc.available():
         raise BackendUnavailable("--resources compiles with NVRTC: pip install 'qir[compile]'")
-    nvrtc.check_arch(arch)
+    arch = nvrtc.check_arch(plan.target.arch)
     print(f"M={m}, {arch}")
     sys.stdout.write(resources.format_table(resources.kernel_costs(plan, arch, m)))
 
@@ -137,7 +142,7 @@ def _print_resources(plan: Plan, arch: str, m: int) -> None:
 def cmd_graph(args: argparse.Namespace) -> int:
     block = block_of(args)
     after, _ = pipeline(args, block)
-    files, missing = draw(block.graph, after, lower(after), args.out)
+    files, missing = draw(block.graph, after, lower(after, target=target_of(args)), args.out)
     print(f"wrote {', '.join(str(f) for f in files)}")
     if missing:
         print(f"qir: {missing}", file=sys.stderr)
@@ -177,7 +182,6 @@ def register(sub: Any) -> None:
         help="print each kernel's static cost on --arch (registers, spills, occupancy, SASS "
         "instructions and bytes in flight per 512 B of weights, the bandwidth bound) at --m",
     )
-    cmp_.add_argument("--arch", default="sm_90", help="arch for --resources (default sm_90)")
     cmp_.set_defaults(func=cmd_compile)
 
     gph = sub.add_parser(

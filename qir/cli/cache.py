@@ -8,15 +8,18 @@ from typing import Any
 
 from qir import dtypes
 from qir.cli.options import add_lowering
+from qir.codegen.kernel import Kernel
 from qir.codegen.lower import lower
 from qir.errors import UsageError
 from qir.models import load
 from qir.models.blocks import BLOCKS, build
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime import cache as kernel_cache
+from qir.runtime.backend import default_target
 from qir.runtime.cuda import available as cuda_available
 from qir.runtime.warm import HOST as HOST_TARGET
 from qir.runtime.warm import warm
+from qir.target import Target
 
 # The sub-blocks `cache warm` covers by default.
 PARTS = ("mlp", "qkv")
@@ -59,19 +62,28 @@ def _key_facts() -> list[tuple[str, str]]:
 
 
 def _cache_warm(args: argparse.Namespace, root: Path) -> int:
-    targets = [*args.arch, *([HOST_TARGET] if args.host else [])] or [_local_arch()]
+    """Each --arch gets the kernels lowered for it; --host those of every --arch (what `run
+    --backend host --arch` runs), or of the default target."""
+    targets = [Target(a) for a in args.arch] or ([] if args.host else [_local_target()])
     ck = load(args.checkpoint)
     act = dtypes.by_name(args.act_dtype) if args.act_dtype else None
     options = PassOptions(weight_quantization=args.weight_quantization)
     layers = args.layers if args.layers is not None else range(ck.num_layers)
-    kernels = []
+    graphs = []
     for i, layer in enumerate(layers):
         for name in args.blocks:
             if name == "model" and i:  # every layer's kernels already
                 continue
             graph, _ = run_pipeline(build(ck, name, layer, act).graph, args.passes, options=options)
-            kernels += [launch.kernel for launch in lower(graph).launches]
-    for w in warm(kernels, targets, root):
+            graphs.append(graph)
+
+    def kernels(target: Target) -> list[Kernel]:
+        return [la.kernel for g in graphs for la in lower(g, target=target).launches]
+
+    plans = {t.arch: kernels(t) for t in targets}
+    if args.host:
+        plans[HOST_TARGET] = [k for t in targets or [default_target()] for k in kernels(t)]
+    for w in warm(plans, root):
         print(
             f"{w.target}: {w.kernels} kernels, {w.compiled} compiled, "
             f"{w.kernels - w.compiled} already cached ({w.seconds:.1f} s)"
@@ -80,15 +92,13 @@ def _cache_warm(args: argparse.Namespace, root: Path) -> int:
     return 0
 
 
-def _local_arch() -> str:
+def _local_target() -> Target:
     if not cuda_available():
         raise UsageError(
             "cache warm: no GPU here to take the arch from; name the targets: "
             "--arch sm_90 [sm_80 ...] (NVRTC, no GPU needed) and/or --host"
         )
-    import cupy
-
-    return f"sm_{cupy.cuda.Device().compute_capability}"
+    return default_target()
 
 
 def register(sub: Any) -> None:
@@ -105,11 +115,5 @@ def register(sub: Any) -> None:
     wrm.add_argument("checkpoint", type=Path, help="checkpoint directory")
     wrm.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(PARTS))
     wrm.add_argument("--layers", type=int, nargs="+", help="decoder layers (default: all)")
-    wrm.add_argument(
-        "--arch",
-        nargs="+",
-        default=[],
-        help="NVRTC targets, e.g. sm_90 sm_80 (default: this GPU's)",
-    )
     wrm.add_argument("--host", action="store_true", help="the host backend's kernels too")
-    add_lowering(wrm)
+    add_lowering(wrm, several_archs=True)

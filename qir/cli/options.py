@@ -18,6 +18,8 @@ from qir.models.blocks import BLOCKS, MAX_SEQ_CAP, Block, build
 from qir.passes.manager import PASSES, PIPELINES, PassOptions, PassRecord, run_pipeline
 from qir.passes.route_w4a4 import TIERS
 from qir.printer import print_graph
+from qir.runtime.backend import default_target
+from qir.target import Target
 
 ACT_DTYPES = ("f16", "bf16", "f32")
 
@@ -72,7 +74,13 @@ def model_of(args: argparse.Namespace, backend: str) -> Model:
         max_seq=args.max_seq,
         passes=args.passes,
         weight_quantization=args.weight_quantization,
+        target=args.arch,
     )
+
+
+def target_of(args: argparse.Namespace) -> Target:
+    """--arch, else this machine's GPU's, else sm_90 (for commands that run no kernels)."""
+    return Target(args.arch) if args.arch else default_target()
 
 
 def add_block_options(p: argparse.ArgumentParser) -> None:
@@ -94,8 +102,19 @@ def add_max_seq(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_lowering(p: argparse.ArgumentParser) -> None:
+ARCH_HELP = (
+    "the GPU the kernels are for: sm_80, sm_90, sm_100a, sm_120a, ... (default: this machine's "
+    "GPU, else sm_90); it decides the FP4 decode and the block-scaled FP4 GEMMs. --backend host "
+    "runs any target's kernels (emulating their instructions), --backend cuda only its GPU's"
+)
+
+
+def add_lowering(p: argparse.ArgumentParser, several_archs: bool = False) -> None:
     """The options that decide which kernels a block becomes."""
+    if several_archs:
+        p.add_argument("--arch", nargs="+", default=[], help=f"{ARCH_HELP}; several: one plan each")
+    else:
+        p.add_argument("--arch", help=ARCH_HELP)
     p.add_argument(
         "--act-dtype", choices=ACT_DTYPES, help="activation dtype (default: the checkpoint's)"
     )

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from functools import cache
 
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import EPILOGUES, GemvSpec, norm_param, norm_suffix
+from qir.codegen.gemv import EPILOGUES, GemvSpec, norm_param, norm_suffix, target_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
 from qir.dtypes import BF16, F16, DType
+from qir.target import Target
 from qir.types import QWeight
 
 MMA_HEADER = "qir_mma.cuh"
@@ -117,6 +118,8 @@ class GemmSpec:
     # the kernel reads the 16-bit input and quantizes it as quantize_act (mode a4_mode) would.
     native: bool = False
     norm: tuple[DType, float] | None = None  # input = rms_norm(x, nw), as GemvSpec.norm
+    # As GemvSpec.target; a native GEMM is specialised for its target (sm_120a/sm_121a).
+    target: Target | None = None
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:
@@ -124,6 +127,8 @@ class GemmSpec:
         _ = self.fused  # the GEMV spec checks the fused form
         if self.native and (not self.a4 or self.prologue):
             raise ValueError("the block-scaled FP4 GEMM takes W4A4 without a prologue")
+        if self.native and not (self.target and self.target.block_scaled_fp4_mma):
+            raise ValueError("the block-scaled FP4 GEMM needs a target with its MMA (sm_120a)")
 
     @classmethod
     def of(cls, fused: GemvSpec, m_max: int) -> GemmSpec:
@@ -137,6 +142,7 @@ class GemmSpec:
             fused.a4,
             fused.a4_mode,
             norm=fused.norm,
+            target=fused.target,
         )
 
     @property
@@ -150,6 +156,7 @@ class GemmSpec:
             self.a4,
             self.a4_mode,
             self.norm,
+            self.target,
         )
 
     @property
@@ -176,6 +183,7 @@ class GemmSpec:
             fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
         if f.native:
             fused += "_nvf4"
+        fused += target_suffix(f.target)
         return (
             f"qgemm_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}"
             f"_{self.tile.spell}{fused}"
@@ -362,6 +370,8 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
         b_args=b_args,
         paired=f.paired,
         epilogue=f.epilogue,
+        target=f.target.arch if f.target else "",
+        fp4_cvt=bool(f.target and f.target.fp4_cvt and frag.e2m1),
     )
     return Kernel(
         spec.name,

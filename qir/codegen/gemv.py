@@ -18,8 +18,9 @@ products depends on the fragment and the activation dtype (`path`):
 - "float": float32 activations (tolerance 1e-5) or an unpacked fragment (dense weights, GPTQ
   act-order): weights decoded to float, float FMAs.
 - "a4": W4A4. The input is NVFP4 codes (from quantize_act, or silu(g) * u quantized here); the
-  E2M1 x E2M1 products and their block sums are exact in f16 pairs (see qgemv.cu.j2), the two
-  block factors scale the block sum in float.
+  E2M1 x E2M1 products and their block sums are exact (integers with DP4A, or f16 pairs on a
+  target with the FP4 conversion: see qgemv.cu.j2), the two block factors scale the block sum
+  in float.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import common_header, render
 from qir.dtypes import F32, DType
+from qir.formats.base import WeightFormat
+from qir.target import Target
 from qir.types import QWeight
 
 WARPS_PER_BLOCK = 4
@@ -75,6 +78,9 @@ class GemvSpec:
     a4_mode: str = "dynamic"  # dynamic | mul | div (prologue only)
     # input = rms_norm(x, nw): the norm weight's dtype and eps (16-bit or f32 activations).
     norm: tuple[DType, float] | None = None
+    # The target the code is specialised for (its name says so): E2M1 weights on a target with
+    # the FP4 conversion (for_target). None: the same code for every target.
+    target: Target | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -97,6 +103,10 @@ class GemvSpec:
             raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
         if self.norm is not None and (self.prologue or self.a4):
             raise ValueError("the rms_norm prologue takes 16-bit activations and no other prologue")
+        if self.target is not None and not (self.target.fp4_cvt and self.fragment.e2m1):
+            raise ValueError(
+                f"{self.target.arch} changes no code of {self.weights[0].format.spell()}"
+            )
 
     @property
     def name(self) -> str:
@@ -106,6 +116,7 @@ class GemvSpec:
         fused += EPILOGUES[self.epilogue]
         if self.a4:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
+        fused += target_suffix(self.target)
         return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
 
     @property
@@ -135,6 +146,18 @@ class GemvSpec:
         if self.a4:
             return "a4"
         return "packed" if frag.packed and self.act != F32 else "float"
+
+
+def for_target(
+    target: Target, fmt: WeightFormat, out_features: int, in_features: int
+) -> Target | None:
+    """The target a kernel of this weight is specialised for: `target` where its FP4 conversion
+    changes the weight's decode (E2M1 codes), else None (one kernel serves every target)."""
+    return target if target.fp4_cvt and fragment_for(fmt, out_features, in_features).e2m1 else None
+
+
+def target_suffix(target: Target | None) -> str:
+    return f"_{target.tag}" if target else ""
 
 
 def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
@@ -243,6 +266,8 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         path=("packed", "float", "a4").index(spec.path(frag)),
         epilogue=("", "residual", "silu_mul").index(spec.epilogue),
         source=_act_source(spec),
+        target=spec.target.arch if spec.target else "",
+        fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         **frag.context,
     )
     return Kernel(

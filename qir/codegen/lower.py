@@ -5,7 +5,11 @@ sizes it serves and where each argument comes from (a value, a weight buffer, a 
 itself), so an executor only binds memory. A qlinear's launches split the batch sizes: W4A4
 takes M <= 64 and a 16-bit twin the rest; within each, the GEMV family runs below the node's
 `gemm_from_m` label (select_kernels) and the GEMM family from there, one launch per tile bucket
-of the GEMM's table. A node without a label (no select_kernels pass) runs the GEMV only."""
+of the GEMM's table. A node without a label (no select_kernels pass) runs the GEMV only.
+
+The plan is for one target (qir.target): it decides the FP4 decode of E2M1 weights and whether
+W4A4 GEMMs run on the block-scaled FP4 MMA, where that GEMM quantizes its 16-bit input itself
+(the quantize_act launch then runs only for the batch sizes its other readers serve)."""
 
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ from typing import Literal
 from qir.codegen import elementwise, fragments, gemm, gemv, quantize_act
 from qir.codegen.elementwise import elementwise_grid_x
 from qir.codegen.gemm import GemmSpec, bucket_ranges
-from qir.codegen.gemv import GemvSpec
+from qir.codegen.gemv import GemvSpec, for_target
 from qir.codegen.kernel import Kernel
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
 from qir.errors import UsageError
 from qir.graph import AttrValue, Graph
 from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
+from qir.target import DEFAULT, Target
 from qir.types import QActType, QWeight, TensorType, TupleType, ValueType
 
 # Rows of x one GEMV launch handles; grid.y covers the rest.
@@ -79,6 +84,7 @@ class Plan:
     # Buffers that launches pass between them and that are no IR value (a split attention's
     # partial results): planned in the arena like intermediates, by name.
     temps: Mapping[str, TensorType] = field(default_factory=dict)
+    target: Target = DEFAULT  # the GPU the kernels are for
 
     def value_type(self, name: str) -> ValueType:
         """The type of a value argument: a temp's, else the IR value's."""
@@ -115,7 +121,7 @@ def value_bytes(t: object, sizes: dict[str, int]) -> int:
     return n * t.dtype.itemsize
 
 
-def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> list[Launch]:
+def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list[Launch]:
     """A launch per family and batch-size range (see the module docstring); a W4A4 node also
     gets 16-bit twins for batches above W4A4_MAX_M."""
     node = graph.node(name)
@@ -140,6 +146,9 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> li
     pre_quantized = isinstance(graph.node(inputs[0]).type, QActType)
     a4 = pre_quantized or node.attr("act_quant") is not None
     frag = fragment_for(weights[0].format, weights[0].out_features, weights[0].in_features)
+    specialised = for_target(
+        target, weights[0].format, weights[0].out_features, weights[0].in_features
+    )
     covers = (name, *node.attr("fused", ()))
 
     first_gemm = node.attr("gemm_from_m")
@@ -169,11 +178,11 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> li
             )
         for bucket in bucket_ranges(max(lo, gemm_from), hi):
             g, g_args = GemmSpec.of(spec, bucket[1]), args
-            if native_fp4 and spec.a4 and pre_quantized:
+            if target.block_scaled_fp4_mma and spec.a4 and pre_quantized:
                 # Blackwell's block-scaled MMA quantizes the 16-bit input itself, as the
                 # quantize_act it replaces would (its mode and calibrated scale).
                 q_attrs = dict(graph.node(inputs[0]).attrs)
-                g = replace(g, native=True, a4_mode=act_quant_mode(q_attrs))
+                g = replace(g, native=True, a4_mode=act_quant_mode(q_attrs), target=target)
                 g_args = args_of(x16, _scale_args(q_attrs))
             out.append(Launch(gemm_kernel(g), g.grid_x, g.tile.bm, g_args, outputs, covers, bucket))
         return out
@@ -186,11 +195,15 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, native_fp4: bool) -> li
         assert isinstance(nw, TensorType) and isinstance(eps, float)
         norm = (nw.dtype, eps)
         x16 = [Arg("value", inputs[0]), Arg("weight", inputs[1], "weight")]
-    plain = GemvSpec(weights, act, m_tile, prologue=prologue, epilogue=epilogue, norm=norm)
+    plain = GemvSpec(
+        weights, act, m_tile, prologue=prologue, epilogue=epilogue, norm=norm, target=specialised
+    )
     if not a4:
         return launches(plain, x16, [], ALL_M)
     mode = act_quant_mode(attrs) if prologue else "dynamic"
-    quant = GemvSpec(weights, act, m_tile, prologue, epilogue, a4=True, a4_mode=mode)
+    quant = GemvSpec(
+        weights, act, m_tile, prologue, epilogue, a4=True, a4_mode=mode, target=specialised
+    )
     scale = _scale_args(attrs) if prologue else []
     return [
         *launches(quant, [Arg("value", v) for v in inputs], scale, (1, W4A4_MAX_M)),
@@ -225,9 +238,9 @@ def _lower_quantize_act(graph: Graph, name: str) -> Launch:
     return Launch(quantize_act_kernel(spec), 1, 1, args, (name,), (name,), (1, W4A4_MAX_M))
 
 
-def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, native_fp4: bool = False) -> Plan:
-    """The plan of a passed graph. native_fp4: W4A4 GEMMs on Blackwell's block-scaled FP4 MMA,
-    for sm_120a/sm_121a (the host backend emulates it; other GPUs cannot run those kernels)."""
+def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) -> Plan:
+    """The plan of a passed graph for `target` (the host backend runs any target's kernels: it
+    emulates the instructions they use)."""
     # The layer ops' lowerings build on Arg and Launch, defined here.
     from qir.codegen.lower_layer import LAYER_LOWERINGS
 
@@ -238,7 +251,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, native_fp4: bool = False) 
             continue  # leaves, and projections of a multi-output launch's results
         operands = graph.operands(name)
         if node.op == "qlinear":
-            launches.extend(_lower_qlinear(graph, name, m_tile, native_fp4))
+            launches.extend(_lower_qlinear(graph, name, m_tile, target))
         elif node.op == "quantize_act":
             launches.append(_lower_quantize_act(graph, name))
         elif node.op in LAYER_LOWERINGS:
@@ -255,4 +268,18 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, native_fp4: bool = False) 
             launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
         else:
             raise NotImplementedError(f"no kernel for %{name} = {node.op}")
-    return Plan(graph, tuple(launches), temps)
+    return Plan(graph, _quantize_when_read(launches), temps, target)
+
+
+def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:
+    """quantize_act launches narrowed to the batch sizes at which a launch reads their codes (a
+    block-scaled FP4 GEMM reads the 16-bit input instead)."""
+    out = []
+    for la in launches:
+        if la.kernel.name.startswith("quantize_act_"):
+            (codes,) = la.outputs
+            ranges = [r.when for r in launches if r is not la and Arg("value", codes) in r.args]
+            if ranges:
+                la = replace(la, when=(min(lo for lo, _ in ranges), max(hi for _, hi in ranges)))
+        out.append(la)
+    return tuple(out)

@@ -43,6 +43,7 @@ class Model:
         max_seq: int | None = None,
         passes: str | Sequence[str] = "default",
         weight_quantization: str = "declared",
+        target: str | None = None,  # the GPU the kernels are for (qir.compile's)
     ) -> None:
         self.checkpoint = ck
         self.block: Block = build(ck, "model", 0, act, max_seq)
@@ -54,6 +55,7 @@ class Model:
             backend=backend,
             passes=passes,
             weight_quantization=weight_quantization,
+            target=target,
         )
         self._decode: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
 

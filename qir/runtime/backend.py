@@ -11,6 +11,7 @@ import numpy as np
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.runtime.cache import KernelCache
+from qir.target import DEFAULT, Target
 
 BACKENDS = ("reference", "host", "cuda")
 
@@ -21,6 +22,12 @@ BoundLaunch = tuple[Any, tuple[int, int, int], Sequence[Any]]
 class Backend(Protocol):
     name: str
     cache: KernelCache
+
+    @property
+    def target(self) -> Target | None:
+        """The target a plan must be for to run here (a GPU's), or None: any (the host
+        emulates every target's instructions)."""
+        ...
 
     def load(self, kernel: Kernel) -> Any: ...
 
@@ -80,3 +87,25 @@ def best_backend() -> str:
     from qir.runtime.cuda import available
 
     return "cuda" if available() else "host"
+
+
+def default_target() -> Target:
+    """The target when none is named: this machine's GPU, else qir.target.DEFAULT."""
+    from qir.runtime.cuda import device_target
+
+    return device_target() or DEFAULT
+
+
+def resolve_target(target: str | Target | None, backend: Backend | None) -> Target:
+    """The target a plan for `backend` is lowered for: a GPU backend's own (naming another is an
+    error: its kernels may not run there), else `target`, else default_target()."""
+    named = Target(target) if isinstance(target, str) else target
+    own = backend.target if backend is not None else None
+    if backend is not None and own is not None:
+        if named is not None and named != own:
+            raise UsageError(
+                f"target {named.arch}: the {backend.name} backend runs on {own.arch} (its GPU); "
+                "other targets run on --backend host"
+            )
+        return own
+    return named or default_target()

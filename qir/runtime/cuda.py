@@ -37,6 +37,7 @@ from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin, kernel_include_dir
 from qir.runtime.toolkit import cuda_include_dirs
+from qir.target import Target
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 VECTOR_ALIGN = 16
@@ -49,6 +50,15 @@ def available() -> bool:
     except ImportError:
         return False
     return bool(cupy.cuda.is_available())
+
+
+def device_target(device: int = 0) -> Target | None:
+    """The target of this machine's GPU `device`, None without one."""
+    if not available():
+        return None
+    import cupy
+
+    return Target.of_capability(cupy.cuda.Device(device).compute_capability)
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,10 @@ class CudaBackend:
             raise BackendUnavailable(f"no CUDA device {device}: this machine has {count}")
         self._cp = cupy
         self.device = cupy.cuda.Device(device)
-        self.arch = f"sm_{self.device.compute_capability}"
+        # Plans for this GPU use its arch-specific instructions (sm_120a: the FP4 conversion and
+        # the block-scaled FP4 MMA), and its cubins are built for them.
+        self.target = Target.of_capability(self.device.compute_capability)
+        self.arch = self.target.arch
         self.cache = KernelCache.at(cache_dir)
 
     def load(self, kernel: Kernel) -> CudaKernel:

@@ -262,6 +262,11 @@ def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[An
 
 class CompiledBlock:
     def __init__(self, plan: Plan, backend: Backend, weights: Weights) -> None:
+        if backend.target is not None and plan.target != backend.target:
+            raise UsageError(
+                f"the plan is for {plan.target.arch}; the {backend.name} backend runs "
+                f"{backend.target.arch}: lower it for that target"
+            )
         self.plan = plan
         self.backend = backend
         graph = plan.graph

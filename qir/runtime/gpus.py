@@ -15,8 +15,9 @@ at):
 - GeForce RTX 5090: NVIDIA product page (170 SMs, 2407 MHz boost, 1792 GB/s GDDR7 = 28 Gbps x
   512 bit); compute capability 12.0: 1536 threads (48 warps) and 100 KB shared memory per SM,
   99 KB per block.
-Per-SM limits of compute capabilities 8.0, 9.0, 10.0 and 12.0 (CUDA C++ Programming Guide,
-"Technical Specifications per Compute Capability"): 64K 32-bit registers, 4 warp schedulers,
+Shared memory per block is the target's (qir.target). Per-SM limits of compute capabilities
+8.0, 9.0, 10.0 and 12.0 (CUDA C++ Programming Guide, "Technical Specifications per Compute
+Capability"): 64K 32-bit registers, 4 warp schedulers,
 at most 32 resident blocks, 255 registers per thread; registers are allocated per warp in units
 of 256, shared memory in units of 128 bytes, and each block reserves 1 KB of shared memory for
 the system.
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.errors import UsageError
+from qir.target import Target
 
 # DRAM latency a load sees under load, for Little's law (bytes in flight = bandwidth x latency).
 # ~600 ns on HBM GPUs under a bandwidth-bound load; the same figure is used for every GPU here.
@@ -45,10 +47,17 @@ class Gpu:
     blocks_per_sm: int
     registers_per_sm: int  # 32-bit
     smem_per_sm: int  # bytes usable by blocks
-    smem_per_block: int
     smem_reserved_per_block: int = 1024
     register_unit: int = 256  # registers per warp are allocated in these units
     smem_unit: int = 128
+
+    @property
+    def target(self) -> Target:
+        return Target(self.arch)
+
+    @property
+    def smem_per_block(self) -> int | None:
+        return self.target.smem_per_block
 
     @property
     def warp_instructions_per_s(self) -> float:
@@ -79,7 +88,6 @@ GPUS: dict[str, Gpu] = {
             bandwidth=2.039e12,
             threads_per_sm=2048,
             smem_per_sm=164 * KB,
-            smem_per_block=163 * KB,
             **_DATACENTER,
         ),
         Gpu(
@@ -91,7 +99,6 @@ GPUS: dict[str, Gpu] = {
             bandwidth=3.35e12,
             threads_per_sm=2048,
             smem_per_sm=228 * KB,
-            smem_per_block=227 * KB,
             **_DATACENTER,
         ),
         Gpu(
@@ -103,7 +110,6 @@ GPUS: dict[str, Gpu] = {
             bandwidth=4.8e12,
             threads_per_sm=2048,
             smem_per_sm=228 * KB,
-            smem_per_block=227 * KB,
             **_DATACENTER,
         ),
         Gpu(
@@ -115,7 +121,6 @@ GPUS: dict[str, Gpu] = {
             bandwidth=8.0e12,
             threads_per_sm=2048,
             smem_per_sm=228 * KB,
-            smem_per_block=227 * KB,
             **_DATACENTER,
         ),
         Gpu(
@@ -127,24 +132,22 @@ GPUS: dict[str, Gpu] = {
             bandwidth=1.792e12,
             threads_per_sm=1536,
             smem_per_sm=100 * KB,
-            smem_per_block=99 * KB,
             **_DATACENTER,
         ),
     )
 }
-# The GPU whose budget the cost table shows for an arch (its fastest memory).
-REFERENCE = {"sm_80": "A100", "sm_90": "H200", "sm_100a": "B200", "sm_120a": "RTX 5090"}
 
 
 def gpus_for(arch: str) -> tuple[Gpu, ...]:
-    """The GPUs of `arch` ("sm_90a" counts as sm_90), reference GPU first."""
-    base = arch.rstrip("af")
+    """The GPUs of `arch` ("sm_90a" counts as sm_90), the target's reference GPU first (its
+    fastest memory: qir.target)."""
+    target = Target(arch)
     found = sorted(
-        (g for g in GPUS.values() if g.arch.rstrip("af") == base),
-        key=lambda g: g.name != REFERENCE.get(g.arch),
+        (g for g in GPUS.values() if g.target.capability == target.capability),
+        key=lambda g: g.name != target.reference_gpu,
     )
     if not found:
-        known = ", ".join(sorted(REFERENCE))
+        known = ", ".join(sorted({g.arch for g in GPUS.values()}))
         raise UsageError(f"arch {arch!r}: no GPU facts for it (known: {known})")
     return tuple(found)
 

@@ -105,6 +105,7 @@ class HostKernel:
 
 class HostBackend:
     name = "host"
+    target = None  # runs every target's kernels (portable bodies of their instructions)
 
     def __init__(self, cache_dir: Path | None = None, sanitize: bool = False) -> None:
         if shutil.which(CXX) is None:

@@ -48,6 +48,7 @@ from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import rows_per_warp
 from qir.codegen.lower import Launch, Plan
 from qir.dtypes import F16, F32
+from qir.errors import UsageError
 from qir.runtime import sass
 from qir.runtime.gpus import Gpu, gpus_for
 from qir.runtime.nvrtc import PtxasReport, compile_cubin
@@ -189,15 +190,23 @@ def param_slots(launch: Launch, arch: str) -> dict[int, str]:
     return slots
 
 
-def kernel_costs(what: Plan | Any, arch: str, m: int, gpu: Gpu | None = None) -> list[KernelCost]:
-    """The cost table of the launches that run at batch size `m`, compiled for `arch` (through
-    the NVRTC cache), on `gpu` (default: the arch's reference GPU, qir.runtime.gpus). `what` is
-    a Plan or a qir.api.Compiled for a kernel backend."""
+def kernel_costs(
+    what: Plan | Any, arch: str | None, m: int, gpu: Gpu | None = None
+) -> list[KernelCost]:
+    """The cost table of the launches that run at batch size `m`, compiled for the plan's
+    target (through the NVRTC cache), on `gpu` (default: the target's reference GPU,
+    qir.runtime.gpus). `what` is a Plan or a qir.api.Compiled for a kernel backend; `arch`, if
+    given, must be the plan's target (a plan's kernels are lowered for one)."""
     plan = what if isinstance(what, Plan) else getattr(what, "plan", None)
     if not isinstance(plan, Plan):
         raise TypeError("kernel_costs takes a Plan or a Compiled with a plan (host or cuda)")
-    target = gpu or gpus_for(arch)[0]
-    return [_cost(plan, launch, arch, m, target) for launch in plan.launches if launch.runs_for(m)]
+    target = plan.target
+    if arch is not None and arch != target.arch:
+        raise UsageError(f"the plan is for {target.arch}, not {arch}: lower it for {arch}")
+    ref = gpu or gpus_for(target.arch)[0]
+    return [
+        _cost(plan, launch, target.arch, m, ref) for launch in plan.launches if launch.runs_for(m)
+    ]
 
 
 def _cost(plan: Plan, launch: Launch, arch: str, m: int, gpu: Gpu) -> KernelCost:

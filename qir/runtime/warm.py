@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,15 +36,14 @@ class Warmed:
     seconds: float
 
 
-def warm(
-    kernels: Sequence[Kernel], targets: Sequence[str], root: Path | None = None
-) -> list[Warmed]:
-    """Compile every distinct kernel for every target into the cache at `root` (default: the
-    configured one), on the compile thread pool. Targets are checked before anything compiles."""
-    distinct = list(dict.fromkeys(kernels))
-    prepares = [(t, _preparer(t, root)) for t in targets]
+def warm(plans: Mapping[str, Sequence[Kernel]], root: Path | None = None) -> list[Warmed]:
+    """Compile the distinct kernels of each target ("host" or an arch: the kernels lowered for
+    it) into the cache at `root` (default: the configured one), on the compile thread pool.
+    Targets are checked before anything compiles."""
+    prepares = [(t, _preparer(t, root)) for t in plans]
     out = []
     for target, (cache, prepare) in prepares:
+        distinct = list(dict.fromkeys(plans[target]))
         _check_writable(cache)
         before, t0 = cache.compiles, time.perf_counter()
         log.info("warming %d kernels for %s ...", len(distinct), target)

@@ -1,7 +1,8 @@
-"""The compile gate: one list of the distinct kernels qir emits (GATE), each built by NVRTC once
-per target arch, with no spills, a cubin, and ptxas' registers within the register file. The
-figures are ptxas' own, the ones `nvcc -Xptxas -v` prints for the dumped .cu
-(tests/runtime/test_nvrtc.py compares them).
+"""The compile gate: one list of the distinct kernels qir emits (GATE), each lowered for and built
+by NVRTC once per target arch (so sm_100a/sm_120a build their FP4-conversion variants and
+sm_120a its block-scaled FP4 GEMMs: qir.target), with no spills, a cubin, and ptxas' registers
+within the register file. The figures are ptxas' own, the ones `nvcc -Xptxas -v` prints for the
+dumped .cu (tests/runtime/test_nvrtc.py compares them).
 
 What makes two kernels distinct here is what can change ptxas' register allocation:
 - the family and its template (GEMV, each GEMM tile, quantize_act, the layer kernels, ...);
@@ -29,6 +30,7 @@ some entry (test_every_template_is_gated)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -66,6 +68,7 @@ from qir.models.blocks import build
 from qir.ops import W4A4_MAX_M
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime import nvrtc
+from qir.target import Target
 from qir.types import QWeight
 from tests.conftest import DATA
 
@@ -133,13 +136,13 @@ def graph(
     make: Callable[[], Graph],
     keep: Callable[[Launch], bool] = lambda launch: True,
     passes: str = "default",
-    native_fp4: bool = False,
 ) -> Callable[[str], list[Kernel]]:
-    """The kernels `qir compile` plans for a graph (those of the launches `keep` accepts)."""
+    """The kernels `qir compile --arch` plans for a graph (those of the launches `keep`
+    accepts)."""
 
     def kernels(arch: str) -> list[Kernel]:
         passed, _ = run_pipeline(make(), passes, options=PassOptions())
-        launches = lower(passed, native_fp4=native_fp4).launches
+        launches = lower(passed, target=Target(arch)).launches
         return [la.kernel for la in launches if keep(la)]
 
     return kernels
@@ -154,7 +157,8 @@ def decode_and_res_prefill(la: Launch) -> bool:
     in the 128-row one: per format, the GEMMs differ only in the weight tile's decode, and the
     128-row tiles hold the most accumulators (W4A4's GEMMs, 64-row only, all stay)."""
     name = la.kernel.name
-    return not gemm(la) or "_a4" in name or (la.when[1] > W4A4_MAX_M and name.endswith("_res"))
+    residual = re.search(r"_res(_sm\w+)?$", name) is not None  # the name ends with the target
+    return not gemm(la) or "_a4" in name or (la.when[1] > W4A4_MAX_M and residual)
 
 
 def model(fixture: str) -> Callable[[str], list[Kernel]]:
@@ -255,7 +259,7 @@ GATE: tuple[Entry, ...] = (
     Entry(
         "mlp-nvfp4diva4-checkpoint",
         graph(lambda: mlp(Nvfp4("div", 4), CHECKPOINT, BF16), decode_and_res_prefill),
-        ("qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4", "quantize_act_", "_64x32x32s3w4x1_res_a4"),
+        ("qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4", "quantize_act_", "_res_a4"),
     ),
     Entry(
         "down-nvfp4mula4-checkpoint",
@@ -346,8 +350,7 @@ GATE: tuple[Entry, ...] = (
             for make in (mlp, qkv)
             for k in graph(
                 lambda m=make: m(Nvfp4("div", 4), CHECKPOINT, BF16),
-                lambda la: la.kernel.name.endswith("_nvf4"),
-                native_fp4=True,
+                lambda la: "_nvf4" in la.kernel.name,
             )(arch)
         ],
         ("_silumul_a4dynamic_nvf4", "_res_a4dynamic_nvf4", "_64x32x64s3w4x1_a4dynamic_nvf4"),

@@ -37,14 +37,12 @@ from qir.interpret import BindError
 from qir.models import load
 from qir.models.blocks import build
 from qir.passes.manager import PassOptions, run_pipeline
-from qir.runtime import nvrtc
-from qir.runtime.backend import get_backend
 from qir.runtime.executor import CompiledBlock
 from qir.runtime.host import HostBackend
+from qir.target import DEFAULT, Target
 from tests.conftest import BACKENDS, DATA, FORMAT_ZOO, ON_GPU, max_rel, random_weight, rel_err
 from tests.runtime.test_every_format import HIDDEN, INTER, RAGGED, block, close, inputs, w4a4
 
-needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x")
 SMALL = (1, 7, 16, 33, 64)  # the 64-row tiles (and W4A4)
 LARGE = (130, 257)  # the 128-row tiles
 GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
@@ -294,33 +292,9 @@ def test_captured_batches_pad_within_a_family() -> None:
         c.capture_batches([64])(inputs(10))
 
 
-@pytest.mark.parametrize("fmt", [Nvfp4("div", 4), Nvfp4("mul", 4)], ids=lambda f: f.tag())
-def test_block_scaled_fp4_gemm_on_the_host(
-    fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The W4A4 GEMMs on Blackwell's block-scaled FP4 MMA (what sm_120a runs; here its host
-    emulation): the kernel quantizes x as quantize_act would and equals the interpreter."""
-    graph, weights = block(fmt)
+def gemm_kernels(graph: Graph, target: Target = DEFAULT) -> list[Kernel]:
     passed, _ = run_pipeline(graph, options=PassOptions(gemm_from_m=1))
-    plan = lower(passed, native_fp4=True)
-    native = [la.kernel.name for la in plan.launches if la.kernel.name.endswith("_nvf4")]
-    assert len(native) == 3 and all("_a4dynamic_" in n for n in native)
-    c = CompiledBlock(plan, get_backend("host"), weights)
-    ref = qir.compile(graph, weights, backend="reference")
-    for m in (7, 64):
-        x = inputs(m)
-        ours = c.run(x)
-        close(ours, ref(x), fmt)
-        monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
-        backward = c.run(x)
-        monkeypatch.delenv("QIR_HOST_SCHEDULE")
-        for name, value in ours.items():
-            assert value.tobytes() == backward[name].tobytes(), name
-
-
-def gemm_kernels(graph: Graph, native_fp4: bool = False) -> list[Kernel]:
-    passed, _ = run_pipeline(graph, options=PassOptions(gemm_from_m=1))
-    launches = lower(passed, native_fp4=native_fp4).launches
+    launches = lower(passed, target=target).launches
     return list({la.kernel: None for la in launches if la.kernel.name.startswith("qgemm")})
 
 
@@ -329,7 +303,9 @@ def test_block_scaled_fp4_instruction_is_in_the_sm_120a_build(tmp_path: Any) -> 
     """nvcc's PTX for sm_120a holds the block-scaled MMA; for sm_90 the kernel builds without it
     (its helper traps there), and ptxas refuses the instruction itself for sm_100a."""
     (kernel,) = [
-        k for k in gemm_kernels(projections(Nvfp4("div", 4))[0], True) if k.name.endswith("nvf4")
+        k
+        for k in gemm_kernels(projections(Nvfp4("div", 4))[0], Target("sm_120a"))
+        if "_nvf4" in k.name
     ]
     (tmp_path / "k.cu").write_text(kernel.source)
     for name, text in kernel.headers:

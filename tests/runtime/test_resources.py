@@ -17,6 +17,7 @@ from qir.passes.manager import run_pipeline
 from qir.runtime import nvrtc, sass
 from qir.runtime.gpus import GPUS, gpu, gpus_for
 from qir.runtime.resources import format_table, kernel_costs, occupancy, weight_stream
+from qir.target import Target
 from qir.types import QWeight, TensorType
 from tests.conftest import mlp_graph
 
@@ -186,13 +187,13 @@ def test_branches_on_m_are_decided_and_other_paths_not_counted() -> None:
     assert flow8.address[11] == {"w"} and flow8.address[8] == frozenset()
 
 
-def _down(fmt, hidden: int, inter: int, act=BF16) -> Plan:
+def _down(fmt, hidden: int, inter: int, act=BF16, arch: str = "sm_90") -> Plan:
     b = Builder("down")
     x = b.input("x", ("M", inter), act)
     r = b.input("r", ("M", hidden), act)
     w = b.weight("d", QWeight(fmt, hidden, inter), name="w_d")
     b.output("y", b.add(r, b.qlinear(x, w, name="d")))
-    return lower(run_pipeline(b.graph, "default")[0])
+    return lower(run_pipeline(b.graph, "default")[0], target=Target(arch))
 
 
 @needs_nvrtc
@@ -266,12 +267,16 @@ def test_spill_figures_match_the_spill_code_in_the_sass() -> None:
 def test_w4a4_gemv_multiplies_codes_as_integers_where_the_arch_has_no_fp4_conversion() -> None:
     """sm_90 looks E2M1 codes up as bytes (PRMT) and sums their products with DP4A; sm_120a
     converts code pairs to f16 in hardware and multiplies pairs (HFMA2). The host backend runs
-    the integer path, so the tests' numbers check it."""
+    both (tests/runtime/test_targets.py)."""
     g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
-    plan = lower(run_pipeline(g, "default")[0])
+    passed = run_pipeline(g, "default")[0]
     name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4"
     mix = {
-        arch: next(c for c in kernel_costs(plan, arch, 1) if c.name == name).mix_per_512
+        arch: next(
+            c
+            for c in kernel_costs(lower(passed, target=Target(arch)), arch, 1)
+            if c.name.startswith(name)
+        ).mix_per_512
         for arch in ("sm_90", "sm_120a")
     }
     hopper, blackwell = mix["sm_90"], mix["sm_120a"]
@@ -282,7 +287,7 @@ def test_w4a4_gemv_multiplies_codes_as_integers_where_the_arch_has_no_fp4_conver
 @needs_nvrtc
 def test_without_nvdisasm_the_table_says_what_it_cannot_fill(monkeypatch) -> None:
     monkeypatch.setattr(sass, "available", lambda: False)
-    plan = _down(Awq(4, 128), 256, 512, F16)
+    plan = _down(Awq(4, 128), 256, 512, F16, arch="sm_80")
     (cost,) = kernel_costs(plan, "sm_80", 1)
     assert cost.instr_per_512 is None and cost.bound == "?" and cost.ptxas.registers > 0
     table = format_table([cost])

@@ -85,6 +85,12 @@ class Fragment:
     def packed(self) -> bool:
         return bool(self.context["packed"])
 
+    @property
+    def e2m1(self) -> bool:
+        """Whether it decodes E2M1 codes (MXFP4, NVFP4): the decode a target's FP4 conversion
+        changes (qir_common.cuh's QIR_FP4_CVT)."""
+        return self.template == "formats/float_codes.cuh.j2" and self.context["elem_bits"] == 4
+
     def weight_init(self, prefix: str) -> str:
         """`qir_weight{...}` from the kernel parameters named `<prefix><buffer>`."""
         return "qir_weight{" + ", ".join(f"{prefix}{b}" for b in self.buffers) + "}"

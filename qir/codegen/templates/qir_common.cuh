@@ -269,16 +269,18 @@ __device__ __forceinline__ uint32_t qir_e4m3x2_to_f16x2(uint32_t w) {
 #endif
 }
 
-// E2M1 (FP4) codes. Arch-specific sm_100/sm_110/sm_120 targets (sm_100a, sm_120a, ...) convert
-// a byte (two codes) to an f16 pair in hardware, in k order; elsewhere each code goes through
-// an E4M3 byte (s 0 0 e1 e0 m 0 0: the same value * 2^-6, normal and subnormal codes alike) and
-// the E4M3 conversion, which pairs codes two apart. QIR_FP4_STRIDE is that pair stride.
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && \
-    __CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000 && __CUDA_ARCH_FAMILY_SPECIFIC__ < 1300
-#define QIR_FP4_CVT 1
+// E2M1 (FP4) codes. Where the target converts a byte (two codes) to an f16 pair in hardware
+// (arch-specific sm_100a, sm_120a, ...), the lowering defines QIR_FP4_CVT 1 in the kernel before
+// this header: codes then decode in k order. Elsewhere each code goes through an E4M3 byte
+// (s 0 0 e1 e0 m 0 0: the same value * 2^-6, normal and subnormal codes alike) and the E4M3
+// conversion, which pairs codes two apart. QIR_FP4_STRIDE is that pair stride. The host (and
+// a QIR_FP4_CVT kernel built for an arch without the instruction) runs a table lookup instead.
+#ifndef QIR_FP4_CVT
+#define QIR_FP4_CVT 0
+#endif
+#if QIR_FP4_CVT
 constexpr int QIR_FP4_STRIDE = 1;
 #else
-#define QIR_FP4_CVT 0
 constexpr int QIR_FP4_STRIDE = 2;
 #endif
 
@@ -287,11 +289,21 @@ constexpr int QIR_FP4_STRIDE = 2;
 // codes (e, e + QIR_FP4_STRIDE).
 constexpr int QIR_FP4_RAW_LOG2 = QIR_FP4_CVT ? 0 : -6;
 __device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
-#if QIR_FP4_CVT
+#if QIR_FP4_CVT && defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && \
+    __CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000 && __CUDA_ARCH_FAMILY_SPECIFIC__ < 1300
   asm("{.reg .b8 b0, b1, b2, b3;\n mov.b32 {b0, b1, b2, b3}, %4;\n"
       " cvt.rn.f16x2.e2m1x2 %0, b0;\n cvt.rn.f16x2.e2m1x2 %1, b1;\n"
       " cvt.rn.f16x2.e2m1x2 %2, b2;\n cvt.rn.f16x2.e2m1x2 %3, b3;}"
       : "=r"(p[0]), "=r"(p[1]), "=r"(p[2]), "=r"(p[3]) : "r"(w));
+#elif QIR_FP4_CVT
+  // The conversion's result: each code's f16 bits (0, 0.5, 1, 1.5, 2, 3, 4, 6, signed), the
+  // low nibble in the low half.
+  constexpr uint16_t f16[8] = {0x0000, 0x3800, 0x3C00, 0x3E00, 0x4000, 0x4200, 0x4400, 0x4600};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = (w >> (8 * i)) & 0xFu, hi = (w >> (8 * i + 4)) & 0xFu;
+    p[i] = ((uint32_t)f16[lo & 7] | (lo & 8u) << 12) | ((uint32_t)f16[hi & 7] | (hi & 8u) << 12) << 16;
+  }
 #else
   // Odd codes sit in the high nibbles: sign already at bit 7, magnitude two bits too high. The
   // even ones get there by a 4-bit shift first.
