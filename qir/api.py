@@ -58,6 +58,12 @@ class Compiled:
             return {k: v.copy() for k, v in (self._state or empty_state(self.graph)).items()}
         return self._exec.read_state()
 
+    def prepare(self, m: int) -> None:
+        """Load (compiling if cold) the kernels a run with M=`m` launches, so the run itself
+        does not wait for a compiler (nothing to do on the reference backend)."""
+        if self._exec is not None:
+            self._exec.load(m)
+
     def capture(self, m: int, stream: Any = None) -> CapturedBlock:
         """The block bound to fixed buffers for M=`m`, replayed by calling it (a CUDA graph on
         the cuda backend): the decode path."""

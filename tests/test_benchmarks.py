@@ -212,7 +212,7 @@ def test_layer_decode_on_host(capsys: pytest.CaptureFixture[str]) -> None:
         "attention": 3,
         "o_proj": 1,
         "norm_mlp": 2,
-        "model x1": 9,  # embedding, the layer, lm_head (with the final norm)
+        "model x1": 10,  # embedding, the layer, lm_head (with the final norm), sample
     }
     assert all(r.ms > 0 for r in rows)
     assert "tokens/s" in capsys.readouterr().out

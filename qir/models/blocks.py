@@ -8,7 +8,8 @@ norm_mlp: y = x + mlp(rms_norm(x))              (post_attention_layernorm first)
 layer:    a whole decoder layer at positions `pos`, with its KV cache as state:
           h = x + o_proj(attention(rope(q), kv_append(rope(k), v)))   (q, k, v of rms_norm(x))
           y = h + mlp(rms_norm(h))
-model:    logits = lm_head(rms_norm(layers(embedding(ids))))  (lm_head tied or not)
+model:    logits = lm_head(rms_norm(layers(embedding(ids))))  (lm_head tied or not), and
+          next = sample(logits, sampling, seed, pos): each row's next id (qir.sampling)
 
 Blocks with attention take `pos` (int32 [M]: each row's position; row m attends to cache rows
 0..pos[m]) and keep one KV cache per layer of `max_seq` rows.
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from qir.builder import Builder, Value
-from qir.dtypes import ACTIVATION, I32, DType
+from qir.dtypes import ACTIVATION, F32, I32, DType
 from qir.errors import UsageError
 from qir.formats.base import FormatError
 from qir.graph import Graph
 from qir.models.checkpoint import Checkpoint
+from qir.ops import SAMPLING_PARAMS
 from qir.types import QWeight, TensorType
 
 # The KV cache's default length: the config's max_position_embeddings, at most this (a 128k
@@ -64,6 +66,21 @@ class Block:
                 )
             out["pos"] = np.arange(len(x), dtype=np.int32)
         return out
+
+    def token_inputs(self, ids: np.ndarray, start: int = 0) -> dict[str, np.ndarray]:
+        """The inputs of the model block for token `ids` at positions start..: no row sampled
+        (every row's temperature below 0; set a row of `sampling` and `seed` to draw one)."""
+        m = len(ids)
+        return {
+            "ids": np.asarray(ids, np.int32),
+            "pos": np.arange(start, start + m, dtype=np.int32),
+            "sampling": np.tile(UNSAMPLED, (m, 1)),
+            "seed": np.zeros(m, np.int32),
+        }
+
+
+# A sample op's params row that draws nothing (qir.sampling: temperature below 0).
+UNSAMPLED = np.array([-1.0, 0.0, 1.0, 0.0], np.float32)
 
 
 class _Builder:
@@ -208,7 +225,12 @@ def model(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
     h = bb.norm(h, "model.norm", "final_norm")
     head = table if ck.tie_word_embeddings else bb.linear("lm_head", "w_lm_head")
     _check_table(ck, head, "lm_head")
-    b.output("logits", b.qlinear(h, head, name="logits"))
+    logits = b.qlinear(h, head, name="logits")
+    b.output("logits", logits)
+    # The next id per row, drawn on the device (qir.sampling): a decode step hands back 4 bytes.
+    params = b.input("sampling", ("M", SAMPLING_PARAMS), F32)
+    seed = b.input("seed", ("M",), I32)
+    b.output("next", b.sample(logits, params, seed, pos, name="next"))
     return bb.block()
 
 
