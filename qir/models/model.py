@@ -412,10 +412,16 @@ class Model:
     ) -> dict[str, Any]:
         """One run of the block on `ids` at positions start..; the last row drawn with
         `sampling` (None: no row is)."""
-        inputs = self.block.token_inputs(ids, start)
+        inputs: dict[str, Any] = self.block.token_inputs(ids, start)
         if sampling is not None:
             inputs["sampling"][-1] = sampling.row()
             inputs["seed"][-1] = seed_row(seed)
+        if self.compiled.backend == "cuda":
+            # Device inputs keep the outputs on the device: only the id (and the logits where
+            # asked) are copied back, not [T, vocab] logits of a long prompt.
+            import cupy
+
+            inputs = {k: cupy.asarray(v) for k, v in inputs.items()}
         return self.compiled(inputs)
 
     def _step(self, token: int, position: int, sampling: Sampling, seed: int) -> dict[str, Any]:
