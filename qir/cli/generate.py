@@ -15,7 +15,7 @@ from qir.errors import UsageError
 from qir.models import Model
 from qir.runtime.backend import BACKENDS, best_backend
 
-CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends it"
+CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops a reply"
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,6 +124,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
+        pieces = None
         try:
             pieces = model.chat(
                 history,
@@ -134,9 +135,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 **sampling,
             )
             _show(pieces, sys.stdout)
-        except UsageError:
-            history.pop()  # the turn did not happen (e.g. past --max-seq): say so, go on
-            raise
+        except UsageError as e:  # the turn did not happen (past --max-seq): say so, go on
+            history.pop()
+            print(f"qir: error: {e} (/reset starts over)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
+            if pieces is not None:
+                pieces.close()
+            print("\n(interrupted)", file=sys.stderr)
         history.append({"role": "assistant", "content": model.last.text or ""})
         if args.stats:
             print(f"qir: {model.stats.line()}", file=sys.stderr)

@@ -368,7 +368,9 @@ class Model:
         # The last id is only handed back, never fed: it takes no cache row.
         ids = self.tokens(prompt, max_new_tokens - 1)
         eos = frozenset() if ignore_eos else frozenset(self.generation_config.eos_ids)
-        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4))
+        seed = (
+            sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        )
         return self._steps(ids, max_new_tokens, sampling, seed, eos, keep_logits, reuse)
 
     def _steps(

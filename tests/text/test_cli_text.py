@@ -116,3 +116,13 @@ def test_fields_qir_does_not_apply_are_named(capsys, tmp_path: Path) -> None:
     (ck / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1}))
     code, _, err = run(capsys, "generate", str(ck), "--prompt", "hi", "--max-new-tokens", "1", *REF)
     assert code == 0 and "sets repetition_penalty=1.1, which qir does not apply" in err
+
+
+def test_a_chat_turn_past_max_seq_is_refused_and_the_chat_goes_on(tmp_path: Path) -> None:
+    script = "The quick brown fox jumps over the lazy dog, twice over.\nHi\n"
+    argv = [sys.executable, "-m", "qir.cli", "-q", "chat", str(BYTE_LEVEL), "--greedy"]
+    argv += ["--max-new-tokens", "2", "--max-seq", "24", "--backend", "reference"]
+    done = subprocess.run(argv, input=script, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "is past --max-seq 24 (/reset starts over)" in done.stderr
+    assert len(done.stdout.splitlines()) == 1  # the second turn's reply
