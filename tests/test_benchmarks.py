@@ -216,3 +216,14 @@ def test_layer_decode_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     }
     assert all(r.ms > 0 for r in rows)
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_sampling_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("sampling").main(["--backend", "host", "--vocab", "300", "--repeat", "1"])
+    assert [(v, s) for v, s, _, _ in rows] == [
+        (300, "greedy"),
+        (300, "temperature"),
+        (300, "top-k/p, min-p"),
+    ]
+    assert all(k > 0 and h > 0 for _, _, k, h in rows)
+    assert capsys.readouterr().out.count("\n") == 2 + len(rows)
