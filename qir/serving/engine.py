@@ -101,10 +101,21 @@ class Engine:
         self._lock = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.kv_cache_gb: float | None = None
 
     @classmethod
-    def load(cls, path: str | Path, max_queue: int = DEFAULT_MAX_QUEUE, **options: Any) -> Engine:
-        return cls(Model.load(path, **options), max_queue)
+    def load(
+        cls,
+        path: str | Path,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        kv_cache_gb: float | None = None,
+        **options: Any,
+    ) -> Engine:
+        engine = cls(Model.load(path, **options), max_queue)
+        # The KV cache's memory budget (`qir serve --kv-cache-gb`), which the paged engine sizes
+        # its page pool from; one sequence at a time, it is only recorded.
+        engine.kv_cache_gb = kv_cache_gb
+        return engine
 
     @property
     def tokenizer(self) -> Any:
