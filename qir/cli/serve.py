@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"{name} must be at least {low}, got {value}")
     for name, value in (("--kv-cache-gb", args.kv_cache_gb), ("--max-body-mb", args.max_body_mb)):
         if value is not None and not value > 0:
-            raise UsageError(f"{name} must be > 0, got {value}")
+            raise UsageError(f"{name} must be > 0, got {value:g}")
     api_key = args.api_key or os.environ.get("QIR_API_KEY") or None
     sock = http.listen(args.host, args.port)  # a port in use fails before the model loads
     try:
