@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from qir.dtypes import F32
@@ -189,3 +190,28 @@ def test_describe_says_what_fits() -> None:
     lines = engine.describe()
     assert "context 64 tokens" in lines[0] and "up to 4 sequences" in lines[0]
     assert "16 pages of 16 tokens" in lines[1] and "4 sequence(s) at full context" in lines[1]
+
+
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_bucket() -> None:
+    """A decode step of 6 sequences in a bucket of 8 gives each row the bytes of that sequence
+    decoded alone in the same bucket (the other rows padding)."""
+    model = Model.load(CKPT, backend="host", max_seq=32, kv_pages=16)
+    block, rng = model.block, np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, 3 + i).tolist() for i in range(6)]
+    tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(6)]
+    for ids, table in zip(prompts, tables, strict=True):  # each prompt's K/V rows in its pages
+        model.compiled(block.token_inputs(np.array(ids), 0, table))
+    step = model.compiled.capture(8, rows="many")
+
+    def decode(members: list[int]) -> np.ndarray:
+        inputs = block.token_inputs(np.zeros(8, np.int64), 0)
+        inputs["pos"][:] = -1
+        for r in members:
+            inputs["ids"][r] = prompts[r][-1]
+            inputs["pos"][r] = len(prompts[r])
+            inputs["pages"][r] = np.pad(tables[r], (0, block.table_pages - 2))
+        return np.asarray(step(inputs)["logits"]).copy()
+
+    together = decode(list(range(6)))
+    for r in range(6):
+        assert together[r].tobytes() == decode([r])[r].tobytes(), r
