@@ -13,7 +13,9 @@ it; on the cuda backend it comes from CuPy's stream-ordered pool, which hands th
 each run, so repeated runs do not grow the pool.
 
 `capture(M)` binds every launch to fixed buffers once and records them for replay (a CUDA graph
-on the cuda backend, prebuilt ctypes calls on the host): the decode path.
+on the cuda backend, prebuilt ctypes calls on the host): the decode path. Where a kernel family
+depends on what a run's rows are (attention: rows of many sequences, or of one), runs,
+captures and memory plans take `rows` (qir.codegen.lower.resolve_rows; default by M).
 
 Results: numpy on the host backend. On the cuda backend, CuPy arrays (no copy back, still on the
 run's stream) when an input was already on the device (CuPy, or DLPack such as a torch CUDA
