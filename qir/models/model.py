@@ -108,9 +108,18 @@ class Model:
         max_seq: int | None = None,
         passes: str | Sequence[str] = "default",
         weight_quantization: str = "declared",
+        kv_pages: int | None = None,
     ) -> None:
+        """kv_pages: the KV cache's pool of pages (qir.models.blocks; default: one sequence's,
+        which this class's own methods use; qir.serving shares a larger pool)."""
         self.checkpoint = ck
-        self.block: Block = build(ck, "model", 0, act, max_seq)
+        self.block: Block = build(ck, "model", 0, act, max_seq, kv_pages)
+        if self.block.kv_pages < self.block.table_pages:
+            raise UsageError(
+                f"kv_pages {self.block.kv_pages} hold less than one sequence of {self.block.max_seq} "
+                f"positions ({self.block.table_pages} pages)"
+            )
+        self.act = act or ck.act_dtype
         self.max_seq = self.block.max_seq
         self.vocab_size = ck.vocab_size
         self.compiled: Compiled = compile(
@@ -409,15 +418,22 @@ class Model:
             out = self._step(token, len(fed), sampling, seed)
             fed.append(token)
 
-    def _run(
+    def _inputs(
         self, ids: np.ndarray, start: int, sampling: Sampling | None, seed: int
     ) -> dict[str, Any]:
-        """One run of the block on `ids` at positions start..; the last row drawn with
+        """The block's inputs for `ids` at positions start..; the last row drawn with
         `sampling` (None: no row is)."""
         inputs: dict[str, Any] = self.block.token_inputs(ids, start)
         if sampling is not None:
             inputs["sampling"][-1] = sampling.row()
             inputs["seed"][-1] = seed_row(seed)
+        return inputs
+
+    def _run(
+        self, ids: np.ndarray, start: int, sampling: Sampling | None, seed: int
+    ) -> dict[str, Any]:
+        """One run of the block on `ids` at positions start.. (a prefill)."""
+        inputs = self._inputs(ids, start, sampling, seed)
         if self.compiled.backend == "cuda":
             # Device inputs keep the outputs on the device: only the id (and the logits where
             # asked) are copied back, not [T, vocab] logits of a long prompt.
@@ -428,17 +444,11 @@ class Model:
 
     def _step(self, token: int, position: int, sampling: Sampling, seed: int) -> dict[str, Any]:
         """One decode step (M = 1) on a capture of the block where the backend has one."""
-        inputs = {
-            "ids": np.array([token], np.int32),
-            "pos": np.array([position], np.int32),
-            "sampling": sampling.row()[None],
-            "seed": np.array([seed_row(seed)], np.int32),
-        }
         if self._decode is None:
             self._decode = (
                 self.compiled.capture(1) if self.compiled.backend != "reference" else self.compiled
             )
-        return self._decode(inputs)
+        return self._decode(self._inputs(np.array([token]), position, sampling, seed))
 
     def _logits(self, out: dict[str, Any]) -> np.ndarray:
         a = _host(out["logits"])

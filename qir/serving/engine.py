@@ -20,18 +20,31 @@ values) are UsageErrors raised by `submit`; a full queue is QueueFull; both befo
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from qir.dtypes import DType
 from qir.errors import QirError, UsageError
 from qir.models import Model
+from qir.models.blocks import PAGE_SIZE, check_max_seq
+from qir.models.checkpoint import Checkpoint, load
 from qir.sampling import Sampling
+from qir.serving.scheduler import PagePool, Scheduler, Seq
 
 # Requests waiting to run, beyond which `submit` refuses (the server's 429).
 DEFAULT_MAX_QUEUE = 256
+# Sequences decoded in one batch, and prompt tokens per prefill chunk.
+DEFAULT_MAX_BATCH = 16
+DEFAULT_CHUNK = 256
+# The KV cache's share of a GPU's free memory after the weights, and the host's default size.
+GPU_KV_FRACTION = 0.85
+DEFAULT_HOST_KV_GB = 2.0
 
 
 class QueueFull(QirError):
@@ -93,29 +106,53 @@ class Stream:
 
 
 class Engine:
-    def __init__(self, model: Model, max_queue: int = DEFAULT_MAX_QUEUE, name: str | None = None):
+    """Requests in, deltas out, for many clients at once: a worker thread runs the scheduler's
+    steps (qir.serving.scheduler: continuous batching over a paged KV cache)."""
+
+    def __init__(
+        self,
+        model: Model,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        name: str | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> None:
         self.model = model
         self.name = name or model.checkpoint.path.name
         self.max_queue = max_queue
-        self._waiting: list[Stream] = []
+        self.scheduler = Scheduler(model, max_batch, chunk)
+        self._incoming: list[Seq] = []
         self._lock = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self.kv_cache_gb: float | None = None
 
     @classmethod
     def load(
         cls,
         path: str | Path,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        chunk: int = DEFAULT_CHUNK,
         kv_cache_gb: float | None = None,
+        name: str | None = None,
         **options: Any,
     ) -> Engine:
-        engine = cls(Model.load(path, **options), max_queue)
-        # The KV cache's memory budget (`qir serve --kv-cache-gb`), which the paged engine sizes
-        # its page pool from; one sequence at a time, it is only recorded.
-        engine.kv_cache_gb = kv_cache_gb
-        return engine
+        """The checkpoint at `path` with a KV cache of `kv_cache_gb` GiB (default: what the
+        device has free after the weights, most of it, on a GPU; enough for max_batch
+        sequences at full context, at most DEFAULT_HOST_KV_GB, on the host); options as
+        Model's (backend, act, max_seq, passes, weight_quantization)."""
+        ck = load(path)
+        max_seq = check_max_seq(ck, options.pop("max_seq", None))
+        pages = kv_pages(
+            ck,
+            options.get("act"),
+            max_seq,
+            kv_cache_gb,
+            max_batch,
+            options.get("backend", "reference"),
+        )
+        model = Model(ck, max_seq=max_seq, kv_pages=pages, **options)
+        return cls(model, max_queue, name, max_batch, chunk)
 
     @property
     def tokenizer(self) -> Any:
@@ -142,7 +179,15 @@ class Engine:
 
     def describe(self) -> list[str]:
         """Lines the server prints when it starts: the model, its context, what fits."""
-        return [f"model {self.name}: context {self.max_seq} tokens, one sequence at a time"]
+        block, pages = self.model.block, self.scheduler.pool.pages
+        per_page = page_bytes(self.model.checkpoint, self.model.act)
+        full = pages // block.table_pages
+        return [
+            f"model {self.name}: context {self.max_seq} tokens, batches of up to "
+            f"{self.scheduler.max_batch} sequences, prompts in chunks of {self.scheduler.chunk}",
+            f"KV cache: {pages} pages of {PAGE_SIZE} tokens ({pages * per_page / 2**30:.2f} GiB), "
+            f"{full} sequence(s) at full context",
+        ]
 
     def check(self, request: Request) -> None:
         """UsageError naming what a request cannot have (the server's 400)."""
@@ -159,14 +204,47 @@ class Engine:
         """Queue `request`; its Stream yields its deltas. Call from the event loop's thread."""
         self.check(request)
         stream = Stream(request, asyncio.get_running_loop())
+        seq = self._seq(request, stream)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting; try again later")
-            self._waiting.append(stream)
+            if len(self._incoming) + len(self.scheduler.waiting) >= self.max_queue:
+                raise QueueFull(
+                    f"{len(self._incoming) + len(self.scheduler.waiting)} requests are waiting; "
+                    "try again later"
+                )
+            self._incoming.append(seq)
             self._lock.notify()
         return stream
+
+    def _seq(self, request: Request, stream: Stream) -> Seq:
+        from qir.text import TextStream
+
+        text = TextStream(self.tokenizer, request.stop)
+        n_prompt = len(request.prompt)
+
+        def on_token(seq: Seq, token: int, last: bool) -> None:
+            piece = text.add(token)
+            finish = None
+            if text.stopped:
+                seq.done, finish = True, "stop"
+            elif last:
+                piece += text.finish()
+                finish = "stop" if token in seq.eos else "length"
+            stream.push(Delta(piece, (token,), finish, n_prompt, seq.generated))
+
+        eos = frozenset() if request.ignore_eos else frozenset(self.model.generation_config.eos_ids)
+        seed = request.sampling.seed
+        return Seq(
+            list(request.prompt),
+            request.max_tokens,
+            request.sampling,
+            seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
+            eos,
+            on_token,
+            stream.cancelled.is_set,
+            tag=stream,
+        )
 
     def start(self) -> None:
         if self._thread is None:
@@ -178,49 +256,76 @@ class Engine:
         with self._lock:
             self._closing = True
             if not drain:
-                for s in self._waiting:
-                    s.cancel()
+                for seq in [*self._incoming, *self.scheduler.waiting, *self.scheduler.running]:
+                    seq.tag.cancel()
             self._lock.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
-    def _next(self) -> Stream | None:
-        with self._lock:
-            while not self._waiting and not self._closing:
-                self._lock.wait()
-            return self._waiting.pop(0) if self._waiting else None
-
     def _work(self) -> None:
-        while (stream := self._next()) is not None:
-            if stream.cancelled.is_set():
-                continue
+        sched = self.scheduler
+        while True:
+            with self._lock:
+                while not self._incoming and sched.idle and not self._closing:
+                    self._lock.wait()
+                for seq in self._incoming:
+                    sched.add(seq)
+                self._incoming.clear()
+                if sched.idle and self._closing:
+                    return
             try:
-                for delta in self._run(stream):
-                    stream.push(delta)
-            except Exception as e:  # a bug must not take the server down: the client hears it
-                stream.push(Delta("", (), "error", error=f"{type(e).__name__}: {e}"))
+                sched.step()
+            except Exception as e:  # a bug must not take the server down: the clients hear it
+                message = f"{type(e).__name__}: {e}"
+                for seq in [*sched.waiting, *sched.running]:
+                    seq.tag.push(Delta("", (), "error", error=message))
+                    seq.done = True
+                sched.waiting.clear()
+                sched.running.clear()
+                sched.pool = PagePool(sched.pool.pages)
 
-    def _run(self, stream: Stream) -> Iterator[Delta]:
-        from qir.text import TextStream
 
-        r = stream.request
-        text = TextStream(self.tokenizer, r.stop)
-        steps = self.model.steps(list(r.prompt), r.max_tokens, r.sampling, ignore_eos=r.ignore_eos)
-        n = 0
-        try:
-            for token, _, finish in steps:
-                n += 1
-                piece = text.add(token)
-                if text.stopped:
-                    finish = "stop"
-                elif finish:
-                    piece += text.finish()
-                    finish = "stop" if finish == "eos" else "length"
-                if stream.cancelled.is_set():
-                    return
-                yield Delta(piece, (token,), finish or None, len(r.prompt), n)
-                if finish:
-                    return
-        finally:
-            steps.close()
+def page_bytes(ck: Checkpoint, act: DType) -> int:
+    """Bytes one page of every layer's K and V caches takes."""
+    return ck.num_layers * 2 * PAGE_SIZE * ck.num_kv_heads * ck.head_dim * act.itemsize
+
+
+def kv_pages(
+    ck: Checkpoint,
+    act: DType | None,
+    max_seq: int,
+    kv_cache_gb: float | None,
+    max_batch: int,
+    backend: str,
+) -> int:
+    """Pages of the KV-cache pool: `kv_cache_gb` GiB of them, else the default of Engine.load;
+    at least one sequence's worth (a UsageError when the budget holds less)."""
+    per_page = page_bytes(ck, act or ck.act_dtype)
+    table = -(-max_seq // PAGE_SIZE)
+    if kv_cache_gb is not None:
+        if (
+            isinstance(kv_cache_gb, bool)
+            or not isinstance(kv_cache_gb, int | float)
+            or not kv_cache_gb > 0
+        ):
+            raise UsageError(f"--kv-cache-gb must be a positive number, got {kv_cache_gb!r}")
+        pages = int(kv_cache_gb * 2**30 // per_page)
+    elif backend == "cuda":
+        import cupy
+
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        # The weights are not on the device yet: their checkpoint bytes stand for them.
+        weights = sum(
+            int(np.prod(ck.store.shape(t))) * ck.store.dtype(t).itemsize for t in ck.store
+        )
+        pages = int((free - weights) * GPU_KV_FRACTION // per_page)
+    else:
+        pages = min(max_batch * table, int(DEFAULT_HOST_KV_GB * 2**30 // per_page))
+    if pages < table:
+        raise UsageError(
+            f"the KV cache holds {pages} pages of {PAGE_SIZE} tokens ({pages * per_page / 2**30:.3f} "
+            f"GiB), less than one sequence of --max-seq {max_seq} ({table} pages): give more "
+            "--kv-cache-gb or a smaller --max-seq"
+        )
+    return pages
