@@ -57,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.checkpoint,
             max_queue=args.max_queue,
             kv_cache_gb=args.kv_cache_gb,
+            name=args.served_model_name,
             **model_options(args, args.backend or best_backend()),
         )
         engine.tokenizer  # noqa: B018 (text in and out: a checkpoint without one is refused now)

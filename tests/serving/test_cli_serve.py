@@ -53,7 +53,8 @@ def test_serve_prints_its_address_and_drains_when_stopped(stop: signal.Signals) 
         while "/v1 (" not in printed[-1]:
             printed.append(out.get(timeout=300))
         # Engine.describe()'s lines, then the address.
-        assert printed[0].startswith("qir serve: model mlx_affine4_g64_S: context 128 tokens")
+        assert printed[0].startswith("qir serve: model tiny: context 128 tokens")
+        assert all(line.startswith("qir serve: ") for line in printed)
         base = printed[-1].split()[2]
         assert base.startswith("http://127.0.0.1:") and base.endswith("/v1")
         assert "'tiny'" in printed[-1] and "API key required" in printed[-1]
