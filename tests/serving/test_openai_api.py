@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -335,3 +336,47 @@ def test_a_full_queue_gets_429() -> None:
         assert all(e.status_code == 429 and e.code == "rate_limit_exceeded" for e in refused)
         assert "busy" in refused[0].message
         assert all(a.usage.completion_tokens == 12 for a in done)
+
+
+def test_the_readme_client_example_runs(server: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (FIXTURE.parent.parent.parent / "README.md").read_text()
+    (example,) = re.findall(r"```py\n(.*?)```", readme, flags=re.S)
+    for placeholder in ('"http://127.0.0.1:8000/v1"', '"KEY"', '"checkpoint"', "max_tokens=32"):
+        assert placeholder in example
+    example = example.replace('"http://127.0.0.1:8000/v1"', repr(f"{server.url}/v1"))
+    example = example.replace('"KEY"', repr(API_KEY)).replace('"checkpoint"', repr(NAME))
+    exec(example.replace("max_tokens=32", "max_tokens=3"), {})
+    assert capsys.readouterr().out.strip()
+
+
+def test_an_engine_failure_is_a_500_not_a_traceback(
+    server: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a step reaches the client as a server_error (the response, or an error event
+    in the stream); a bug in a handler as a 500 with a one-line message."""
+    scheduler = server.engine.scheduler
+    step = scheduler.step
+
+    def fail_once() -> None:
+        scheduler.step = step  # type: ignore[method-assign]
+        raise RuntimeError("boom")
+
+    client = server.client()
+    scheduler.step = fail_once  # type: ignore[method-assign]
+    e = _refusal(
+        lambda: client.completions.create(model=NAME, prompt="Hi", max_tokens=2),
+        openai.InternalServerError,
+    )
+    assert e.type == "server_error" and e.body["message"] == "generation failed: RuntimeError: boom"
+    scheduler.step = fail_once  # type: ignore[method-assign]
+    with pytest.raises(openai.APIError, match="generation failed: RuntimeError: boom"):
+        list(client.completions.create(model=NAME, prompt="Hi", max_tokens=2, stream=True))
+
+    def broken(messages: Any) -> tuple[int, ...]:
+        raise KeyError("oops")
+
+    monkeypatch.setattr(server.engine, "chat_ids", broken)
+    e = _refusal(
+        lambda: client.chat.completions.create(model=NAME, messages=HI), openai.InternalServerError
+    )
+    assert e.type == "server_error" and "KeyError" in e.message and "oops" not in e.message
