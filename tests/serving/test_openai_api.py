@@ -49,6 +49,11 @@ def _wait(condition: Any, what: str, seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _all_pages_free(server: Served) -> None:
+    sched = server.engine.scheduler
+    _wait(lambda: sched.idle and sched.pool.free == sched.pool.pages, "every KV page to be free")
+
+
 def test_models_and_health(server: Served) -> None:
     models = server.client().models.list()  # type: ignore[attr-defined]
     assert [m.id for m in models.data] == [NAME]
@@ -164,6 +169,7 @@ def test_concurrent_clients_each_get_their_own_answer(server: Served, reference:
 
     assert asyncio.run(everyone()) == alone
     assert len(set(alone)) > 1  # the prompts lead to different answers
+    _all_pages_free(server)
 
 
 def test_a_client_that_disconnects_cancels_its_stream(server: Served) -> None:
@@ -176,6 +182,7 @@ def test_a_client_that_disconnects_cancels_its_stream(server: Served) -> None:
     chunks.close()  # the client hangs up mid-stream
     _wait(lambda: len(server.streams) > before and server.streams[-1].cancelled.is_set(), "cancel")
     assert not server.streams[-1].done
+    _all_pages_free(server)  # the engine dropped the sequence
 
     # Not streamed: the client leaves while it waits for the whole answer.
     body = json.dumps({"prompt": "Go on", "max_tokens": 100, "ignore_eos": True})
@@ -186,6 +193,7 @@ def test_a_client_that_disconnects_cancels_its_stream(server: Served) -> None:
     _wait(lambda: len(server.streams) > before + 1, "the request to reach the engine")
     conn.close()
     _wait(lambda: server.streams[-1].cancelled.is_set(), "cancel")
+    _all_pages_free(server)
 
     # The engine goes on serving.
     r = client.completions.create(model=NAME, prompt="Hi", max_tokens=2, **GREEDY)
