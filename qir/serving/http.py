@@ -87,7 +87,6 @@ def create_app(
 
     app = FastAPI(title="qir", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body_bytes)
-    app.state.engine = engine
 
     @app.exception_handler(ApiError)
     async def _refused(request: HttpRequest, e: ApiError) -> JSONResponse:
@@ -122,7 +121,7 @@ def create_app(
         try:
             prompt = engine.chat_ids(body.template_messages())
         except UsageError as e:
-            raise ApiError(400, f"messages: {e}", "messages") from None
+            raise ApiError(400, _named("messages", e), "messages") from None
         return await _generate(engine, request, body, prompt, "messages", _Chat(name))
 
     @app.post("/v1/completions", response_model=None)
