@@ -13,7 +13,7 @@ from typing import Any
 from qir.cli.options import add_lowering, add_max_seq, model_options
 from qir.errors import UsageError
 from qir.runtime.backend import BACKENDS, best_backend
-from qir.serving.engine import DEFAULT_MAX_QUEUE
+from qir.serving.engine import DEFAULT_CHUNK, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
 
 INSTALL = "pip install 'qir[serve]'"
 
@@ -42,7 +42,12 @@ def _loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     http = _http()
-    for name, value, low in (("--max-queue", args.max_queue, 1), ("--port", args.port, 0)):
+    for name, value, low in (
+        ("--max-queue", args.max_queue, 1),
+        ("--port", args.port, 0),
+        ("--max-batch", args.max_batch, 1),
+        ("--chunk", args.chunk, 1),
+    ):
         if value < low:
             raise UsageError(f"{name} must be at least {low}, got {value}")
     for name, value in (("--kv-cache-gb", args.kv_cache_gb), ("--max-body-mb", args.max_body_mb)):
@@ -56,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine.load(
             args.checkpoint,
             max_queue=args.max_queue,
+            max_batch=args.max_batch,
+            chunk=args.chunk,
             kv_cache_gb=args.kv_cache_gb,
             name=args.served_model_name,
             **model_options(args, args.backend or best_backend()),
@@ -123,7 +130,22 @@ def register(sub: Any) -> None:
         help=f"requests waiting beyond which new ones get 429 (default {DEFAULT_MAX_QUEUE})",
     )
     p.add_argument(
-        "--kv-cache-gb", type=float, help="memory for the KV cache (default: the engine's choice)"
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"sequences decoded in one step at most (default {DEFAULT_MAX_BATCH})",
+    )
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help=f"prompt tokens prefilled per step at most (default {DEFAULT_CHUNK})",
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        help="memory for the KV cache (default: most of a GPU's free memory after the weights; "
+        "on the host, --max-batch sequences at full context, at most 2 GiB)",
     )
     p.add_argument(
         "--max-body-mb",
