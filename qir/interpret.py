@@ -179,44 +179,85 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(ms + np.float32(eps)) * _f32(w)
 
 
-def _check_positions(positions: np.ndarray, capacity: int, what: str) -> None:
-    if positions.size and (positions.min() < 0 or positions.max() >= capacity):
+def _check_span(node: Node, positions: np.ndarray, span: int, what: str) -> None:
+    if positions.size and (positions.min() < -1 or positions.max() >= span):
         raise BindError(
-            f"{what}: positions {positions.min()}..{positions.max()} are outside the KV cache "
-            f"of {capacity} rows"
+            f"{node.op}: positions {positions.min()}..{positions.max()} are outside {what}"
         )
 
 
+def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray, at: int) -> np.ndarray | None:
+    """int64 [M, S]: where row m's positions 0..S-1 sit in a paged cache (S: the positions a
+    block table holds): table[m, p // page_size] * page_size + p % page_size. None without a
+    block table (operand `at`), where position p is row p. Positions (operand `at - 1`; -1 for
+    a padding row) must fit, and so must the pages a row reads or writes."""
+    positions = args[at - 1]
+    if len(args) == at:
+        _check_span(node, positions, cache.shape[0], f"the KV cache of {cache.shape[0]} rows")
+        return None
+    table, page = args[at], node.attr("page_size")
+    span = table.shape[1] * page
+    _check_span(node, positions, span, f"the {span} a block table of {table.shape[1]} pages holds")
+    pages = cache.shape[0] // page
+    needed = (np.arange(table.shape[1])[None, :] <= positions[:, None] // page) & (
+        positions[:, None] >= 0
+    )
+    used = table[needed]
+    if used.size and (used.min() < 0 or used.max() >= pages):
+        raise BindError(
+            f"{node.op}: block table pages {used.min()}..{used.max()} are outside the pool of "
+            f"{pages} pages"
+        )
+    p = np.arange(span)
+    rows: np.ndarray = np.clip(table, 0, pages - 1)[:, p // page] * page + p % page
+    return rows
+
+
 def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """New caches (copies) with row m of k and v at positions[m]; k rotated by a rope
-    prologue."""
-    kc, vc, k, v, positions = args
+    """New caches (copies) with row m of k and v at positions[m] (padding rows, at -1, write
+    nothing); k rotated by a rope prologue."""
+    kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
-    _check_positions(positions, kc.shape[0], "kv_append")
+    rows = _pages(node, args, kc, 5)
     if "rope_type" in attrs:
         k = rope.rotate(k, positions, attrs).astype(kc.dtype)
     kc, vc = kc.copy(), vc.copy()
-    kc[positions] = k.reshape(len(positions), *kc.shape[1:])
-    vc[positions] = v.reshape(len(positions), *vc.shape[1:])
+    real = positions >= 0
+    at = positions[real] if rows is None else rows[np.flatnonzero(real), positions[real]]
+    kc[at] = k[real].reshape(len(at), *kc.shape[1:])
+    vc[at] = v[real].reshape(len(at), *vc.shape[1:])
     return kc, vc
 
 
 def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    """float32 softmax(q k^T * scale) v per head, row m over cache rows 0..positions[m]."""
-    q, kc, vc, positions = args
+    """float32 softmax(q k^T * scale) v per head, row m over its positions 0..positions[m]
+    (zeros for a padding row, at -1)."""
+    q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
-    _check_positions(positions, kc.shape[0], "attention")
+    rows = _pages(node, args, kc, 4)
     m, (_, kv_heads, d) = q.shape[0], kc.shape
     if "rope_type" in attrs:
         q = rope.rotate(q, positions, attrs).astype(q.dtype)
     qh = _f32(q).reshape(m, kv_heads, -1, d)  # [M, kv_heads, group, D]
-    scores = np.einsum("mkgd,ckd->mkgc", qh, _f32(kc)) * np.float32(node.attr("scale"))
-    visible = np.arange(kc.shape[0])[None, :] <= positions[:, None]  # [M, C]
-    scores = np.where(visible[:, None, None, :], scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    out: np.ndarray = np.einsum("mkgc,ckd->mkgd", p, _f32(vc)).reshape(m, -1)
-    return out
+    out = np.zeros_like(qh)
+    if rows is None:
+        groups = [(np.arange(m), np.arange(kc.shape[0]))]
+    else:  # rows sharing a block table (one sequence's) gather its keys once
+        tables, which = np.unique(rows, axis=0, return_inverse=True)
+        groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
+    scale = np.float32(node.attr("scale"))
+    for members, where in groups:
+        keys, values = _f32(kc[where]), _f32(vc[where])  # [S, kv_heads, D]
+        scores = np.einsum("mkgd,ckd->mkgc", qh[members], keys) * scale
+        visible = np.arange(len(where))[None, :] <= positions[members, None]
+        scores = np.where(visible[:, None, None, :], scores, -np.inf)
+        top = scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores - np.where(np.isfinite(top), top, 0))
+        total = p.sum(axis=-1, keepdims=True)
+        p = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
+        out[members] = np.einsum("mkgc,ckd->mkgd", p, values)
+    result: np.ndarray = out.reshape(m, -1)
+    return result
 
 
 def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:

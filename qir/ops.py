@@ -93,10 +93,25 @@ def index_problem(t: ValueType) -> str | None:
     return None
 
 
+def table_problem(t: ValueType) -> str | None:
+    """Why `t` is not a block table i32[M, pages] (each row's KV-cache pages), or None."""
+    if not (
+        isinstance(t, TensorType)
+        and t.dtype == INDEX_DTYPE
+        and t.rank == 2
+        and t.shape[0] == BATCH
+        and isinstance(t.shape[1], int)
+        and t.shape[1] >= 1
+    ):
+        return f"must be a block table {INDEX_DTYPE.name}[{BATCH}, pages] (each row's cache pages)"
+    return None
+
+
 def input_problem(t: ValueType) -> str | None:
-    """Why `t` cannot be a block input (an activation or an index vector), or None."""
+    """Why `t` cannot be a block input (an activation, an index vector or a block table), or
+    None."""
     if isinstance(t, TensorType) and t.dtype == INDEX_DTYPE:
-        return index_problem(t)
+        return table_problem(t) if t.rank == 2 else index_problem(t)
     return activation_problem(t)
 
 
@@ -384,12 +399,43 @@ def _caches(
     return kc
 
 
+def _check_paging(
+    op: str,
+    names: Sequence[str],
+    types: Sequence[ValueType],
+    cache: TensorType,
+    at: int,
+    attrs: Mapping[str, Any],
+) -> None:
+    """A paged op's block table (operand `at`) and page_size, against its cache: without a
+    table the cache holds one sequence, position p at row p; with one it is a pool of pages of
+    page_size rows, and row m's position p sits at row table[m, p // page_size] * page_size
+    + p % page_size. A row at position -1 is padding: nothing is written or read for it."""
+    page = attrs.get("page_size")
+    if len(types) == at:
+        if page is not None:
+            raise IRTypeError(f"{op}: page_size {page} needs a block table operand")
+        return
+    _checked(op, names, types, at, table_problem)
+    capacity = cache.shape[0]
+    assert isinstance(capacity, int)
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1 or capacity % page:
+        raise IRTypeError(
+            f"{op}: page_size must be an int >= 1 dividing the cache's {capacity} rows, "
+            f"got {page!r}"
+        )
+
+
 def _infer_kv_append(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(k_cache, v_cache, k, v, positions) -> the two caches with row m of k and v written at
-    positions[m]. A rope prologue (its attributes) rotates k as it is written."""
+    """(k_cache, v_cache, k, v, positions[, pages]) -> the two caches with row m of k and v
+    written at positions[m] (through the block table `pages`, see _check_paging). A rope
+    prologue (its attributes) rotates k as it is written."""
+    if len(types) not in (5, 6):
+        raise IRTypeError(f"kv_append: takes 5 operands, or 6 with a block table; got {len(types)}")
     cache = _caches("kv_append", names, types, 0, 1)
+    _check_paging("kv_append", names, types, cache, 5, attrs)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
     for i in (2, 3):
@@ -409,11 +455,15 @@ def _infer_kv_append(
 def _infer_attention(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(q, k_cache, v_cache, positions): row m attends to cache rows 0..positions[m] (causal),
-    query head h to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its
-    attributes) rotates q as it is read."""
+    """(q, k_cache, v_cache, positions[, pages]): row m attends to its positions 0..positions[m]
+    (causal; through the block table `pages`, see _check_paging), query head h to kv head
+    h // (heads / kv_heads) (grouped-query). A rope prologue (its attributes) rotates q as it is
+    read."""
+    if len(types) not in (4, 5):
+        raise IRTypeError(f"attention: takes 4 operands, or 5 with a block table; got {len(types)}")
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
+    _check_paging("attention", names, types, cache, 4, attrs)
     _checked("attention", names, types, 3, index_problem)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
@@ -513,8 +563,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
-        OpSpec("kv_append", 5, _infer_kv_append, ROPE_ATTRS),
-        OpSpec("attention", 4, _infer_attention, frozenset({"scale"}) | ROPE_ATTRS),
+        OpSpec("kv_append", VARIADIC, _infer_kv_append, ROPE_ATTRS | {"page_size"}),
+        OpSpec(
+            "attention", VARIADIC, _infer_attention, frozenset({"scale", "page_size"}) | ROPE_ATTRS
+        ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
         OpSpec("sample", 4, _infer_sample),
     )

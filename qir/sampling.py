@@ -34,8 +34,11 @@ which differs from float comparison only in -0 < +0."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+
+from qir.errors import UsageError
 
 # The columns of the params input.
 PARAMS = ("temperature", "top_k", "top_p", "min_p")
@@ -164,3 +167,59 @@ def sample(
         ],
         np.int32,
     )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generation chooses its ids: the params row of the sample op and a seed (None: a
+    fresh one per generation). temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", self.temperature, "a number >= 0", lambda v: v >= 0),
+            ("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1),
+            ("min_p", self.min_p, "a number in [0, 1]", lambda v: 0 <= v <= 1),
+        )
+        for name, value, what, ok in checks:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise UsageError(f"{name} must be {what}, got {value!r}")
+            if not (math.isfinite(value) and ok(value)):
+                raise UsageError(f"{name} must be {what}, got {value}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UsageError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise UsageError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def greedy(cls, seed: int | None = None) -> Sampling:
+        return cls(seed=seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def row(self) -> np.ndarray:
+        """float32 [4]: this sampling as a row of the sample op's params."""
+        return np.array([self.temperature, self.top_k, self.top_p, self.min_p], np.float32)
+
+    def describe(self) -> str:
+        if self.is_greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"]
+        parts += [f"top_k {self.top_k}"] if self.top_k else []
+        parts += [f"top_p {self.top_p:g}"] if self.top_p < 1 else []
+        parts += [f"min_p {self.min_p:g}"] if self.min_p else []
+        return ", ".join(parts)
+
+
+def seed_row(seed: int) -> np.int32:
+    """A seed of any size as the int32 the op takes (its low 32 bits)."""
+    return np.array([seed & 0xFFFFFFFF], np.uint32).view(np.int32)[0]

@@ -9,7 +9,7 @@ streaming detokenization) runs on a real checkpoint layout:
   post-processor that adds the BOS token, ChatML chat template in tokenizer_config.json;
 - SentencePiece-style BPE (Llama 2 / Mistral style): Metaspace pre-tokenizer, the ▁ -> space
   decoder, a post-processor that adds BOS (`add_bos_token` in tokenizer_config.json, which
-  transformers 5 ignores beside a tokenizer.json), tokenizer class LlamaTokenizerFast, and an [INST] chat template that raises on
+  transformers 5 ignores beside a tokenizer.json), and an [INST] chat template that raises on
   roles out of order, in chat_template.jinja.
 
 Both fit 256 ids: the byte-level one learns only the bytes its corpus has (other bytes are
@@ -150,7 +150,10 @@ def sentencepiece_style() -> tuple[Tokenizer, dict[str, object], str | None]:
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     config = {
-        "tokenizer_class": "LlamaTokenizerFast",
+        # Not LlamaTokenizerFast: transformers 5 rebuilds that class's model from the vocab
+        # (dropping a character with no piece, where this file's <unk> keeps it); with all 256
+        # byte pieces, as real Llama 2 files have, the two agree.
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",

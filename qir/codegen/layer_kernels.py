@@ -124,19 +124,48 @@ def rope_kernel(act: DType, heads: int, r: RopeSpec) -> Kernel:
 
 @dataclass(frozen=True)
 class CacheShape:
+    """A KV cache: `capacity` rows of [kv_heads, head_dim]. Paged (page_size > 0): a pool of
+    capacity / page_size pages, each row's positions reached through its block table of
+    `table_pages` pages (qir.ops); else one sequence, position p at row p."""
+
     act: DType
     capacity: int
     kv_heads: int
     head_dim: int
+    page_size: int = 0
+    table_pages: int = 0
+
+    @property
+    def positions(self) -> int:
+        """The positions one sequence has room for."""
+        return self.table_pages * self.page_size if self.page_size else self.capacity
+
+    @property
+    def tag(self) -> str:
+        paged = f"_p{self.page_size}x{self.table_pages}" if self.page_size else ""
+        return f"_c{self.capacity}{paged}"
+
+    def context(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "positions": self.positions,
+            "paged": bool(self.page_size),
+            "page_size": self.page_size,
+            "table_pages": self.table_pages,
+            "num_pages": self.capacity // self.page_size if self.page_size else 0,
+        }
+
+    def table_param(self) -> tuple[KernelParam, ...]:
+        return (_buf("pages", "int32_t"),) if self.page_size else ()
 
 
 def kv_append_kernel(c: CacheShape, r: RopeSpec | None) -> Kernel:
-    name = f"kv_append_{c.act.name}_c{c.capacity}_kv{c.kv_heads}_d{c.head_dim}{r.tag if r else ''}"
+    name = f"kv_append_{c.act.name}{c.tag}_kv{c.kv_heads}_d{c.head_dim}{r.tag if r else ''}"
     source = render(
         "kv_append.cu.j2",
         name=name,
         act_t=c.act.c_type,
-        capacity=c.capacity,
+        **c.context(),
         kv_heads=c.kv_heads,
         head_dim=c.head_dim,
         width=c.kv_heads * c.head_dim,
@@ -150,6 +179,7 @@ def kv_append_kernel(c: CacheShape, r: RopeSpec | None) -> Kernel:
         _buf("k", t),
         _buf("v", t),
         _buf("pos", "int32_t"),
+        *c.table_param(),
         _M,
     )
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
@@ -175,14 +205,15 @@ class AttentionSpec:
 
     @property
     def split_keys(self) -> int:
-        """Cache rows per decode split: about 32 splits of the capacity, 32..512 rows each (a
-        decode step at any position launches every split; those past it return at once)."""
-        want = max(self.cache.capacity // 32, 32)
+        """Positions per decode split: about 32 splits of a sequence's room, 32..512 positions
+        each (a decode step at any position launches every split; those past it return at
+        once)."""
+        want = max(self.cache.positions // 32, 32)
         return min(1 << (want - 1).bit_length(), 512)
 
     @property
     def splits(self) -> int:
-        return -(-self.cache.capacity // self.split_keys)
+        return -(-self.cache.positions // self.split_keys)
 
     @property
     def partial_floats(self) -> int:
@@ -192,7 +223,7 @@ class AttentionSpec:
     def _tag(self) -> str:
         c = self.cache
         return (
-            f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}_c{c.capacity}"
+            f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}{c.tag}"
             f"{self.rope.tag if self.rope else ''}"
         )
 
@@ -204,7 +235,7 @@ class AttentionSpec:
             "heads": self.heads,
             "kv_heads": c.kv_heads,
             "head_dim": c.head_dim,
-            "capacity": c.capacity,
+            **c.context(),
             "group": self.group,
             "per_lane": c.head_dim // 32,
             "scale": c_float(self.scale),
@@ -213,8 +244,15 @@ class AttentionSpec:
         }
 
 
-def _attention_inputs(t: str) -> tuple[KernelParam, ...]:
-    return (_buf("q", t), _buf("k_cache", t), _buf("v_cache", t), _buf("pos", "int32_t"))
+def _attention_inputs(c: CacheShape) -> tuple[KernelParam, ...]:
+    t = c.act.c_type
+    return (
+        _buf("q", t),
+        _buf("k_cache", t),
+        _buf("v_cache", t),
+        _buf("pos", "int32_t"),
+        *c.table_param(),
+    )
 
 
 def attention_split_kernel(a: AttentionSpec) -> Kernel:
@@ -222,7 +260,7 @@ def attention_split_kernel(a: AttentionSpec) -> Kernel:
     source = render(
         "attention_split.cu.j2", split_keys=a.split_keys, splits=a.splits, **a._context(name)
     )
-    params = (*_attention_inputs(a.cache.act.c_type), _buf("part", "float", False), _M)
+    params = (*_attention_inputs(a.cache), _buf("part", "float", False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 
 
@@ -245,7 +283,7 @@ def attention_combine_kernel(a: AttentionSpec) -> Kernel:
 def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
     name = f"attn_prefill_{a._tag()}_r{PREFILL_ROWS}"
     source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
-    params = (*_attention_inputs(a.cache.act.c_type), _buf("y", a.cache.act.c_type, False), _M)
+    params = (*_attention_inputs(a.cache), _buf("y", a.cache.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 
 

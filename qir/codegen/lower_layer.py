@@ -1,10 +1,11 @@
 """Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding, sample): each returns
 its launches and the temps they pass between them (see Plan.temps).
 
-Attention takes two kernel families by batch size: up to DECODE_MAX_M rows the split-K decode
-kernel (every cache split in its own block, then a combine launch reading their partials from
-a temp), above it the tiled prefill kernel. Both read positions from a device buffer, so a
-captured decode step replays at any position."""
+Attention takes two kernel families by what a run's rows are (qir.codegen.lower.ROWS): rows of
+many sequences (a decode batch) the split-K decode kernel (every cache split in its own block,
+then a combine launch reading their partials from a temp), rows of one sequence (a prefill) the
+tiled kernel. Both read positions (and block tables) from device buffers, so a captured decode
+step replays at any position."""
 
 from __future__ import annotations
 
@@ -31,8 +32,6 @@ from qir.ops import W4A4_MAX_M
 from qir.types import QWeight, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
-# Rows up to which attention runs the split (decode) kernels.
-DECODE_MAX_M = 4
 
 
 def _tensor(graph: Graph, name: str) -> TensorType:
@@ -46,9 +45,17 @@ def _int(d: object) -> int:
     return d
 
 
-def _cache(graph: Graph, name: str) -> CacheShape:
-    t = _tensor(graph, name)
-    return CacheShape(t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]))
+def _cache(graph: Graph, op: str) -> CacheShape:
+    """The cache a kv_append or attention reads, paged where it takes a block table."""
+    operands = graph.operands(op)
+    kv_append = graph.node(op).op == "kv_append"
+    t = _tensor(graph, operands[0 if kv_append else 1])
+    at = 5 if kv_append else 4
+    pages = _tensor(graph, operands[at]).shape[1] if len(operands) > at else 0
+    page = graph.node(op).attr("page_size") or 0
+    return CacheShape(
+        t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]), page, _int(pages)
+    )
 
 
 def _only_as_norm_source(graph: Graph, name: str) -> bool:
@@ -84,23 +91,19 @@ def lower_rope(graph: Graph, name: str) -> Lowered:
 
 
 def lower_kv_append(graph: Graph, name: str) -> Lowered:
-    kc, vc, k, v, pos = graph.operands(name)
-    kernel = kv_append_kernel(_cache(graph, kc), RopeSpec.of(dict(graph.node(name).attrs)))
+    kernel = kv_append_kernel(_cache(graph, name), RopeSpec.of(dict(graph.node(name).attrs)))
     # The caches are written in place: the args are the states, the gets alias them.
-    args = (*(Arg("value", a) for a in (kc, vc, k, v, pos)), Arg("M"))
+    args = (*(Arg("value", a) for a in graph.operands(name)), Arg("M"))
     return [Launch(kernel, 1, 1, args, graph.users(name), (name,))], {}
 
 
 def lower_attention(graph: Graph, name: str) -> Lowered:
-    q, kc, vc, pos = graph.operands(name)
     node = graph.node(name)
-    cache = _cache(graph, kc)
+    cache = _cache(graph, name)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
     spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)))
     part = graph.fresh(f"{name}.partials")
-    reads = (Arg("value", q), Arg("value", kc), Arg("value", vc), Arg("value", pos))
-    decode = (1, DECODE_MAX_M)
-    prefill = (DECODE_MAX_M + 1, ALL_M[1])
+    reads = tuple(Arg("value", a) for a in graph.operands(name))
     launches = [
         Launch(
             attention_split_kernel(spec),
@@ -109,7 +112,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             (*reads, Arg("value", part), Arg("M")),
             (part,),
             (name,),
-            decode,
+            ALL_M,
+            "many",
         ),
         Launch(
             attention_combine_kernel(spec),
@@ -118,7 +122,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             (Arg("value", part), Arg("value", name), Arg("M")),
             (name,),
             (name,),
-            decode,
+            ALL_M,
+            "many",
         ),
         Launch(
             attention_prefill_kernel(spec),
@@ -127,7 +132,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             (*reads, Arg("value", name), Arg("M")),
             (name,),
             (name,),
-            prefill,
+            ALL_M,
+            "one",
         ),
     ]
     return launches, {part: TensorType(("M", spec.partial_floats), F32)}

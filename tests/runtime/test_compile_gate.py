@@ -200,6 +200,18 @@ def attention(heads: int) -> Callable[[str], list[Kernel]]:
     ]
 
 
+def paged_attention() -> Callable[[str], list[Kernel]]:
+    """Llama-3-8B's attention over a paged KV cache (pages of 16 rows, 256 a sequence)."""
+    cache = CacheShape(BF16, 4096 * 16, 8, 128, page_size=16, table_pages=256)
+    rope = RopeSpec.of({"head_dim": 128, "theta": 500000.0, "rope_type": "default"})
+    a = AttentionSpec(cache, 32, 128**-0.5, rope)
+    return lambda arch: [
+        kv_append_kernel(cache, rope),
+        attention_split_kernel(a),
+        attention_prefill_kernel(a),
+    ]
+
+
 @dataclass(frozen=True)
 class Entry:
     id: str
@@ -370,6 +382,11 @@ GATE: tuple[Entry, ...] = (
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),
+    Entry(
+        "attention-llama3-8b-paged",
+        paged_attention(),
+        ("kv_append_bf16_c65536_p16x256", "attn_split_", "attn_prefill_"),
+    ),
     # Qwen's vocabulary: the loops' trip counts do not change the code, the dtype does.
     Entry(
         "sample-qwen-vocab",
