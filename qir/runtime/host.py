@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from qir.codegen.kernel import Kernel
+from qir.errors import UsageError
 from qir.interpret import BindError
 from qir.runtime.backend import BoundLaunch
 from qir.runtime.cache import HOST, Artifact, KernelCache, key
@@ -42,7 +43,11 @@ CXX = "g++"
 BASE_FLAGS = ("-std=c++17", "-fno-strict-aliasing", "-x", "c++")
 # Hidden visibility keeps each kernel's copy of the runtime private to its .so (no process-wide
 # unique symbols shared between kernels); the entry points are exported explicitly.
-SO_FLAGS = ("-O2", "-fPIC", "-shared", "-fvisibility=hidden")
+SO_FLAGS = ("-fPIC", "-shared", "-fvisibility=hidden")
+# g++'s optimisation level: -O2 unless QIR_HOST_OPT says (0-3). A kernel's results do not depend
+# on it (no fast-math: IEEE arithmetic at every level; tests/runtime/test_host.py compares -O1
+# with -O2 bytes), its build and run time do: the test suite builds at -O1, a quarter faster.
+OPT_LEVELS = ("0", "1", "2", "3")
 # An ASan runtime cannot be loaded into an uninstrumented Python without LD_PRELOAD, so sanitized
 # kernels are built as standalone executables and run in a child process (see QIR_HOST_RUNNER).
 SANITIZE_FLAGS = (
@@ -119,6 +124,10 @@ class HostBackend:
             )
         self.cache = KernelCache.at(cache_dir)
         self.sanitize = sanitize
+        opt = os.environ.get("QIR_HOST_OPT", "2").strip()
+        if opt not in OPT_LEVELS:
+            raise UsageError(f"QIR_HOST_OPT={opt!r}: expected one of {', '.join(OPT_LEVELS)}")
+        self._so_flags = (f"-O{opt}", *SO_FLAGS)
         # Entries prepare() fetched (compiled or read and checksummed), for load() to take
         # instead of reading them again.
         self._prepared: dict[Kernel, Artifact] = {}
@@ -136,7 +145,7 @@ class HostBackend:
         mode = (
             (*SANITIZE_FLAGS, f"-DQIR_HOST_RUNNER=qir_launch_{kernel.name}")
             if self.sanitize
-            else SO_FLAGS
+            else self._so_flags
         )
         includes = [f"-I{d}" for d in (build, *cuda_include_dirs())]
         # Derived from the header, which is part of the key: no need to hash it into `options`.
@@ -152,7 +161,7 @@ class HostBackend:
     def key_parts(self, kernel: Kernel, source: str) -> dict[str, str]:
         """What a compiled kernel depends on, besides qir's codegen (see cache.key)."""
         # The include dirs hold the temporary build dir: hash the flags of the mode instead.
-        flags = (BASE_FLAGS, SANITIZE_FLAGS if self.sanitize else SO_FLAGS)
+        flags = (BASE_FLAGS, SANITIZE_FLAGS if self.sanitize else self._so_flags)
         return {
             "source": source,
             "headers": repr(kernel.headers),
@@ -163,11 +172,15 @@ class HostBackend:
         }
 
     def load(self, kernel: Kernel) -> HostKernel:
-        return self.cache.loaded((self.name, self.sanitize, kernel), lambda: self._load(kernel))
+        return self.cache.loaded(self._spec(kernel), lambda: self._load(kernel))
+
+    def _spec(self, kernel: Kernel) -> tuple[object, ...]:
+        """The in-memory cache's key: one loaded library per kernel and build mode."""
+        return (self.name, self.sanitize, self._so_flags, kernel)
 
     def prepare(self, kernel: Kernel) -> None:
         """Compile `kernel` into the disk cache without loading it; safe on any thread."""
-        if not self.cache.holds((self.name, self.sanitize, kernel)):
+        if not self.cache.holds(self._spec(kernel)):
             self._prepared[kernel] = self._entry(kernel)
 
     def _load(self, kernel: Kernel) -> HostKernel:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from qir.codegen.kernel import Kernel, KernelParam
+from qir.errors import UsageError
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
 from qir.runtime.toolkit import cuda_include_dirs
@@ -545,3 +546,29 @@ def test_unknown_schedule_is_a_clear_error(
     monkeypatch.setenv("QIR_HOST_SCHEDULE", "sideways")
     with pytest.raises(RuntimeError, match="QIR_HOST_SCHEDULE=sideways not supported"):
         be.launch(be.load(NEIGHBOUR_SYNCED), (1, 1, 1), [be.empty(128, np.int32)])
+
+
+def test_the_optimisation_level_changes_no_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite builds kernels at -O1 (QIR_HOST_OPT, tests/conftest.py), users get -O2: the
+    same bytes from W4A4's quantize_act, GEMV and GEMM and the 16-bit GEMM on FP4 codes (exact
+    integer sums, f16 pair sums, the MMA emulation, float epilogues). A bad level is refused."""
+    from qir.codegen.lower import lower
+    from qir.formats.nvfp4 import Nvfp4
+    from qir.passes.manager import run_pipeline
+    from qir.runtime.executor import CompiledBlock
+    from tests.runtime.test_every_format import block, inputs
+
+    graph, weights = block(Nvfp4("div", 4))
+    plan = lower(run_pipeline(graph, "default")[0])
+    runs = {}
+    for level in ("1", "2"):
+        monkeypatch.setenv("QIR_HOST_OPT", level)
+        runs[level] = CompiledBlock(plan, HostBackend(), weights)
+    for m in (1, 33, 70):
+        x = inputs(m)
+        o1, o2 = (runs[level].run(x) for level in ("1", "2"))
+        for name, value in o1.items():
+            assert value.tobytes() == o2[name].tobytes(), (m, name)
+    monkeypatch.setenv("QIR_HOST_OPT", "-O3")
+    with pytest.raises(UsageError, match=r"QIR_HOST_OPT='-O3': expected one of 0, 1, 2, 3"):
+        HostBackend()

@@ -248,3 +248,24 @@ def test_compile_json_names_the_target_and_a_bad_arch_is_one_line(
     assert main(["compile", str(W4A4), "--block", "qkv", "--arch", "sm_75"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qir: error: arch 'sm_75': expected sm_80") and err.count("\n") == 1
+
+
+@needs_nvrtc
+def test_cache_warm_lowers_for_each_arch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each --arch warms the kernels lowered for it: sm_120a's q/k/v are its own (the FP4
+    conversion in the GEMVs, the block-scaled FP4 GEMM), sm_90's today's."""
+    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
+    argv = ["-q", "cache", "warm", str(W4A4), "--arch", "sm_90", "sm_120a", "--blocks", "qkv"]
+    assert main(argv) == 0
+    out = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().out.splitlines()]
+    assert out[:2] == [
+        "sm_90: 4 kernels, 4 compiled, 0 already cached",
+        "sm_120a: 4 kernels, 4 compiled, 0 already cached",
+    ]
+    blackwell = [p.name for p in (tmp_path / "cubin").glob("*.sm_120a.cubin")]
+    names = sorted(n.split("-")[0] for n in blackwell)
+    assert len(names) == 4 and names[-1].startswith("quantize_act_")
+    assert sum(n.endswith("_nvf4_sm120a") for n in names) == 1
+    assert sum(n.endswith("_sm120a") for n in names) == 3

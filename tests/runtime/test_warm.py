@@ -30,8 +30,8 @@ CKPT = ROOT / "tests" / "data" / "ct_nvfp4_w4a4_S"  # W4A4: quantize_act kernels
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x")
 
-# A fresh process: the MLP and q/k/v on the host backend, and the cubins a CudaBackend on an
-# sm_90 GPU would load for them (it asks compile_cubin for f"sm_{compute_capability}").
+# A fresh process: q/k/v on the host backend, and the cubins a CudaBackend on an sm_90 GPU would
+# load for them (it asks compile_cubin for its target's arch).
 LATER = """
 import json, sys
 import qir
@@ -42,7 +42,7 @@ from qir.runtime.nvrtc import compile_cubin
 
 ck = load(sys.argv[1])
 cache = KernelCache.at()
-for name in ("mlp", "qkv"):
+for name in ("qkv",):
     block = build(ck, name, 0)
     c = qir.compile(block.graph, block.weights, backend="host")
     for launch in c.plan.launches:
@@ -57,14 +57,14 @@ def test_a_warmed_cache_serves_a_later_process_without_compiling(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
-    assert main(["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--host"]) == 0
+    argv = ["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--host", "--blocks", "qkv"]
+    assert main(argv) == 0
     out = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().out.splitlines()]
-    # mlp: quantize_act of x and of h; the gate/up pair and down, each as a W4A4 GEMV, a W4A4
-    # GEMM and a 16-bit GEMM for M > 64. qkv adds its merged projection's three (x's
-    # quantize_act is the mlp's): 11 distinct kernels.
+    # quantize_act of x; the merged projection as a W4A4 GEMV, a W4A4 GEMM and a 16-bit GEMM
+    # for M > 64.
     assert out[:2] == [
-        "sm_90: 11 kernels, 11 compiled, 0 already cached",
-        "host: 11 kernels, 11 compiled, 0 already cached",
+        "sm_90: 4 kernels, 4 compiled, 0 already cached",
+        "host: 4 kernels, 4 compiled, 0 already cached",
     ]
     later = subprocess.run(
         [sys.executable, "-c", LATER, str(CKPT)],
