@@ -107,8 +107,8 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     [
         ({"rms_norm_eps": None}, "lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
-        ({"sliding_window": 32}, "sliding_window 32 (sliding-window attention"),
-        ({"attention_bias": True}, "attention_bias is true"),
+        ({"model_type": "qwen3"}, "model_type 'qwen3' (per-head q/k RMSNorm) is not supported"),
+        ({"mlp_bias": True}, "mlp.gate_proj.bias 'gate,up,down' (linear biases) is not supported"),
     ],
 )
 def test_a_checkpoint_a_layer_cannot_run_is_one_line(tmp_path, capsys, config, message):

@@ -26,6 +26,7 @@ from qir.dtypes import ACTIVATION, I32, DType
 from qir.errors import UsageError
 from qir.formats.base import FormatError
 from qir.graph import Graph
+from qir.models.architectures import FEATURES, Features
 from qir.models.checkpoint import Checkpoint
 from qir.types import QWeight, TensorType
 
@@ -66,6 +67,26 @@ class Block:
         return out
 
 
+# What the builder implements of the features a family may use (qir.models.architectures);
+# a checkpoint using another is refused in one line naming its config field.
+SUPPORTED: frozenset[str] = frozenset()
+ACTIVATIONS = ("silu",)
+
+
+def checked(ck: Checkpoint, only: tuple[str, ...] | None = None) -> Features:
+    """`ck`'s layer features, refusing the first one (of `only`, default all) that the builder
+    does not implement."""
+    f = ck.features
+    if f.activation.value not in ACTIVATIONS and (only is None or "activation" in only):
+        raise FormatError(
+            f"{ck.path}/config.json: {f.activation.refusal()} (supported: {', '.join(ACTIVATIONS)})"
+        )
+    use = f.unsupported(SUPPORTED | frozenset(() if only is None else FEATURES.keys() - only))
+    if use is not None:
+        raise FormatError(f"{ck.path}/config.json: {use.refusal()}")
+    return f
+
+
 class _Builder:
     """One block's Builder with the checkpoint it reads and the weights it collects."""
 
@@ -87,6 +108,7 @@ class _Builder:
         return self.linear(self.ck.layer_module(layer, proj), f"{prefix}w_{proj}")
 
     def norm(self, x: Value, module: str, name: str) -> Value:
+        checked(self.ck, ("norm_plus_one",))
         key = f"{module}.weight"
         w = self.ck.tensor(key)
         hidden = self.ck.hidden_size
@@ -98,12 +120,14 @@ class _Builder:
         return self.b.rms_norm(x, p, self.ck.rms_norm_eps, name=name)
 
     def qkv(self, x: Value, layer: int, prefix: str = "") -> tuple[Value, Value, Value]:
+        checked(self.ck, ("fused_linears",))
         q, k, v = (
             self.b.qlinear(x, self.proj(layer, p, prefix), name=f"{prefix}{p}") for p in "qkv"
         )
         return q, k, v
 
     def mlp(self, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
+        checked(self.ck, ("activation", "fused_linears"))
         b = self.b
         gate = b.qlinear(x, self.proj(layer, "gate", prefix), name=f"{prefix}gate")
         up = b.qlinear(x, self.proj(layer, "up", prefix), name=f"{prefix}up")
@@ -113,9 +137,7 @@ class _Builder:
 
     def layer(self, x: Value, pos: Value, layer: int, prefix: str = "") -> Value:
         ck, b = self.ck, self.b
-        problem = ck.attention_problem()
-        if problem:
-            raise FormatError(f"{ck.path}/config.json: {problem}")
+        f = checked(ck)
         rope = ck.rope
         attn = f"model.layers.{layer}.self_attn"
         h = self.norm(x, f"model.layers.{layer}.input_layernorm", f"{prefix}attn_norm")
@@ -126,7 +148,7 @@ class _Builder:
         q = b.rope(q, pos, rope, name=f"{prefix}q_rot")
         k = b.rope(k, pos, rope, name=f"{prefix}k_rot")
         kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv")
-        a = b.attention(q, kc, vc, pos, ck.head_dim**-0.5, name=f"{prefix}attn")
+        a = b.attention(q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn")
         o = b.qlinear(a, self.proj(layer, "o", prefix), name=f"{prefix}o")
         r = b.add(x, o, name=f"{prefix}attn_y")
         hn = self.norm(r, f"model.layers.{layer}.post_attention_layernorm", f"{prefix}mlp_norm")

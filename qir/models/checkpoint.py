@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.base import FormatError
 from qir.models import strict_json
+from qir.models.architectures import LLAMA_LINEARS, Features, features
 from qir.models.checkpoint_dir import find, read_bytes
 from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
@@ -29,15 +31,7 @@ from qir.types import QWeight
 _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 # Short names (as in golden.npz keys) of the HF Llama-style linears of one decoder layer.
-LAYER_LINEARS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
+LAYER_LINEARS = LLAMA_LINEARS
 _LAYER_MODULE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
 )
@@ -184,23 +178,10 @@ class Checkpoint:
             raise FormatError(f"{self._where()}: {where}: {problem}")
         return attrs
 
-    def attention_problem(self) -> str | None:
-        """Why qir cannot run this checkpoint's attention and MLP as Llama's, or None: biases,
-        sliding windows, an activation other than SiLU, per-head q/k norms."""
-        for key in ("attention_bias", "mlp_bias"):
-            if self.field(key):
-                return f"{key} is true (biased projections are not supported)"
-        window = self.field("sliding_window")
-        if window is not None and self.field("use_sliding_window"):
-            return f"sliding_window {window!r} (sliding-window attention is not supported)"
-        for key in ("hidden_act", "hidden_activation"):
-            if self.field(key) not in (None, "silu"):
-                return f"{key} {self.field(key)!r} (only silu MLPs are supported)"
-        for suffix in ("self_attn.q_proj.bias", "self_attn.q_norm.weight"):
-            name = f"model.layers.0.{suffix}"
-            if name in self.store:
-                return f"{name} is present (q/k/v biases and q/k norms are not supported)"
-        return None
+    @cached_property
+    def features(self) -> Features:
+        """What its decoder layers compute (qir.models.architectures), checked once."""
+        return features(self)
 
     def layer_module(self, layer: int, name: str) -> str:
         return layer_module(layer, name, self.num_layers)
@@ -227,6 +208,8 @@ class Checkpoint:
         return self.store.get(name)
 
     def linear(self, module: str) -> Linear:
+        if f"{module}.bias" in self.store:
+            raise FormatError(f"{module}.bias is present: linear biases are not supported")
         lin = self.family.linear(self, module)
         want = self.expected_shape(module)
         got = (lin.weight.out_features, lin.weight.in_features)

@@ -77,12 +77,27 @@ def write_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
         tensors[f"{module}.weight"] = w.astype(BF16.np)
 
     linear("model.embed_tokens", (cfg["vocab_size"], hidden), 1.0)
+    # What the family implies besides Llama's tensors (transformers' modules for it).
+    biased = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    if cfg.get("attention_bias"):
+        biased.add("self_attn.o_proj")
+    elif cfg.get("model_type") != "qwen2":
+        biased = set()
+    if cfg.get("mlp_bias"):
+        biased |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     for layer in range(cfg["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         for name, shape in shapes.items():
             linear(f"{prefix}.{name}", shape, shape[1] ** -0.5)
+            if name in biased:
+                b = 0.5 * rng.standard_normal(shape[0], dtype=np.float32)
+                tensors[f"{prefix}.{name}.bias"] = b.astype(BF16.np)
         norm(f"{prefix}.input_layernorm")
         norm(f"{prefix}.post_attention_layernorm")
+        if cfg.get("model_type") == "qwen3":
+            for which in ("q_norm", "k_norm"):
+                w = 1.0 + 0.3 * rng.standard_normal(cfg["head_dim"], dtype=np.float32)
+                tensors[f"{prefix}.self_attn.{which}.weight"] = w.astype(BF16.np)
     norm("model.norm")
     if not cfg.get("tie_word_embeddings"):
         linear("lm_head", (cfg["vocab_size"], hidden), hidden**-0.5)

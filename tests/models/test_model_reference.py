@@ -4,6 +4,7 @@ grouped-query Llama, and the config checks a layer needs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -117,9 +118,8 @@ def test_tied_embeddings_and_linear_rope(tmp_path):
         ({"rms_norm_eps": None}, r"lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_type 'yarn' is not"),
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, r"llama3 lacks low_freq_factor"),
-        ({"attention_bias": True}, r"attention_bias is true"),
-        ({"sliding_window": 32}, r"sliding_window 32"),
-        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        ({"model_type": "mistral", "sliding_window": 32}, r"sliding_window '32 on 2 of 2 layers'"),
+        ({"model_type": "qwen3"}, r"model_type 'qwen3' \(per-head q/k RMSNorm\) is not supported"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5"),
     ],
 )
@@ -128,6 +128,26 @@ def test_a_layer_refuses_configs_it_cannot_run(tmp_path, overrides, message):
     build(ck, "mlp", 0)  # blocks without attention do not need these
     with pytest.raises(FormatError, match=message):
         build(ck, "layer", 0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu' \(MLP activation\) is not supported"),
+        ({"model_type": "deepseek_v3"}, r"multi-head latent attention \(MLA\) is not supported"),
+        ({"model_type": "bert"}, r"model_type 'bert' is not supported \(supported: gemma3_text"),
+        ({"model_type": None, "architectures": None}, r"names no model_type or architectures"),
+        ({"num_local_experts": 8}, r"num_local_experts 8: mixture-of-experts layers"),
+        ({"attention_bias": True}, r"q_proj.bias: missing \(attention_bias True implies it\)"),
+    ],
+)
+def test_every_block_refuses_a_family_or_mlp_it_cannot_run(tmp_path, overrides, message):
+    path = write_llama(tmp_path / "ck")  # Llama's tensors, whatever the config says after
+    cfg = {**json.loads((path / "config.json").read_text()), **overrides}
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    ck = load(path)
+    with pytest.raises(FormatError, match=message):
+        build(ck, "mlp", 0)
 
 
 def test_token_ids_and_sequence_length_are_checked(synthetic):
