@@ -87,7 +87,23 @@ def weight_buffers(node: Node, weights: Weights) -> Mapping[str, np.ndarray]:
         return bufs
     assert isinstance(w, QWeight)
     w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
+    if w.bias:
+        b = bufs.get("bias")
+        want = w.buffers()["bias"]
+        if b is None or b.shape != want.shape or b.dtype != want.dtype.np:
+            got = "nothing" if b is None else f"{b.dtype} {list(b.shape)}"
+            raise BindError(f"weight {key!r}: buffer 'bias' is {got}, expected {want}")
+        if not np.all(np.isfinite(b)):
+            raise BindError(f"weight {key!r}: buffer 'bias' contains NaN or Inf")
     return bufs
+
+
+def bias(node: Node, weights: Weights) -> np.ndarray | None:
+    """The float32 bias a weight node carries, or None."""
+    w = node.type
+    if not isinstance(w, QWeight) or not w.bias:
+        return None
+    return np.asarray(weights[node.attr("key")]["bias"], np.float32)
 
 
 def dequantized(node: Node, weights: Weights) -> np.ndarray:
@@ -133,11 +149,14 @@ def quantize_act(scheme: str, x: np.ndarray, attrs: Mapping[str, Any]) -> np.nda
     return ACT_QUANTIZERS[scheme](_f32(x), **rule)
 
 
-def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
+def _qlinear(
+    node: Node, args: list[np.ndarray], biases: list[np.ndarray | None]
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """Fused or not, the same numerics as the unfused ops: the prologue (or the silu_mul epilogue)
     rounds silu(g) and the product to the act dtype like separate silu/mul ops would (an
     rms_norm prologue rounds the normalised row as rms_norm stores it), the residual epilogue
-    adds the residual to the rounded projection."""
+    adds the residual to the rounded projection. A weight's bias (`biases`, one per weight) joins
+    its float32 sums before they round."""
     attrs = dict(node.attrs)
     ins, ws, extras = qlinear_layout(len(args), attrs)
     m = args[0].shape[0]
@@ -157,7 +176,10 @@ def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarra
         x = rms_norm(x, nw, eps).astype(dt)
     else:
         (x,) = args[ins]
-    outs = [(_f32(x) @ w.T).astype(dt) for w in args[ws]]
+    outs = [
+        (_f32(x) @ w.T + (np.float32(0) if b is None else b)).astype(dt)
+        for w, b in zip(args[ws], biases, strict=True)
+    ]
     if attrs.get("epilogue") == "residual":
         (r,) = args[extras]
         outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
@@ -243,6 +265,7 @@ def evaluate(
     (zeros); None: every state starts empty and nothing is kept."""
     bind_inputs(graph, inputs)
     env: dict[str, Any] = {}
+    biases: dict[str, np.ndarray | None] = {}
     states = state if state is not None else {}
     declared = state_keys(graph)
     for key, value in states.items():
@@ -255,6 +278,7 @@ def evaluate(
             env[name] = inputs[name]
         elif node.op == "weight":
             env[name] = dequantized(node, weights)
+            biases[name] = bias(node, weights)
         elif node.op == "state":
             t = node.type
             assert isinstance(t, TensorType)
@@ -268,7 +292,8 @@ def evaluate(
             assert isinstance(node.type, TensorType)
             env[name] = _LAYER_OPS[node.op](node, args).astype(node.type.dtype.np)
         elif node.op == "qlinear":
-            env[name] = _qlinear(node, args)
+            ws = qlinear_layout(len(args), dict(node.attrs))[1]
+            env[name] = _qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
         elif node.op == "quantize_act":
             # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
             # With an RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel

@@ -439,8 +439,10 @@ def _infer_embedding(
     """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`."""
     _checked("embedding", names, types, 0, index_problem)
     table = types[1]
-    if not isinstance(table, QWeight):
-        raise IRTypeError(f"embedding: operand 1 ({_desc(names[1], table)}) must be a weight")
+    if not isinstance(table, QWeight) or table.bias:
+        raise IRTypeError(
+            f"embedding: operand 1 ({_desc(names[1], table)}) must be a weight without a bias"
+        )
     dt = attrs.get("dtype")
     if dt not in [d.name for d in dtypes.ACTIVATION]:
         raise IRTypeError(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -92,6 +93,14 @@ def random_weight(
     if isinstance(fmt, Nvfp4) and fmt.act_bits == 4:
         return QWeight(fmt, out_f, in_f), fmt.quantize(w, input_amax=INPUT_AMAX)
     return QWeight(fmt, out_f, in_f), fmt.quantize(w)
+
+
+def with_bias(
+    rng: np.random.Generator, qw: QWeight, bufs: dict[str, np.ndarray]
+) -> tuple[QWeight, dict[str, np.ndarray]]:
+    """The weight with a random float32 bias, about the size of its outputs."""
+    b = rng.standard_normal(qw.out_features, dtype=np.float32) * 0.5
+    return dataclasses.replace(qw, bias=True), {**bufs, "bias": b}
 
 
 def mlp_graph(

@@ -108,7 +108,10 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         ({"rms_norm_eps": None}, "lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
         ({"model_type": "qwen3"}, "model_type 'qwen3' (per-head q/k RMSNorm) is not supported"),
-        ({"mlp_bias": True}, "mlp.gate_proj.bias 'gate,up,down' (linear biases) is not supported"),
+        (
+            {"model_type": "mistral", "sliding_window": 4},
+            "sliding_window '4 on 2 of 2 layers' (sliding-window attention) is not supported",
+        ),
     ],
 )
 def test_a_checkpoint_a_layer_cannot_run_is_one_line(tmp_path, capsys, config, message):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
-from qir.formats.base import FormatError
+from qir.formats.base import FormatError, check_tensor
 from qir.models import strict_json
 from qir.models.architectures import LLAMA_LINEARS, Features, features
 from qir.models.checkpoint_dir import find, read_bytes
@@ -67,7 +67,7 @@ class Checkpoint:
         self.path = path
         self.config = config
         self.family = family
-        self.store = TensorStore(path)
+        self.store = TensorStore(path, family.files(config))
 
     def field(self, key: str) -> Any:
         """config.json's `key`, a top-level entry of config_fields.FIELDS (checked when the
@@ -208,8 +208,8 @@ class Checkpoint:
         return self.store.get(name)
 
     def linear(self, module: str) -> Linear:
-        if f"{module}.bias" in self.store:
-            raise FormatError(f"{module}.bias is present: linear biases are not supported")
+        """The linear at `module`, in its format's kernel layout; with its `bias` tensor, if the
+        checkpoint has one (zeros included), widened to float32."""
         lin = self.family.linear(self, module)
         want = self.expected_shape(module)
         got = (lin.weight.out_features, lin.weight.in_features)
@@ -218,7 +218,13 @@ class Checkpoint:
                 f"{module}.weight: holds a {list(got)} weight in {lin.weight.format.spell()}, "
                 f"but config.json implies {list(want)}"
             )
-        return lin
+        name = f"{module}.bias"
+        if name not in self.store:
+            return lin
+        b = self.store.get(name)
+        check_tensor(b, name, (got[0],), F16.np, BF16.np, F32.np)
+        bufs = {**lin.buffers, "bias": b.astype(np.float32)}
+        return Linear(module, replace(lin.weight, bias=True), bufs)
 
 
 def _unsupported(config: Mapping[str, Any]) -> str:

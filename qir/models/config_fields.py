@@ -90,6 +90,7 @@ _SECTION: tuple[Field, ...] = (
     Field("version", str),
     Field("format", str),
     Field("checkpoint_format", str),
+    Field("model_file_base_name", str),  # auto-gptq's file name
     Field("zero_point", bool),
     Field("modules_to_not_convert", list, items=str),
     Field("ignore", list, items=str),

@@ -130,6 +130,12 @@ class Forward:
         b = np.repeat(biases.astype(np.float64), group, axis=1)
         return codes * s + b
 
+    def linear(self, x: np.ndarray, module: str) -> np.ndarray:
+        """x W^T, plus the bias where the checkpoint has one."""
+        y = x @ self.weight(module).T
+        b = self.t.get(f"{module}.bias")
+        return y if b is None else y + b.astype(np.float64)
+
     def inv_freq(self) -> np.ndarray:
         cfg, d = self.cfg, self.cfg["head_dim"]
         scaling = cfg.get("rope_scaling") or {}
@@ -167,9 +173,9 @@ class Forward:
         t, d = x.shape[0], cfg["head_dim"]
         heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         h = self.norm(x, f"{p}.input_layernorm")
-        q = (h @ self.weight(f"{p}.self_attn.q_proj").T).reshape(t, heads, d)
-        k = (h @ self.weight(f"{p}.self_attn.k_proj").T).reshape(t, kv, d)
-        v = (h @ self.weight(f"{p}.self_attn.v_proj").T).reshape(t, kv, d)
+        q = self.linear(h, f"{p}.self_attn.q_proj").reshape(t, heads, d)
+        k = self.linear(h, f"{p}.self_attn.k_proj").reshape(t, kv, d)
+        v = self.linear(h, f"{p}.self_attn.v_proj").reshape(t, kv, d)
         q, k = self.rope(q), self.rope(k)
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
         scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(d)
@@ -177,11 +183,11 @@ class Forward:
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         a = np.einsum("hts,shd->thd", probs, v).reshape(t, heads * d)
-        x = x + a @ self.weight(f"{p}.self_attn.o_proj").T
+        x = x + self.linear(a, f"{p}.self_attn.o_proj")
         h = self.norm(x, f"{p}.post_attention_layernorm")
-        g = h @ self.weight(f"{p}.mlp.gate_proj").T
-        u = h @ self.weight(f"{p}.mlp.up_proj").T
-        return x + (g / (1 + np.exp(-g)) * u) @ self.weight(f"{p}.mlp.down_proj").T
+        g = self.linear(h, f"{p}.mlp.gate_proj")
+        u = self.linear(h, f"{p}.mlp.up_proj")
+        return x + self.linear(g / (1 + np.exp(-g)) * u, f"{p}.mlp.down_proj")
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         x = self.weight("model.embed_tokens")[tokens]

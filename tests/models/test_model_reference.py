@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from qir import interpret
 from qir.dtypes import F32
@@ -25,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 12
+    assert len(FIXTURES) == 13
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -90,6 +91,30 @@ def test_grouped_query_greedy_matches_an_independent_forward(synthetic):
         assert max_rel(gen.logits[step], logits) <= TOL
         seq.append(int(np.argmax(logits)))
     np.testing.assert_array_equal(gen.tokens, seq[len(TOKENS) :])
+
+
+def test_biases_on_every_linear_match_an_independent_forward(tmp_path):
+    """attention_bias and mlp_bias: all seven linears of each layer carry a (random) bias."""
+    path = write_llama(tmp_path / "ck", attention_bias=True, mlp_bias=True)
+    ck = load(path)
+    assert ck.features.biases == ("q", "k", "v", "o", "gate", "up", "down")
+    logits = Model.load(path, act=F32).logits(TOKENS)
+    assert max_rel(logits, Forward(path).logits(TOKENS)) <= TOL
+    # without them the logits would be others
+    plain = Forward(path)
+    plain.t = {k: v for k, v in plain.t.items() if not k.endswith(".bias")}
+    assert max_rel(logits, plain.logits(TOKENS)) > 0.05
+
+
+def test_a_bias_of_the_wrong_shape_is_refused_naming_it(tmp_path):
+    path = write_llama(tmp_path / "ck", model_type="qwen2")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.bias"] = np.zeros(7, np.float16)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(
+        FormatError, match=r"model.layers.1.self_attn.k_proj.bias: shape \[7\], expected \[64\]"
+    ):
+        build(load(path), "layer", 1)
 
 
 def test_tied_embeddings_and_linear_rope(tmp_path):

@@ -1,6 +1,6 @@
 """The compile gate at a checkpoint's shapes, not only the toy shapes of the other tests:
 whether a GEMV spills depends on K (ptxas unrolls its loop over K), so the fused MLP and q/k/v
-GEMVs (and W4A4's quantize_act) of one format per dequant fragment, and of W4A4, are built for
+GEMVs (q/k/v with biases) and W4A4's quantize_act of one format per dequant fragment, and of W4A4, are built for
 every gate arch at hidden 512 and intermediate 1408 (issue 14's W4A4 down projection,
 K = 1408) and must not spill. The GEMMs' loop over K tiles is never unrolled (`#pragma unroll 1`
 in qgemm.cu.j2): their code does not depend on K, and their gates build them at small shapes
@@ -51,8 +51,9 @@ def _kernels() -> list[Kernel]:
         mlp, _ = mlp_graph(rng, HIDDEN, INTER, fmt, act)
         b = Builder("qkv")
         x = b.input("x", ("M", HIDDEN), act)
+        # Biased, as Qwen2's: the bias joins the sums after the warp reduction.
         for name, n in {"q": HIDDEN, "k": KV, "v": KV}.items():
-            w = b.weight(name, QWeight(fmt, n, HIDDEN), name=f"w_{name}")
+            w = b.weight(name, QWeight(fmt, n, HIDDEN, bias=True), name=f"w_{name}")
             b.output(name, b.qlinear(x, w, name=name))
         for g in (mlp, b.graph):
             for launch in lower(run_pipeline(g, "default")[0]).launches:
