@@ -195,10 +195,12 @@ def _silu_mul(g: np.ndarray, u: np.ndarray, dt: Any) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """float32: x / sqrt(mean(x^2) + eps) * w, per row."""
+    """float32: x / sqrt(mean(x^2) + eps) * w, per row, or per group of len(w) features of a
+    row (per head)."""
     x = _f32(x)
-    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
-    return x / np.sqrt(ms + np.float32(eps)) * _f32(w)
+    g = x.reshape(*x.shape[:-1], -1, w.shape[-1])
+    ms = np.mean(g * g, axis=-1, keepdims=True, dtype=np.float32)
+    return (g / np.sqrt(ms + np.float32(eps)) * _f32(w)).reshape(x.shape)
 
 
 def _check_positions(positions: np.ndarray, capacity: int, what: str) -> None:
@@ -210,11 +212,13 @@ def _check_positions(positions: np.ndarray, capacity: int, what: str) -> None:
 
 
 def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """New caches (copies) with row m of k and v at positions[m]; k rotated by a rope
-    prologue."""
-    kc, vc, k, v, positions = args
+    """New caches (copies) with row m of k and v at positions[m]; each head of k normed by a
+    head-norm prologue, then rotated by a rope prologue (each rounded, as the ops would)."""
+    kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
     _check_positions(positions, kc.shape[0], "kv_append")
+    if "norm_eps" in attrs:
+        k = rms_norm(k, args[5], node.attr("norm_eps")).astype(kc.dtype)
     if "rope_type" in attrs:
         k = rope.rotate(k, positions, attrs).astype(kc.dtype)
     kc, vc = kc.copy(), vc.copy()
@@ -224,11 +228,14 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
 
 
 def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    """float32 softmax(q k^T * scale) v per head, row m over cache rows 0..positions[m]."""
-    q, kc, vc, positions = args
+    """float32 softmax(q k^T * scale) v per head, row m over cache rows 0..positions[m]; q
+    through its prologues (head norm, rope) first."""
+    q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
     _check_positions(positions, kc.shape[0], "attention")
     m, (_, kv_heads, d) = q.shape[0], kc.shape
+    if "norm_eps" in attrs:
+        q = rms_norm(q, args[4], node.attr("norm_eps")).astype(q.dtype)
     if "rope_type" in attrs:
         q = rope.rotate(q, positions, attrs).astype(q.dtype)
     qh = _f32(q).reshape(m, kv_heads, -1, d)  # [M, kv_heads, group, D]

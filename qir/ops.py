@@ -169,9 +169,7 @@ def _infer_qlinear(
             raise IRTypeError("qlinear: act_quant quantizes a prologue's result; use quantize_act")
         _check_act_rule("qlinear", attrs, "act_quant")
     if prologue == "rms_norm":
-        normed = _infer_rms_norm(types[:2], names[:2], attrs)
-        assert isinstance(normed, TensorType)
-        x = normed
+        x = _infer_row_norm("qlinear", types[:2], names[:2], attrs)
     if prologue == "silu_mul":
         u = _activation("qlinear", names, types, 1)
         if u != x:
@@ -287,7 +285,7 @@ def _infer_quantize_act(
     x = _activation("quantize_act", names, types, 0)
     if len(types) not in (1, 3) or (len(types) == 3) != ("eps" in attrs):
         raise IRTypeError("quantize_act: takes (x), or (xn, x, w) with an rms_norm eps")
-    if len(types) == 3 and _infer_rms_norm(types[1:], names[1:], attrs) != x:
+    if len(types) == 3 and _infer_row_norm("quantize_act", types[1:], names[1:], attrs) != x:
         raise IRTypeError(
             f"quantize_act: rms_norm({_desc(names[1], types[1])}) does not match "
             f"{_desc(names[0], x)}"
@@ -339,17 +337,54 @@ def _infer_binary(op: str) -> Infer:
 def _infer_rms_norm(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
+    """(x [M, N], w [D]) -> x normed over each group of D features (D = N: whole rows; D a
+    divisor of N: per head, as Qwen3's q/k norms)."""
     x = _activation("rms_norm", names, types, 0)
     w = _checked("rms_norm", names, types, 1, param_problem)
-    if w.shape[0] != x.shape[1]:
+    n, d = x.shape[1], w.shape[0]
+    assert isinstance(n, int) and isinstance(d, int)
+    if n % d:
         raise IRTypeError(
             f"rms_norm: weight {_desc(names[1], w)} does not match the features of "
-            f"{_desc(names[0], x)}"
+            f"{_desc(names[0], x)} (or a whole number of groups of them)"
         )
     eps = attrs.get("eps")
     if not isinstance(eps, float) or not eps > 0:
         raise IRTypeError(f"rms_norm: eps must be a positive float, got {eps!r}")
     return x
+
+
+def _infer_row_norm(
+    op: str, types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> TensorType:
+    """An rms_norm prologue of whole rows (what the qlinear and quantize_act kernels compute)."""
+    x = _infer_rms_norm(types, names, attrs)
+    assert isinstance(x, TensorType) and isinstance(types[1], TensorType)
+    if types[1].shape[0] != x.shape[1]:
+        raise IRTypeError(f"{op}: an rms_norm prologue normalises whole rows, not groups")
+    return x
+
+
+def _head_norm(
+    op: str,
+    names: Sequence[str],
+    types: Sequence[ValueType],
+    at: int,
+    attrs: Mapping[str, Any],
+    head_dim: int,
+) -> None:
+    """The per-head RMSNorm prologue of attention (q) and kv_append (k): operand `at`, a weight
+    [head_dim], with attribute norm_eps."""
+    has_weight, eps = len(types) > at, attrs.get("norm_eps")
+    if has_weight != (eps is not None):
+        raise IRTypeError(f"{op}: a head-norm prologue takes a weight operand and norm_eps")
+    if not has_weight:
+        return
+    w = _checked(op, names, types, at, param_problem)
+    if w.shape != (head_dim,):
+        raise IRTypeError(f"{op}: head-norm weight {_desc(names[at], w)} must be [{head_dim}]")
+    if not isinstance(eps, float) or not eps > 0:
+        raise IRTypeError(f"{op}: norm_eps must be a positive float, got {eps!r}")
 
 
 def _heads(op: str, name: str, x: TensorType, head_dim: int) -> int:
@@ -387,11 +422,15 @@ def _caches(
 def _infer_kv_append(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(k_cache, v_cache, k, v, positions) -> the two caches with row m of k and v written at
-    positions[m]. A rope prologue (its attributes) rotates k as it is written."""
+    """(k_cache, v_cache, k, v, positions[, k_norm]) -> the two caches with row m of k and v
+    written at positions[m]. A rope prologue (its attributes) rotates k as it is written; a
+    head-norm prologue (k_norm [head_dim], norm_eps) normalises each head of k first."""
+    if len(types) not in (5, 6):
+        raise IRTypeError(f"kv_append: takes 5 or 6 operands, got {len(types)}")
     cache = _caches("kv_append", names, types, 0, 1)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+    _head_norm("kv_append", names, types, 5, attrs, head_dim)
     for i in (2, 3):
         t = _activation("kv_append", names, types, i)
         if t.shape[1] != kv_heads * head_dim or t.dtype != cache.dtype:
@@ -409,14 +448,18 @@ def _infer_kv_append(
 def _infer_attention(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(q, k_cache, v_cache, positions): row m attends to cache rows 0..positions[m] (causal),
-    query head h to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its
-    attributes) rotates q as it is read."""
+    """(q, k_cache, v_cache, positions[, q_norm]): row m attends to cache rows 0..positions[m]
+    (causal), query head h to kv head h // (heads / kv_heads) (grouped-query). A rope prologue
+    (its attributes) rotates q as it is read; a head-norm prologue (q_norm [head_dim],
+    norm_eps) normalises each head of q first."""
+    if len(types) not in (4, 5):
+        raise IRTypeError(f"attention: takes 4 or 5 operands, got {len(types)}")
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
     _checked("attention", names, types, 3, index_problem)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+    _head_norm("attention", names, types, 4, attrs, head_dim)
     heads = _heads("attention", names[0], q, head_dim)
     if heads % kv_heads or q.dtype != cache.dtype:
         raise IRTypeError(
@@ -481,8 +524,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
-        OpSpec("kv_append", 5, _infer_kv_append, ROPE_ATTRS),
-        OpSpec("attention", 4, _infer_attention, frozenset({"scale"}) | ROPE_ATTRS),
+        OpSpec("kv_append", VARIADIC, _infer_kv_append, ROPE_ATTRS | {"norm_eps"}),
+        OpSpec(
+            "attention", VARIADIC, _infer_attention, frozenset({"scale", "norm_eps"}) | ROPE_ATTRS
+        ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
     )
 }

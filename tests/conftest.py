@@ -29,6 +29,20 @@ ON_GPU = pytest.mark.skipif(
 )
 BACKENDS = ["host", pytest.param("cuda", marks=[pytest.mark.gpu, ON_GPU])]
 MLX_FIXTURES = ("mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S")
+# Checkpoints of the other model families (tests/models/test_families.py runs them as layers
+# and models); their formats' blocks are the S fixtures' (the format tests skip them).
+FAMILY_FIXTURES = frozenset(
+    {"mlx_affine4_qwen2", "ct_w4a16_qwen2", "mlx_affine4_qwen3", "ct_w4a16_qwen3"}
+)
+
+
+def format_fixtures() -> list[str]:
+    """The fixtures with block goldens (golden.npz) that the format tests take."""
+    return sorted(
+        p.name
+        for p in DATA.iterdir()
+        if (p / "golden.npz").is_file() and p.name not in FAMILY_FIXTURES
+    )
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:

@@ -107,7 +107,10 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     [
         ({"rms_norm_eps": None}, "lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
-        ({"model_type": "qwen3"}, "model_type 'qwen3' (per-head q/k RMSNorm) is not supported"),
+        (
+            {"model_type": "gemma3_text"},
+            "hidden_activation 'gelu_pytorch_tanh' (MLP activation) is not supported",
+        ),
         (
             {"model_type": "mistral", "sliding_window": 4},
             "sliding_window '4 on 2 of 2 layers' (sliding-window attention) is not supported",

@@ -203,6 +203,9 @@ def test_silu_mul_epilogue_takes_4_bit_input_but_no_prologue():
     )
     assert parse(normed).node("h").attr("prologue") == "rms_norm"
     with pytest.raises(VerifyError, match="rms_norm: weight"):
+        parse(normed.replace("bf16[64]", "bf16[48]"))
+    # a per-head norm (a weight of a divisor of the width) is no prologue of a projection
+    with pytest.raises(VerifyError, match="an rms_norm prologue normalises whole rows"):
         parse(normed.replace("bf16[64]", "bf16[32]"))
 
 

@@ -14,6 +14,7 @@ from qir.codegen.layer_kernels import (
     PREFILL_ROWS,
     AttentionSpec,
     CacheShape,
+    HeadNorm,
     RopeSpec,
     attention_combine_kernel,
     attention_prefill_kernel,
@@ -63,13 +64,22 @@ def _only_as_norm_source(graph: Graph, name: str) -> bool:
 
 def lower_rms_norm(graph: Graph, name: str) -> Lowered:
     x, w = graph.operands(name)
-    t = _tensor(graph, name)
-    kernel = rms_norm_kernel(
-        t.dtype, _tensor(graph, w).dtype, _int(t.shape[1]), graph.node(name).attr("eps")
-    )
+    t, wt = _tensor(graph, name), _tensor(graph, w)
+    n = _int(wt.shape[0])
+    groups = _int(t.shape[1]) // n  # a per-head norm: a block per group
+    kernel = rms_norm_kernel(t.dtype, wt.dtype, n, graph.node(name).attr("eps"), groups)
     args = (Arg("value", x), Arg("weight", w, "weight"), Arg("value", name), Arg("M"))
     when = (W4A4_MAX_M + 1, ALL_M[1]) if _only_as_norm_source(graph, name) else ALL_M
-    return [Launch(kernel, 1, 1, args, (name,), (name,), when)], {}
+    return [Launch(kernel, groups, 1, args, (name,), (name,), when)], {}
+
+
+def _head_norm(graph: Graph, name: str, at: int) -> tuple[HeadNorm | None, tuple[Arg, ...]]:
+    """A kv_append's or attention's head-norm prologue (its weight, operand `at`) and its arg."""
+    eps = graph.node(name).attr("norm_eps")
+    if eps is None:
+        return None, ()
+    w = graph.operands(name)[at]
+    return HeadNorm(_tensor(graph, w).dtype, eps), (Arg("weight", w, "weight"),)
 
 
 def lower_rope(graph: Graph, name: str) -> Lowered:
@@ -83,21 +93,24 @@ def lower_rope(graph: Graph, name: str) -> Lowered:
 
 
 def lower_kv_append(graph: Graph, name: str) -> Lowered:
-    kc, vc, k, v, pos = graph.operands(name)
-    kernel = kv_append_kernel(_cache(graph, kc), RopeSpec.of(dict(graph.node(name).attrs)))
+    kc, vc, k, v, pos = graph.operands(name)[:5]
+    norm, norm_args = _head_norm(graph, name, 5)
+    rope = RopeSpec.of(dict(graph.node(name).attrs))
+    kernel = kv_append_kernel(_cache(graph, kc), rope, norm)
     # The caches are written in place: the args are the states, the gets alias them.
-    args = (*(Arg("value", a) for a in (kc, vc, k, v, pos)), Arg("M"))
+    args = (*(Arg("value", a) for a in (kc, vc, k, v, pos)), *norm_args, Arg("M"))
     return [Launch(kernel, 1, 1, args, graph.users(name), (name,))], {}
 
 
 def lower_attention(graph: Graph, name: str) -> Lowered:
-    q, kc, vc, pos = graph.operands(name)
+    q, kc, vc, pos = graph.operands(name)[:4]
     node = graph.node(name)
     cache = _cache(graph, kc)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
-    spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)))
+    norm, norm_args = _head_norm(graph, name, 4)
+    spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)), norm)
     part = graph.fresh(f"{name}.partials")
-    reads = (Arg("value", q), Arg("value", kc), Arg("value", vc), Arg("value", pos))
+    reads = (Arg("value", q), Arg("value", kc), Arg("value", vc), Arg("value", pos), *norm_args)
     decode = (1, DECODE_MAX_M)
     prefill = (DECODE_MAX_M + 1, ALL_M[1])
     launches = [

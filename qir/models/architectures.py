@@ -231,10 +231,11 @@ def features(ck: Checkpoint) -> Features:
             )
     uses: list[Use] = []
     act_key = next((k for k in arch.activation_keys if ck.field(k) is not None), None)
-    activation = (
-        Use("activation", act_key, ck.field(act_key))
-        if act_key
-        else Use("activation", "model_type", arch.activation)
+    # Absent: the family's default, as transformers' config class fills it in.
+    activation = Use(
+        "activation",
+        act_key or arch.activation_keys[0],
+        ck.field(act_key) if act_key else arch.activation,
     )
     for path, parts in arch.fused.items():
         prefix = f"model.layers.0.{path}."

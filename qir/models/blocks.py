@@ -69,7 +69,7 @@ class Block:
 
 # What the builder implements of the features a family may use (qir.models.architectures);
 # a checkpoint using another is refused in one line naming its config field.
-SUPPORTED: frozenset[str] = frozenset({"bias"})
+SUPPORTED: frozenset[str] = frozenset({"bias", "qk_norm"})
 ACTIVATIONS = ("silu",)
 
 
@@ -107,15 +107,17 @@ class _Builder:
     def proj(self, layer: int, proj: str, prefix: str = "") -> Value:
         return self.linear(self.ck.layer_module(layer, proj), f"{prefix}w_{proj}")
 
-    def norm(self, x: Value, module: str, name: str) -> Value:
+    def norm(self, x: Value, module: str, name: str, size: int = 0) -> Value:
+        """RMSNorm of x by `module`'s weight: of whole rows (hidden_size), or with `size`
+        (head_dim) of each head."""
         checked(self.ck, ("norm_plus_one",))
         key = f"{module}.weight"
         w = self.ck.tensor(key)
-        hidden = self.ck.hidden_size
-        if w.shape != (hidden,):
-            raise FormatError(f"{key}: shape {list(w.shape)}, expected [{hidden}] (hidden_size)")
+        n, what = (size, "head_dim") if size else (self.ck.hidden_size, "hidden_size")
+        if w.shape != (n,):
+            raise FormatError(f"{key}: shape {list(w.shape)}, expected [{n}] ({what})")
         self.weights[module] = {"weight": w}
-        t = TensorType((hidden,), _param_dtype(w, key))
+        t = TensorType((n,), _param_dtype(w, key))
         p = self.b.param(module, t, name=f"{name}.w")
         return self.b.rms_norm(x, p, self.ck.rms_norm_eps, name=name)
 
@@ -142,6 +144,9 @@ class _Builder:
         attn = f"model.layers.{layer}.self_attn"
         h = self.norm(x, f"model.layers.{layer}.input_layernorm", f"{prefix}attn_norm")
         q, k, v = self.qkv(h, layer, prefix)
+        if f.arch.qk_norm:  # per head, before RoPE (fold_head_norm moves them into its readers)
+            q = self.norm(q, f"{attn}.q_norm", f"{prefix}q_norm", ck.head_dim)
+            k = self.norm(k, f"{attn}.k_norm", f"{prefix}k_norm", ck.head_dim)
         cache = TensorType((self.max_seq, ck.num_kv_heads, ck.head_dim), self.act)
         kc = b.state(f"{attn}.k_cache", cache, name=f"{prefix}k_cache")
         vc = b.state(f"{attn}.v_cache", cache, name=f"{prefix}v_cache")

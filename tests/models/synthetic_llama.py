@@ -176,6 +176,8 @@ class Forward:
         q = self.linear(h, f"{p}.self_attn.q_proj").reshape(t, heads, d)
         k = self.linear(h, f"{p}.self_attn.k_proj").reshape(t, kv, d)
         v = self.linear(h, f"{p}.self_attn.v_proj").reshape(t, kv, d)
+        if f"{p}.self_attn.q_norm.weight" in self.t:  # Qwen3: each head normed before RoPE
+            q, k = self.norm(q, f"{p}.self_attn.q_norm"), self.norm(k, f"{p}.self_attn.k_norm")
         q, k = self.rope(q), self.rope(k)
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
         scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(d)

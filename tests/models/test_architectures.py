@@ -100,7 +100,7 @@ def test_gemma3_uses_its_norm_form_scale_and_activation(tmp_path):
         )
     )
     f = ck.features
-    assert f.activation.value == "gelu_pytorch_tanh" and f.activation.where == "model_type"
+    assert f.activation.value == "gelu_pytorch_tanh" and f.activation.where == "hidden_activation"
     assert f.attention_scale == 16**-0.5
     used = {u.feature for u in f.uses}
     assert {"norm_plus_one", "post_norms", "qk_norm", "embed_scale", "final_softcap"} <= used

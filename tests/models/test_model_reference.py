@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 13
+    assert len(FIXTURES) == 17
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -106,6 +106,17 @@ def test_biases_on_every_linear_match_an_independent_forward(tmp_path):
     assert max_rel(logits, plain.logits(TOKENS)) > 0.05
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_families_match_an_independent_forward(tmp_path, family):
+    """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (2 layers, grouped-query)."""
+    path = write_llama(tmp_path / "ck", model_type=family)
+    ours = Model.load(path, act=F32)
+    assert max_rel(ours.logits(TOKENS), Forward(path).logits(TOKENS)) <= TOL
+    ours.forward(TOKENS[:4], 0)
+    step = ours.forward(TOKENS[4:5], 4)[0]
+    assert max_rel(step, Forward(path).logits(TOKENS[:5])[-1]) <= TOL
+
+
 def test_a_bias_of_the_wrong_shape_is_refused_naming_it(tmp_path):
     path = write_llama(tmp_path / "ck", model_type="qwen2")
     tensors = load_file(str(path / "model.safetensors"))
@@ -144,12 +155,18 @@ def test_tied_embeddings_and_linear_rope(tmp_path):
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_type 'yarn' is not"),
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, r"llama3 lacks low_freq_factor"),
         ({"model_type": "mistral", "sliding_window": 32}, r"sliding_window '32 on 2 of 2 layers'"),
-        ({"model_type": "qwen3"}, r"model_type 'qwen3' \(per-head q/k RMSNorm\) is not supported"),
+        ({"model_type": "qwen3"}, r"no tensor 'model.layers.0.self_attn.q_norm.weight'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5"),
     ],
 )
 def test_a_layer_refuses_configs_it_cannot_run(tmp_path, overrides, message):
-    ck = load(write_llama(tmp_path / "ck", **overrides))
+    path = write_llama(tmp_path / "ck", **overrides)
+    if overrides.get("model_type") == "qwen3":  # a Qwen3 checkpoint without its q/k norms
+        tensors = load_file(str(path / "model.safetensors"))
+        save_file(
+            {k: v for k, v in tensors.items() if "_norm." not in k}, str(path / "model.safetensors")
+        )
+    ck = load(path)
     build(ck, "mlp", 0)  # blocks without attention do not need these
     with pytest.raises(FormatError, match=message):
         build(ck, "layer", 0)

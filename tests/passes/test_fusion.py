@@ -310,6 +310,7 @@ def test_default_pipeline_counts_and_ir():
         "silu_prologue": 0,
         "residual_epilogue": 1,
         "fold_rope": 0,
+        "fold_head_norm": 0,
         "route_w4a4": 0,
         "share_act_quant": 0,
         "norm_act_quant": 0,

@@ -42,7 +42,16 @@ from qir.runtime.backend import get_backend
 from qir.runtime.executor import CompiledBlock
 from qir.runtime.host import HostBackend
 from qir.runtime.nvrtc import check_no_spills
-from tests.conftest import BACKENDS, DATA, FORMAT_ZOO, ON_GPU, max_rel, random_weight, rel_err
+from tests.conftest import (
+    BACKENDS,
+    DATA,
+    FORMAT_ZOO,
+    ON_GPU,
+    format_fixtures,
+    max_rel,
+    random_weight,
+    rel_err,
+)
 from tests.runtime.test_every_format import HIDDEN, INTER, RAGGED, block, close, inputs, w4a4
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x")
@@ -204,7 +213,7 @@ def test_k_not_a_multiple_of_the_k_step(fmt: WeightFormat, backend: str) -> None
         assert max_rel(c(xm)["y"], ref(xm)["y"]) <= 2e-3
 
 
-FIXTURES = sorted(p.name for p in DATA.iterdir() if (p / "golden.npz").is_file())
+FIXTURES = format_fixtures()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
