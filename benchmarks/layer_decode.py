@@ -40,6 +40,7 @@ from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family
 from qir.runtime.backend import best_backend
+from qir.sampling import Sampling
 from qir.types import TensorType
 
 LLAMA3_8B: dict[str, Any] = {
@@ -197,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> list[Timed]:
         model_ck = SyntheticCheckpoint(FORMATS[args.format], layers, scale)
         model = Model(model_ck, backend=backend, max_seq=args.max_seq)
         step = model.compiled.capture(1)
-        ids = {"ids": np.array([1], np.int32), "pos": np.array([args.position], np.int32)}
+        ids = model.block.token_inputs(np.array([1]), args.position)
+        ids["sampling"][0] = Sampling(temperature=1.0, top_k=50).row()  # the step also draws
         step(ids)
         assert model.compiled._exec is not None
         ms = median_ms(lambda: step(ids), model.compiled._exec.backend.synchronize, args.repeat)

@@ -34,15 +34,20 @@ class Compiled:
     # device (CompiledBlock.state).
     _state: dict[str, Any] = field(default_factory=dict)
 
-    def __call__(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
+    def __call__(
+        self, inputs: Mapping[str, Any], stream: Any = None, rows: str | None = None
+    ) -> dict[str, Any]:
         """Run once. Kernel backends take numpy, CuPy or DLPack inputs and launch on `stream`
         (cuda); see qir.runtime.executor for what comes back. A block with state (KV caches)
-        starts from what the previous run left in it: see `reset_state`."""
+        starts from what the previous run left in it: see `reset_state`. `rows`: "many" (rows
+        of different sequences, a decode batch) or "one" (one sequence's, a prefill), where a
+        kernel family depends on it (attention; default: by M, qir.codegen.lower.resolve_rows);
+        the results are the same either way."""
         if self._exec is None:
             if not self._state:
                 self._state = empty_state(self.graph)
             return interpret(self.graph, inputs, self.weights, self._state)
-        return self._exec.run(inputs, stream)
+        return self._exec.run(inputs, stream, rows)
 
     def reset_state(self) -> None:
         """Empty the KV caches (zeros): the next run starts a new sequence. Positions decide what
@@ -58,16 +63,24 @@ class Compiled:
             return {k: v.copy() for k, v in (self._state or empty_state(self.graph)).items()}
         return self._exec.read_state()
 
-    def capture(self, m: int, stream: Any = None) -> CapturedBlock:
+    def prepare(self, m: int, rows: str | None = None) -> None:
+        """Load (compiling if cold) the kernels a run with M=`m` launches, so the run itself
+        does not wait for a compiler (nothing to do on the reference backend)."""
+        if self._exec is not None:
+            self._exec.load(m, rows)
+
+    def capture(self, m: int, stream: Any = None, rows: str | None = None) -> CapturedBlock:
         """The block bound to fixed buffers for M=`m`, replayed by calling it (a CUDA graph on
         the cuda backend): the decode path."""
-        return self._executor("capture").capture(m, stream)
+        return self._executor("capture").capture(m, stream, rows)
 
-    def capture_batches(self, sizes: Sequence[int], stream: Any = None) -> CapturedBatches:
+    def capture_batches(
+        self, sizes: Sequence[int], stream: Any = None, rows: str | None = None
+    ) -> CapturedBatches:
         """One capture per batch size in `sizes` (e.g. 1, 2, 4, 8, 16, 32, 64); calling the
         result with M rows replays the nearest capture that serves M, padded: decode with a
         batch that changes from step to step. See qir.runtime.executor.CapturedBatches."""
-        return self._executor("capture_batches").capture_batches(sizes, stream)
+        return self._executor("capture_batches").capture_batches(sizes, stream, rows)
 
     def peak_bytes(self, m: int) -> int:
         """Bytes a run at M=`m` allocates besides inputs and weights (intermediates share an
@@ -107,9 +120,9 @@ class Compiled:
         """Launches in the plan, for every batch size (W4A4 nodes have a 16-bit twin)."""
         return len(self.plan.launches) if self.plan else 0
 
-    def launches_for(self, m: int) -> int:
+    def launches_for(self, m: int, rows: str | None = None) -> int:
         """Launches one run with M=`m` makes."""
-        return sum(la.runs_for(m) for la in self.plan.launches) if self.plan else 0
+        return sum(la.runs_for(m, rows) for la in self.plan.launches) if self.plan else 0
 
 
 def compile(

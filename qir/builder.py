@@ -20,6 +20,14 @@ class Value:
         return f"%{self.name}"
 
 
+def _paging(pages: Value | None, page_size: int | None) -> dict[str, AttrValue]:
+    if pages is None:
+        return {}
+    if page_size is None:
+        raise IRTypeError("a block table needs its page_size")
+    return {"page_size": page_size}
+
+
 class Builder:
     def __init__(self, name: str = "main") -> None:
         check_name(name, "graph")
@@ -119,10 +127,14 @@ class Builder:
         v: Value,
         positions: Value,
         name: str | None = None,
+        pages: Value | None = None,
+        page_size: int | None = None,
     ) -> tuple[Value, Value]:
         """Writes row m of k and v at positions[m] of the caches; returns the written caches,
-        which attention must read (not the states themselves)."""
-        both = self._op("kv_append", (k_cache, v_cache, k, v, positions), name)
+        which attention must read (not the states themselves). With a block table `pages`
+        (i32[M, pages]) the caches are pools of pages of `page_size` rows (qir.ops)."""
+        operands = (k_cache, v_cache, k, v, positions, *((pages,) if pages else ()))
+        both = self._op("kv_append", operands, name, **_paging(pages, page_size))
         assert isinstance(both.type, TupleType)
         return self.get(both, 0, f"{both.name}.k"), self.get(both, 1, f"{both.name}.v")
 
@@ -137,17 +149,32 @@ class Builder:
         positions: Value,
         scale: float | None = None,
         name: str | None = None,
+        pages: Value | None = None,
+        page_size: int | None = None,
     ) -> Value:
-        """Causal grouped-query attention of each row over cache rows 0..positions[m];
-        `scale` defaults to 1/sqrt(head_dim)."""
+        """Causal grouped-query attention of each row over its positions 0..positions[m] (through
+        the block table `pages` where given); `scale` defaults to 1/sqrt(head_dim)."""
         head_dim = k_cache.type.shape[2] if isinstance(k_cache.type, TensorType) else 1
         assert isinstance(head_dim, int)
         s = float(scale) if scale is not None else float(head_dim) ** -0.5
-        return self._op("attention", (q, k_cache, v_cache, positions), name, scale=s)
+        operands = (q, k_cache, v_cache, positions, *((pages,) if pages else ()))
+        return self._op("attention", operands, name, scale=s, **_paging(pages, page_size))
 
     def embedding(self, ids: Value, table: Value, dtype: DType, name: str | None = None) -> Value:
         """Row ids[m] of the (dequantized) table [vocab, features], in `dtype`."""
         return self._op("embedding", (ids, table), name, dtype=dtype.name)
+
+    def sample(
+        self,
+        logits: Value,
+        params: Value,
+        seed: Value,
+        positions: Value,
+        name: str | None = None,
+    ) -> Value:
+        """A token id per row of `logits`, drawn under the row's params (temperature, top_k,
+        top_p, min_p) with its seed and position keying the draw (qir.sampling)."""
+        return self._op("sample", (logits, params, seed, positions), name)
 
     def output(self, name: str, value: Value) -> None:
         check_name(name, "output")

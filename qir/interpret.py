@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from qir import rope
+from qir import rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, cache_operands, qlinear_layout
 from qir.types import QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
@@ -203,49 +203,94 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (g / np.sqrt(ms + np.float32(eps)) * _f32(w)).reshape(x.shape)
 
 
-def _check_positions(positions: np.ndarray, capacity: int, what: str) -> None:
-    if positions.size and (positions.min() < 0 or positions.max() >= capacity):
+def _check_span(node: Node, positions: np.ndarray, span: int, what: str) -> None:
+    if positions.size and (positions.min() < -1 or positions.max() >= span):
         raise BindError(
-            f"{what}: positions {positions.min()}..{positions.max()} are outside the KV cache "
-            f"of {capacity} rows"
+            f"{node.op}: positions {positions.min()}..{positions.max()} are outside {what}"
         )
 
 
+def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray) -> np.ndarray | None:
+    """int64 [M, S]: where row m's positions 0..S-1 sit in a paged cache (S: the positions a
+    block table holds): table[m, p // page_size] * page_size + p % page_size. None without a
+    block table (qir.ops.cache_operands), where position p is row p. Positions (the operand
+    before the block table; -1 for a padding row) must fit, and so must the pages a row reads
+    or writes."""
+    positions = args[4 if node.op == "kv_append" else 3]
+    at = cache_operands(node.op, dict(node.attrs))[0]
+    if at is None:
+        _check_span(node, positions, cache.shape[0], f"the KV cache of {cache.shape[0]} rows")
+        return None
+    table, page = args[at], node.attr("page_size")
+    span = table.shape[1] * page
+    _check_span(node, positions, span, f"the {span} a block table of {table.shape[1]} pages holds")
+    pages = cache.shape[0] // page
+    needed = (np.arange(table.shape[1])[None, :] <= positions[:, None] // page) & (
+        positions[:, None] >= 0
+    )
+    used = table[needed]
+    if used.size and (used.min() < 0 or used.max() >= pages):
+        raise BindError(
+            f"{node.op}: block table pages {used.min()}..{used.max()} are outside the pool of "
+            f"{pages} pages"
+        )
+    p = np.arange(span)
+    rows: np.ndarray = np.clip(table, 0, pages - 1)[:, p // page] * page + p % page
+    return rows
+
+
 def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """New caches (copies) with row m of k and v at positions[m]; each head of k normed by a
-    head-norm prologue, then rotated by a rope prologue (each rounded, as the ops would)."""
+    """New caches (copies) with row m of k and v at positions[m] (padding rows, at -1, write
+    nothing); each head of k normed by a head-norm prologue, then rotated by a rope prologue
+    (each rounded, as the ops would)."""
     kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
-    _check_positions(positions, kc.shape[0], "kv_append")
-    if "norm_eps" in attrs:
-        k = rms_norm(k, args[5], node.attr("norm_eps")).astype(kc.dtype)
+    rows = _pages(node, args, kc)
+    norm = cache_operands("kv_append", attrs)[1]
+    if norm is not None:
+        k = rms_norm(k, args[norm], node.attr("norm_eps")).astype(kc.dtype)
     if "rope_type" in attrs:
         k = rope.rotate(k, positions, attrs).astype(kc.dtype)
     kc, vc = kc.copy(), vc.copy()
-    kc[positions] = k.reshape(len(positions), *kc.shape[1:])
-    vc[positions] = v.reshape(len(positions), *vc.shape[1:])
+    real = positions >= 0
+    at = positions[real] if rows is None else rows[np.flatnonzero(real), positions[real]]
+    kc[at] = k[real].reshape(len(at), *kc.shape[1:])
+    vc[at] = v[real].reshape(len(at), *vc.shape[1:])
     return kc, vc
 
 
 def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    """float32 softmax(q k^T * scale) v per head, row m over cache rows 0..positions[m]; q
-    through its prologues (head norm, rope) first."""
+    """float32 softmax(q k^T * scale) v per head, row m over its positions 0..positions[m]
+    (zeros for a padding row, at -1); q through its prologues (head norm, rope) first."""
     q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
-    _check_positions(positions, kc.shape[0], "attention")
+    rows = _pages(node, args, kc)
     m, (_, kv_heads, d) = q.shape[0], kc.shape
-    if "norm_eps" in attrs:
-        q = rms_norm(q, args[4], node.attr("norm_eps")).astype(q.dtype)
+    norm = cache_operands("attention", attrs)[1]
+    if norm is not None:
+        q = rms_norm(q, args[norm], node.attr("norm_eps")).astype(q.dtype)
     if "rope_type" in attrs:
         q = rope.rotate(q, positions, attrs).astype(q.dtype)
     qh = _f32(q).reshape(m, kv_heads, -1, d)  # [M, kv_heads, group, D]
-    scores = np.einsum("mkgd,ckd->mkgc", qh, _f32(kc)) * np.float32(node.attr("scale"))
-    visible = np.arange(kc.shape[0])[None, :] <= positions[:, None]  # [M, C]
-    scores = np.where(visible[:, None, None, :], scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    out: np.ndarray = np.einsum("mkgc,ckd->mkgd", p, _f32(vc)).reshape(m, -1)
-    return out
+    out = np.zeros_like(qh)
+    if rows is None:
+        groups = [(np.arange(m), np.arange(kc.shape[0]))]
+    else:  # rows sharing a block table (one sequence's) gather its keys once
+        tables, which = np.unique(rows, axis=0, return_inverse=True)
+        groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
+    scale = np.float32(node.attr("scale"))
+    for members, where in groups:
+        keys, values = _f32(kc[where]), _f32(vc[where])  # [S, kv_heads, D]
+        scores = np.einsum("mkgd,ckd->mkgc", qh[members], keys) * scale
+        visible = np.arange(len(where))[None, :] <= positions[members, None]
+        scores = np.where(visible[:, None, None, :], scores, -np.inf)
+        top = scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores - np.where(np.isfinite(top), top, 0))
+        total = p.sum(axis=-1, keepdims=True)
+        p = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
+        out[members] = np.einsum("mkgc,ckd->mkgd", p, values)
+    result: np.ndarray = out.reshape(m, -1)
+    return result
 
 
 def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:
@@ -327,6 +372,7 @@ _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "rope": lambda node, args: rope.rotate(args[0], args[1], dict(node.attrs)),
     "attention": attention,
     "embedding": embedding,
+    "sample": lambda node, args: sampling.sample(*args),
 }
 
 

@@ -93,10 +93,25 @@ def index_problem(t: ValueType) -> str | None:
     return None
 
 
+def table_problem(t: ValueType) -> str | None:
+    """Why `t` is not a block table i32[M, pages] (each row's KV-cache pages), or None."""
+    if not (
+        isinstance(t, TensorType)
+        and t.dtype == INDEX_DTYPE
+        and t.rank == 2
+        and t.shape[0] == BATCH
+        and isinstance(t.shape[1], int)
+        and t.shape[1] >= 1
+    ):
+        return f"must be a block table {INDEX_DTYPE.name}[{BATCH}, pages] (each row's cache pages)"
+    return None
+
+
 def input_problem(t: ValueType) -> str | None:
-    """Why `t` cannot be a block input (an activation or an index vector), or None."""
+    """Why `t` cannot be a block input (an activation, an index vector or a block table), or
+    None."""
     if isinstance(t, TensorType) and t.dtype == INDEX_DTYPE:
-        return index_problem(t)
+        return table_problem(t) if t.rank == 2 else index_problem(t)
     return activation_problem(t)
 
 
@@ -365,24 +380,41 @@ def _infer_row_norm(
     return x
 
 
+def cache_operands(op: str, attrs: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """Where kv_append's / attention's optional operands sit after their fixed ones (5 and 4):
+    the block table (with attribute page_size), then the head-norm weight (with norm_eps)."""
+    at = 5 if op == "kv_append" else 4
+    pages = at if attrs.get("page_size") is not None else None
+    norm = at + (pages is not None) if attrs.get("norm_eps") is not None else None
+    return pages, norm
+
+
+def _count_operands(op: str, types: Sequence[ValueType], attrs: Mapping[str, Any]) -> None:
+    pages, norm = cache_operands(op, attrs)
+    want = (5 if op == "kv_append" else 4) + (pages is not None) + (norm is not None)
+    if len(types) != want:
+        raise IRTypeError(
+            f"{op}: takes {want} operands (a block table with page_size, a head-norm weight "
+            f"with norm_eps), got {len(types)}"
+        )
+
+
 def _head_norm(
     op: str,
     names: Sequence[str],
     types: Sequence[ValueType],
-    at: int,
     attrs: Mapping[str, Any],
     head_dim: int,
 ) -> None:
-    """The per-head RMSNorm prologue of attention (q) and kv_append (k): operand `at`, a weight
-    [head_dim], with attribute norm_eps."""
-    has_weight, eps = len(types) > at, attrs.get("norm_eps")
-    if has_weight != (eps is not None):
-        raise IRTypeError(f"{op}: a head-norm prologue takes a weight operand and norm_eps")
-    if not has_weight:
+    """The per-head RMSNorm prologue of attention (q) and kv_append (k): a weight [head_dim]
+    (see cache_operands), with attribute norm_eps."""
+    at = cache_operands(op, attrs)[1]
+    if at is None:
         return
     w = _checked(op, names, types, at, param_problem)
     if w.shape != (head_dim,):
         raise IRTypeError(f"{op}: head-norm weight {_desc(names[at], w)} must be [{head_dim}]")
+    eps = attrs["norm_eps"]
     if not isinstance(eps, float) or not eps > 0:
         raise IRTypeError(f"{op}: norm_eps must be a positive float, got {eps!r}")
 
@@ -419,18 +451,44 @@ def _caches(
     return kc
 
 
+def _check_paging(
+    op: str,
+    names: Sequence[str],
+    types: Sequence[ValueType],
+    cache: TensorType,
+    at: int,
+    attrs: Mapping[str, Any],
+) -> None:
+    """A paged op's block table (operand `at`) and page_size, against its cache: without a
+    table the cache holds one sequence, position p at row p; with one it is a pool of pages of
+    page_size rows, and row m's position p sits at row table[m, p // page_size] * page_size
+    + p % page_size. A row at position -1 is padding: nothing is written or read for it."""
+    page = attrs.get("page_size")
+    if page is None:
+        return
+    _checked(op, names, types, at, table_problem)
+    capacity = cache.shape[0]
+    assert isinstance(capacity, int)
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1 or capacity % page:
+        raise IRTypeError(
+            f"{op}: page_size must be an int >= 1 dividing the cache's {capacity} rows, "
+            f"got {page!r}"
+        )
+
+
 def _infer_kv_append(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(k_cache, v_cache, k, v, positions[, k_norm]) -> the two caches with row m of k and v
-    written at positions[m]. A rope prologue (its attributes) rotates k as it is written; a
-    head-norm prologue (k_norm [head_dim], norm_eps) normalises each head of k first."""
-    if len(types) not in (5, 6):
-        raise IRTypeError(f"kv_append: takes 5 or 6 operands, got {len(types)}")
+    """(k_cache, v_cache, k, v, positions[, pages][, k_norm]) -> the two caches with row m of k
+    and v written at positions[m] (through the block table `pages`, see _check_paging). A rope
+    prologue (its attributes) rotates k as it is written; a head-norm prologue (k_norm
+    [head_dim], norm_eps) normalises each head of k first."""
+    _count_operands("kv_append", types, attrs)
     cache = _caches("kv_append", names, types, 0, 1)
+    _check_paging("kv_append", names, types, cache, 5, attrs)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
-    _head_norm("kv_append", names, types, 5, attrs, head_dim)
+    _head_norm("kv_append", names, types, attrs, head_dim)
     for i in (2, 3):
         t = _activation("kv_append", names, types, i)
         if t.shape[1] != kv_heads * head_dim or t.dtype != cache.dtype:
@@ -448,18 +506,19 @@ def _infer_kv_append(
 def _infer_attention(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(q, k_cache, v_cache, positions[, q_norm]): row m attends to cache rows 0..positions[m]
-    (causal), query head h to kv head h // (heads / kv_heads) (grouped-query). A rope prologue
-    (its attributes) rotates q as it is read; a head-norm prologue (q_norm [head_dim],
-    norm_eps) normalises each head of q first."""
-    if len(types) not in (4, 5):
-        raise IRTypeError(f"attention: takes 4 or 5 operands, got {len(types)}")
+    """(q, k_cache, v_cache, positions[, pages][, q_norm]): row m attends to its positions
+    0..positions[m] (causal; through the block table `pages`, see _check_paging), query head h
+    to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its attributes) rotates
+    q as it is read; a head-norm prologue (q_norm [head_dim], norm_eps) normalises each head of
+    q first."""
+    _count_operands("attention", types, attrs)
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
+    _check_paging("attention", names, types, cache, 4, attrs)
     _checked("attention", names, types, 3, index_problem)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
-    _head_norm("attention", names, types, 4, attrs, head_dim)
+    _head_norm("attention", names, types, attrs, head_dim)
     heads = _heads("attention", names[0], q, head_dim)
     if heads % kv_heads or q.dtype != cache.dtype:
         raise IRTypeError(
@@ -495,6 +554,40 @@ def _infer_embedding(
     return TensorType((BATCH, table.in_features), dtypes.by_name(dt))
 
 
+# The columns of a sample op's params input, and the largest vocabulary (see qir.sampling).
+SAMPLING_PARAMS = 4
+MAX_VOCAB_BITS = 23
+
+
+def _infer_sample(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(logits [M, vocab], params f32[M, 4], seed i32[M], positions i32[M]) -> i32[M]: a
+    token id per row drawn from its logits under its (temperature, top_k, top_p, min_p), with
+    the row's seed and position keying the random draw (qir.sampling)."""
+    logits = _activation("sample", names, types, 0)
+    vocab = logits.shape[1]
+    assert isinstance(vocab, int)
+    if vocab > 2**MAX_VOCAB_BITS:
+        raise IRTypeError(
+            f"sample: {_desc(names[0], logits)} has more than 2^{MAX_VOCAB_BITS} ids (the "
+            "masses' sums would overflow 64 bits)"
+        )
+    params = types[1]
+    if not (
+        isinstance(params, TensorType)
+        and params.dtype == dtypes.F32
+        and params.shape == (BATCH, SAMPLING_PARAMS)
+    ):
+        raise IRTypeError(
+            f"sample: operand 1 ({_desc(names[1], params)}) must be "
+            f"f32[{BATCH}, {SAMPLING_PARAMS}] (temperature, top_k, top_p, min_p per row)"
+        )
+    for i in (2, 3):
+        _checked("sample", names, types, i, index_problem)
+    return TensorType((BATCH,), INDEX_DTYPE)
+
+
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
@@ -524,11 +617,15 @@ OPS: dict[str, OpSpec] = {
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
-        OpSpec("kv_append", VARIADIC, _infer_kv_append, ROPE_ATTRS | {"norm_eps"}),
+        OpSpec("kv_append", VARIADIC, _infer_kv_append, ROPE_ATTRS | {"page_size", "norm_eps"}),
         OpSpec(
-            "attention", VARIADIC, _infer_attention, frozenset({"scale", "norm_eps"}) | ROPE_ATTRS
+            "attention",
+            VARIADIC,
+            _infer_attention,
+            frozenset({"scale", "page_size", "norm_eps"}) | ROPE_ATTRS,
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
+        OpSpec("sample", 4, _infer_sample),
     )
 }
 

@@ -212,7 +212,40 @@ def test_layer_decode_on_host(capsys: pytest.CaptureFixture[str]) -> None:
         "attention": 3,
         "o_proj": 1,
         "norm_mlp": 2,
-        "model x1": 9,  # embedding, the layer, lm_head (with the final norm)
+        "model x1": 10,  # embedding, the layer, lm_head (with the final norm), sample
     }
     assert all(r.ms > 0 for r in rows)
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_sampling_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = load("sampling").main(["--backend", "host", "--vocab", "300", "--repeat", "1"])
+    assert [(v, s) for v, s, _, _ in rows] == [
+        (300, "greedy"),
+        (300, "temperature"),
+        (300, "top-k/p, min-p"),
+    ]
+    assert all(k > 0 and h > 0 for _, _, k, h in rows)
+    assert capsys.readouterr().out.count("\n") == 2 + len(rows)
+
+
+def test_serve_on_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`qir serve` under a small load: the same requests all at once and one at a time."""
+    bench = load("serve")
+    mixed = bench.jobs(4, [2, 5], [2, 3], seed=0)
+    assert {(len(j.prompt.split()), j.max_tokens) for j in mixed} == {
+        (2, 2),
+        (2, 3),
+        (5, 2),
+        (5, 3),
+    }
+    out = tmp_path / "serve.json"
+    argv = ["--backend", "host", "--requests", "3", "--prompt-words", "2", "5"]
+    rows = bench.main([*argv, "--output-tokens", "2", "3", "--warmup", "0", "--json", str(out)])
+    assert [(r.mode, r.requests) for r in rows] == [("one at a time", 3), ("all at once", 3)]
+    for r in rows:
+        # 8 tokens in all (2 + 3 + 3), each request checked to return its max_tokens
+        assert r.tokens_per_s * r.wall_s == pytest.approx(8)
+        assert all(v > 0 for v in (*r.ttft_ms, *r.itl_ms)) and r.ttft_ms[0] <= r.ttft_ms[2]
+    assert json.loads(out.read_text())["rows"][1]["mode"] == "all at once"
+    assert "batching ratio" in capsys.readouterr().out

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qir.cli import main
+from qir.cli import demo, main
+from qir.models import Model
+from qir.models.goldens import embedded_checkpoints
 from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.sass import available as sass_available
 from tests.conftest import BACKENDS, DATA, rel_err
@@ -186,10 +188,10 @@ DEMO_LAUNCHES = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_demo_prints_a_table(tmp_path, capsys, monkeypatch, backend):
-    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
+def test_demo_prints_a_table_then_an_answer(capsys, backend):
     assert main(["-q", "demo", "--backend", backend]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    table, answer = capsys.readouterr().out.strip().split("\n\n", 1)
+    lines = table.splitlines()
     assert lines[0].split()[:5] == ["checkpoint", "block", "M", "launches", "backend"]
     assert lines[0].endswith("vs tool golden")
     rows = [ln.split() for ln in lines[1:]]
@@ -200,6 +202,14 @@ def test_demo_prints_a_table(tmp_path, capsys, monkeypatch, backend):
         # against the tool's own outputs for the fixture's inputs (the demo runs those inputs,
         # in the checkpoint's activation dtype; W4A4 quantizes them to 4 bits)
         assert float(r[6]) <= (5e-2 if "w4a4" in r[0] else 1e-2), r
+    # An embedded checkpoint answers as text: what the Python API gives, greedy.
+    intro, *text_lines, stats = answer.split("\n")
+    text = "\n".join(text_lines)
+    assert demo.CHAT_CHECKPOINT in intro and repr(demo.CHAT_PROMPT) in intro
+    ck = next(p for p in embedded_checkpoints() if p.name == demo.CHAT_CHECKPOINT)
+    messages = [{"role": "user", "content": demo.CHAT_PROMPT}]
+    want = Model.load(ck).chat(messages, demo.CHAT_TOKENS, do_sample=False)
+    assert text == want and stats.startswith("(prompt ") and "(greedy)" in stats
 
 
 def _plan(tmp_path, ckpt, block, *extra):

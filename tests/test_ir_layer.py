@@ -89,8 +89,14 @@ def test_layer_ops_check_shapes_against_each_other():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("attention %q, %kc, %vc, %pos, %w32 {scale=0.1}", "head-norm prologue takes a weight"),
-        ("attention %q, %kc, %vc, %pos {norm_eps=1e-06, scale=0.1}", "takes a weight operand"),
+        (
+            "attention %q, %kc, %vc, %pos, %w32 {scale=0.1}",
+            r"attention: takes 4 operands \(a block table",
+        ),
+        (
+            "attention %q, %kc, %vc, %pos {norm_eps=1e-06, scale=0.1}",
+            r"attention: takes 5 operands \(a block table",
+        ),
         ("attention %q, %kc, %vc, %pos, %w64 {norm_eps=1e-06, scale=0.1}", r"must be \[32\]"),
         ("kv_append %kc, %vc, %k, %v, %pos, %w64 {norm_eps=1e-06}", r"must be \[32\]"),
         ("kv_append %kc, %vc, %k, %v, %pos, %w32 {norm_eps=0.0}", "norm_eps must be a positive"),

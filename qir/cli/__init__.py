@@ -8,12 +8,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from qir.cli import blocks, cache, checkpoints, demo, generate
+from qir.cli import blocks, cache, checkpoints, demo, generate, serve
 from qir.errors import QirError
 from qir.logs import LOGGER
 
 EXIT_USAGE = 2
-GROUPS = (blocks, generate, demo, checkpoints, cache)
+GROUPS = (blocks, generate, serve, demo, checkpoints, cache)
 
 
 def parser() -> argparse.ArgumentParser:

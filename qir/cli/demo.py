@@ -1,5 +1,5 @@
 """`qir demo`: the embedded checkpoints' blocks on the best backend, against the reference and
-the producing tools' own outputs."""
+the producing tools' own outputs, then one of them answering a chat message as text."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ from typing import Any
 import numpy as np
 
 from qir.api import Compiled, compile
-from qir.models import load
+from qir.models import Model, load
 from qir.models.blocks import build
 from qir.models.goldens import DemoGolden, embedded_checkpoints
 from qir.runtime.backend import BACKENDS, best_backend
 
 DEMO_M = (1, 5)
+# The text part: which embedded checkpoint chats, what it is asked, how long it answers.
+CHAT_CHECKPOINT = "mlx_affine4_g64_S"
+CHAT_PROMPT = "What is the capital of France?"
+CHAT_TOKENS = 24
 # The sub-blocks the demo runs.
 PARTS = ("mlp", "qkv")
 
@@ -57,7 +61,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
     for t in table:
         print("  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)).rstrip())
+    _answer(backend)
     return 0
+
+
+def _answer(backend: str) -> None:
+    """An embedded checkpoint answering a chat message as text, streamed."""
+    path = next(p for p in embedded_checkpoints() if p.name == CHAT_CHECKPOINT)
+    model = Model.load(path, backend=backend)
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    print(
+        f"\n{path.name} (one random-weight layer: the words are noise, the path is real) "
+        f"answers {CHAT_PROMPT!r} through its tokenizer and chat template:"
+    )
+    for piece in model.chat(messages, CHAT_TOKENS, stream=True, do_sample=False):
+        print(piece, end="", flush=True)
+    print(f"\n({model.stats.line()})")
 
 
 def register(sub: Any) -> None:

@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,15 +65,19 @@ def token_ids(spec: str) -> np.ndarray:
         ) from None
 
 
+def model_options(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    """Model.load's keywords from add_lowering's and add_max_seq's options."""
+    return {
+        "backend": backend,
+        "act": dtypes.by_name(args.act_dtype) if args.act_dtype else None,
+        "max_seq": args.max_seq,
+        "passes": args.passes,
+        "weight_quantization": args.weight_quantization,
+    }
+
+
 def model_of(args: argparse.Namespace, backend: str) -> Model:
-    return Model.load(
-        args.checkpoint,
-        backend=backend,
-        act=dtypes.by_name(args.act_dtype) if args.act_dtype else None,
-        max_seq=args.max_seq,
-        passes=args.passes,
-        weight_quantization=args.weight_quantization,
-    )
+    return Model.load(args.checkpoint, **model_options(args, backend))
 
 
 def add_block_options(p: argparse.ArgumentParser) -> None:

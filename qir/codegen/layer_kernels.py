@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from qir import rope
+from qir import rope, sampling
 from qir.codegen.fragments import fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
@@ -36,6 +36,11 @@ def layer_header() -> tuple[str, str]:
 
 def _headers() -> tuple[tuple[str, str], ...]:
     return (common_header(), layer_header())
+
+
+def c_double(v: float) -> str:
+    """A C double literal holding v exactly (Python's repr round-trips)."""
+    return repr(float(v))
 
 
 def c_float(v: float) -> str:
@@ -138,20 +143,49 @@ def rope_kernel(act: DType, heads: int, r: RopeSpec) -> Kernel:
 
 @dataclass(frozen=True)
 class CacheShape:
+    """A KV cache: `capacity` rows of [kv_heads, head_dim]. Paged (page_size > 0): a pool of
+    capacity / page_size pages, each row's positions reached through its block table of
+    `table_pages` pages (qir.ops); else one sequence, position p at row p."""
+
     act: DType
     capacity: int
     kv_heads: int
     head_dim: int
+    page_size: int = 0
+    table_pages: int = 0
+
+    @property
+    def positions(self) -> int:
+        """The positions one sequence has room for."""
+        return self.table_pages * self.page_size if self.page_size else self.capacity
+
+    @property
+    def tag(self) -> str:
+        paged = f"_p{self.page_size}x{self.table_pages}" if self.page_size else ""
+        return f"_c{self.capacity}{paged}"
+
+    def context(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "positions": self.positions,
+            "paged": bool(self.page_size),
+            "page_size": self.page_size,
+            "table_pages": self.table_pages,
+            "num_pages": self.capacity // self.page_size if self.page_size else 0,
+        }
+
+    def table_param(self) -> tuple[KernelParam, ...]:
+        return (_buf("pages", "int32_t"),) if self.page_size else ()
 
 
 def kv_append_kernel(c: CacheShape, r: RopeSpec | None, norm: HeadNorm | None = None) -> Kernel:
-    name = f"kv_append_{c.act.name}_c{c.capacity}_kv{c.kv_heads}_d{c.head_dim}{r.tag if r else ''}"
+    name = f"kv_append_{c.act.name}{c.tag}_kv{c.kv_heads}_d{c.head_dim}{r.tag if r else ''}"
     name += norm.tag("k") if norm else ""
     source = render(
         "kv_append.cu.j2",
         name=name,
         act_t=c.act.c_type,
-        capacity=c.capacity,
+        **c.context(),
         kv_heads=c.kv_heads,
         head_dim=c.head_dim,
         width=c.kv_heads * c.head_dim,
@@ -166,6 +200,7 @@ def kv_append_kernel(c: CacheShape, r: RopeSpec | None, norm: HeadNorm | None = 
         _buf("k", t),
         _buf("v", t),
         _buf("pos", "int32_t"),
+        *c.table_param(),
         *((_buf("kn", norm.dtype.c_type),) if norm else ()),
         _M,
     )
@@ -193,14 +228,15 @@ class AttentionSpec:
 
     @property
     def split_keys(self) -> int:
-        """Cache rows per decode split: about 32 splits of the capacity, 32..512 rows each (a
-        decode step at any position launches every split; those past it return at once)."""
-        want = max(self.cache.capacity // 32, 32)
+        """Positions per decode split: about 32 splits of a sequence's room, 32..512 positions
+        each (a decode step at any position launches every split; those past it return at
+        once)."""
+        want = max(self.cache.positions // 32, 32)
         return min(1 << (want - 1).bit_length(), 512)
 
     @property
     def splits(self) -> int:
-        return -(-self.cache.capacity // self.split_keys)
+        return -(-self.cache.positions // self.split_keys)
 
     @property
     def partial_floats(self) -> int:
@@ -210,7 +246,7 @@ class AttentionSpec:
     def _tag(self) -> str:
         c = self.cache
         return (
-            f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}_c{c.capacity}"
+            f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}{c.tag}"
             f"{self.rope.tag if self.rope else ''}{self.norm.tag('q') if self.norm else ''}"
         )
 
@@ -222,7 +258,7 @@ class AttentionSpec:
             "heads": self.heads,
             "kv_heads": c.kv_heads,
             "head_dim": c.head_dim,
-            "capacity": c.capacity,
+            **c.context(),
             "group": self.group,
             "per_lane": c.head_dim // 32,
             "scale": c_float(self.scale),
@@ -234,8 +270,14 @@ class AttentionSpec:
 
 def _attention_inputs(a: AttentionSpec) -> tuple[KernelParam, ...]:
     t = a.cache.act.c_type
-    norm = (_buf("qn", a.norm.dtype.c_type),) if a.norm else ()
-    return (_buf("q", t), _buf("k_cache", t), _buf("v_cache", t), _buf("pos", "int32_t"), *norm)
+    return (
+        _buf("q", t),
+        _buf("k_cache", t),
+        _buf("v_cache", t),
+        _buf("pos", "int32_t"),
+        *a.cache.table_param(),
+        *((_buf("qn", a.norm.dtype.c_type),) if a.norm else ()),
+    )
 
 
 def attention_split_kernel(a: AttentionSpec) -> Kernel:
@@ -268,6 +310,38 @@ def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
     source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
     params = (*_attention_inputs(a), _buf("y", a.cache.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+
+
+# Threads of the sampling kernel's block (one block per row).
+SAMPLE_THREADS = 256
+
+
+def sample_kernel(act: DType, vocab: int) -> Kernel:
+    name = f"sample_{act.name}_v{vocab}"
+    source = render(
+        "sample.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        vocab=vocab,
+        threads=SAMPLE_THREADS,
+        exp_desc="k = floor(x log2(e) + 1/2), r = x - k ln2, Taylor to r^12, times 2^k",
+        exp_floor=c_double(sampling.EXP_FLOOR),
+        log2e=c_double(sampling.LOG2E),
+        ln2_hi=c_double(sampling.LN2_HI),
+        ln2_lo=c_double(sampling.LN2_LO),
+        exp_coeffs=[c_double(c) for c in sampling.EXP_COEFFS],
+        mass_bits=sampling.MASS_BITS,
+        mass_scale=c_double(2.0**sampling.MASS_BITS),
+    )
+    params = (
+        _buf("logits", act.c_type),
+        _buf("params", "float"),
+        _buf("seed", "int32_t"),
+        _buf("pos", "int32_t"),
+        _buf("next", "int32_t", False),
+        _M,
+    )
+    return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())
 
 
 def embedding_kernel(table: QWeight, act: DType) -> tuple[Kernel, int, tuple[str, ...]]:

@@ -32,6 +32,23 @@ DEFAULT_M_TILE = 8
 ALL_M = (1, 2**31 - 1)
 MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: rows of M go there
 
+# What the rows of a run are, where a kernel family depends on it (attention): "many" rows of
+# any sequences each (a decode batch), or rows of "one" sequence (a prefill; a paged cache's
+# rows of one sequence per tile). A run that does not say: "many" up to AUTO_MANY_ROWS rows
+# (decode), "one" above (prefill), which is what a single sequence's runs are.
+ROWS = ("many", "one")
+AUTO_MANY_ROWS = 4
+
+
+def resolve_rows(m: int, rows: str | None) -> str:
+    """A run's rows: the given kind, or the one its size implies."""
+    if rows is None:
+        return "many" if m <= AUTO_MANY_ROWS else "one"
+    if rows not in ROWS:
+        raise UsageError(f"rows must be one of {', '.join(ROWS)}, got {rows!r}")
+    return rows
+
+
 # The layers of a model repeat a few specialisations: each is rendered once per process (specs are
 # frozen, so a spec is its own key; Kernels are frozen, so launches may share one).
 RENDERED = 512
@@ -59,9 +76,11 @@ class Launch:
     outputs: tuple[str, ...]  # the values this launch writes
     nodes: tuple[str, ...]  # IR nodes it covers
     when: tuple[int, int] = ALL_M  # the batch sizes M (inclusive) this launch runs for
+    rows: str = ""  # the runs' rows it serves (ROWS), "" for any
 
-    def runs_for(self, m: int) -> bool:
-        return self.when[0] <= m <= self.when[1]
+    def runs_for(self, m: int, rows: str | None = None) -> bool:
+        """Whether a run of `m` rows (of the kind `rows`, see resolve_rows) launches it."""
+        return self.when[0] <= m <= self.when[1] and self.rows in ("", resolve_rows(m, rows))
 
     def grid(self, m: int) -> tuple[int, int, int]:
         y = -(-m // self.m_tile)

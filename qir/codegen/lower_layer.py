@@ -1,10 +1,11 @@
-"""Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding): each returns
+"""Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding, sample): each returns
 its launches and the temps they pass between them (see Plan.temps).
 
-Attention takes two kernel families by batch size: up to DECODE_MAX_M rows the split-K decode
-kernel (every cache split in its own block, then a combine launch reading their partials from
-a temp), above it the tiled prefill kernel. Both read positions from a device buffer, so a
-captured decode step replays at any position."""
+Attention takes two kernel families by what a run's rows are (qir.codegen.lower.ROWS): rows of
+many sequences (a decode batch) the split-K decode kernel (every cache split in its own block,
+then a combine launch reading their partials from a temp), rows of one sequence (a prefill) the
+tiled kernel. Both read positions (and block tables) from device buffers, so a captured decode
+step replays at any position."""
 
 from __future__ import annotations
 
@@ -23,16 +24,15 @@ from qir.codegen.layer_kernels import (
     kv_append_kernel,
     rms_norm_kernel,
     rope_kernel,
+    sample_kernel,
 )
 from qir.codegen.lower import ALL_M, Arg, Launch
 from qir.dtypes import F32
 from qir.graph import Graph
-from qir.ops import W4A4_MAX_M
+from qir.ops import W4A4_MAX_M, cache_operands
 from qir.types import QWeight, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
-# Rows up to which attention runs the split (decode) kernels.
-DECODE_MAX_M = 4
 
 
 def _tensor(graph: Graph, name: str) -> TensorType:
@@ -46,9 +46,17 @@ def _int(d: object) -> int:
     return d
 
 
-def _cache(graph: Graph, name: str) -> CacheShape:
-    t = _tensor(graph, name)
-    return CacheShape(t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]))
+def _cache(graph: Graph, op: str) -> CacheShape:
+    """The cache a kv_append or attention reads, paged where it takes a block table."""
+    operands = graph.operands(op)
+    kv_append = graph.node(op).op == "kv_append"
+    t = _tensor(graph, operands[0 if kv_append else 1])
+    at = cache_operands(graph.node(op).op, dict(graph.node(op).attrs))[0]
+    pages = _tensor(graph, operands[at]).shape[1] if at is not None else 0
+    page = graph.node(op).attr("page_size") or 0
+    return CacheShape(
+        t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]), page, _int(pages)
+    )
 
 
 def _only_as_norm_source(graph: Graph, name: str) -> bool:
@@ -73,13 +81,18 @@ def lower_rms_norm(graph: Graph, name: str) -> Lowered:
     return [Launch(kernel, groups, 1, args, (name,), (name,), when)], {}
 
 
-def _head_norm(graph: Graph, name: str, at: int) -> tuple[HeadNorm | None, tuple[Arg, ...]]:
-    """A kv_append's or attention's head-norm prologue (its weight, operand `at`) and its arg."""
-    eps = graph.node(name).attr("norm_eps")
-    if eps is None:
-        return None, ()
-    w = graph.operands(name)[at]
-    return HeadNorm(_tensor(graph, w).dtype, eps), (Arg("weight", w, "weight"),)
+def _cache_args(graph: Graph, name: str) -> tuple[HeadNorm | None, tuple[Arg, ...]]:
+    """A kv_append's or attention's head-norm prologue, if any, and its operands as kernel
+    arguments in order (the values; the block table; the norm's weight)."""
+    node = graph.node(name)
+    at = cache_operands(node.op, dict(node.attrs))[1]
+    operands = graph.operands(name)
+    args = tuple(
+        Arg("weight", o, "weight") if i == at else Arg("value", o) for i, o in enumerate(operands)
+    )
+    if at is None:
+        return None, args
+    return HeadNorm(_tensor(graph, operands[at]).dtype, node.attr("norm_eps")), args
 
 
 def lower_rope(graph: Graph, name: str) -> Lowered:
@@ -93,26 +106,21 @@ def lower_rope(graph: Graph, name: str) -> Lowered:
 
 
 def lower_kv_append(graph: Graph, name: str) -> Lowered:
-    kc, vc, k, v, pos = graph.operands(name)[:5]
-    norm, norm_args = _head_norm(graph, name, 5)
+    norm, operands = _cache_args(graph, name)
     rope = RopeSpec.of(dict(graph.node(name).attrs))
-    kernel = kv_append_kernel(_cache(graph, kc), rope, norm)
+    kernel = kv_append_kernel(_cache(graph, name), rope, norm)
     # The caches are written in place: the args are the states, the gets alias them.
-    args = (*(Arg("value", a) for a in (kc, vc, k, v, pos)), *norm_args, Arg("M"))
+    args = (*operands, Arg("M"))
     return [Launch(kernel, 1, 1, args, graph.users(name), (name,))], {}
 
 
 def lower_attention(graph: Graph, name: str) -> Lowered:
-    q, kc, vc, pos = graph.operands(name)[:4]
     node = graph.node(name)
-    cache = _cache(graph, kc)
+    cache = _cache(graph, name)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
-    norm, norm_args = _head_norm(graph, name, 4)
+    norm, reads = _cache_args(graph, name)
     spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)), norm)
     part = graph.fresh(f"{name}.partials")
-    reads = (Arg("value", q), Arg("value", kc), Arg("value", vc), Arg("value", pos), *norm_args)
-    decode = (1, DECODE_MAX_M)
-    prefill = (DECODE_MAX_M + 1, ALL_M[1])
     launches = [
         Launch(
             attention_split_kernel(spec),
@@ -121,7 +129,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             (*reads, Arg("value", part), Arg("M")),
             (part,),
             (name,),
-            decode,
+            ALL_M,
+            "many",
         ),
         Launch(
             attention_combine_kernel(spec),
@@ -130,7 +139,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             (Arg("value", part), Arg("value", name), Arg("M")),
             (name,),
             (name,),
-            decode,
+            ALL_M,
+            "many",
         ),
         Launch(
             attention_prefill_kernel(spec),
@@ -139,7 +149,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             (*reads, Arg("value", name), Arg("M")),
             (name,),
             (name,),
-            prefill,
+            ALL_M,
+            "one",
         ),
     ]
     return launches, {part: TensorType(("M", spec.partial_floats), F32)}
@@ -159,10 +170,19 @@ def lower_embedding(graph: Graph, name: str) -> Lowered:
     return [Launch(kernel, grid_x, 1, args, (name,), (name,))], {}
 
 
+def lower_sample(graph: Graph, name: str) -> Lowered:
+    logits = graph.operands(name)[0]
+    t = _tensor(graph, logits)
+    kernel = sample_kernel(t.dtype, _int(t.shape[1]))
+    args = (*(Arg("value", a) for a in graph.operands(name)), Arg("value", name), Arg("M"))
+    return [Launch(kernel, 1, 1, args, (name,), (name,))], {}
+
+
 LAYER_LOWERINGS: dict[str, Callable[[Graph, str], Lowered]] = {
     "rms_norm": lower_rms_norm,
     "rope": lower_rope,
     "kv_append": lower_kv_append,
     "attention": lower_attention,
     "embedding": lower_embedding,
+    "sample": lower_sample,
 }

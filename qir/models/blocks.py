@@ -8,31 +8,39 @@ norm_mlp: y = x + mlp(rms_norm(x))              (post_attention_layernorm first)
 layer:    a whole decoder layer at positions `pos`, with its KV cache as state:
           h = x + o_proj(attention(rope(q), kv_append(rope(k), v)))   (q, k, v of rms_norm(x))
           y = h + mlp(rms_norm(h))
-model:    logits = lm_head(rms_norm(layers(embedding(ids))))  (lm_head tied or not)
+model:    logits = lm_head(rms_norm(layers(embedding(ids))))  (lm_head tied or not), and
+          next = sample(logits, sampling, seed, pos): each row's next id (qir.sampling)
 
-Blocks with attention take `pos` (int32 [M]: each row's position; row m attends to cache rows
-0..pos[m]) and keep one KV cache per layer of `max_seq` rows.
+Blocks with attention take `pos` (int32 [M]: each row's position; row m attends to its
+positions 0..pos[m]) and keep one KV cache per layer. The layer block's holds one sequence of
+`max_seq` rows. The model block's is paged (qir.ops): a pool of `kv_pages` pages of PAGE_SIZE
+rows (default: one sequence's worth), and an input `pages` (int32 [M, table_pages]) says where
+each row's positions are, so one block serves many sequences at once (qir.serving).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from qir.builder import Builder, Value
-from qir.dtypes import ACTIVATION, I32, DType
+from qir.dtypes import ACTIVATION, F32, I32, DType
 from qir.errors import UsageError
 from qir.formats.base import FormatError
 from qir.graph import Graph
 from qir.models.architectures import FEATURES, Features
 from qir.models.checkpoint import Checkpoint
+from qir.ops import SAMPLING_PARAMS
 from qir.types import QWeight, TensorType
 
 # The KV cache's default length: the config's max_position_embeddings, at most this (a 128k
 # context would preallocate gigabytes of cache nobody asked for).
 MAX_SEQ_CAP = 4096
+# Rows per page of a paged KV cache (vLLM's default block size).
+PAGE_SIZE = 16
 
 Weights = dict[str, dict[str, np.ndarray]]
 
@@ -41,16 +49,29 @@ Weights = dict[str, dict[str, np.ndarray]]
 class Block:
     graph: Graph
     weights: Weights  # weight key (module path) -> kernel-layout buffers
+    max_seq: int = 0  # the positions a sequence has room for (0 without attention)
+    kv_pages: int = 0  # pages of a paged cache's pool (0: not paged)
 
     @property
-    def max_seq(self) -> int:
-        """Rows of the block's KV caches (0 without attention)."""
-        sizes = [
-            int(t.shape[0])
-            for n in self.graph.of_op("state")
-            if isinstance(t := self.graph.node(n).type, TensorType)
-        ]
-        return min(sizes, default=0)
+    def table_pages(self) -> int:
+        """Pages in a row of the block table: a sequence's max_seq positions."""
+        return -(-self.max_seq // PAGE_SIZE)
+
+    def token_inputs(
+        self, ids: np.ndarray, start: int = 0, table: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """The inputs of the model block for one sequence's token `ids` at positions start..,
+        its pages `table` (default: pages 0, 1, ... in order); no row sampled (every row's
+        temperature below 0; set a row of `sampling` and `seed` to draw one)."""
+        m = len(ids)
+        row = np.arange(self.table_pages, dtype=np.int32) if table is None else table
+        return {
+            "ids": np.asarray(ids, np.int32),
+            "pos": np.arange(start, start + m, dtype=np.int32),
+            "pages": np.tile(np.asarray(row, np.int32), (m, 1)),
+            "sampling": np.tile(UNSAMPLED, (m, 1)),
+            "seed": np.zeros(m, np.int32),
+        }
 
     def inputs(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """The inputs of a block that starts at activations x [M, hidden]: x itself and, for
@@ -87,16 +108,23 @@ def checked(ck: Checkpoint, only: tuple[str, ...] | None = None) -> Features:
     return f
 
 
+# A sample op's params row that draws nothing (qir.sampling: temperature below 0).
+UNSAMPLED = np.array([-1.0, 0.0, 1.0, 0.0], np.float32)
+
+
 class _Builder:
     """One block's Builder with the checkpoint it reads and the weights it collects."""
 
-    def __init__(self, ck: Checkpoint, name: str, act: DType, max_seq: int = 0) -> None:
-        self.ck, self.act, self.max_seq = ck, act, max_seq
+    def __init__(
+        self, ck: Checkpoint, name: str, act: DType, max_seq: int = 0, kv_pages: int = 0
+    ) -> None:
+        self.ck, self.act, self.max_seq, self.kv_pages = ck, act, max_seq, kv_pages
         self.b = Builder(name)
         self.weights: Weights = {}
+        self.pages: Value | None = None  # the block table input, once a paged layer asks
 
     def block(self) -> Block:
-        return Block(self.b.graph, self.weights)
+        return Block(self.b.graph, self.weights, self.max_seq, self.kv_pages)
 
     def linear(self, module: str, name: str) -> Value:
         lin = self.ck.linear(module)
@@ -147,13 +175,19 @@ class _Builder:
         if f.arch.qk_norm:  # per head, before RoPE (fold_head_norm moves them into its readers)
             q = self.norm(q, f"{attn}.q_norm", f"{prefix}q_norm", ck.head_dim)
             k = self.norm(k, f"{attn}.k_norm", f"{prefix}k_norm", ck.head_dim)
-        cache = TensorType((self.max_seq, ck.num_kv_heads, ck.head_dim), self.act)
+        rows = self.kv_pages * PAGE_SIZE if self.kv_pages else self.max_seq
+        cache = TensorType((rows, ck.num_kv_heads, ck.head_dim), self.act)
         kc = b.state(f"{attn}.k_cache", cache, name=f"{prefix}k_cache")
         vc = b.state(f"{attn}.v_cache", cache, name=f"{prefix}v_cache")
         q = b.rope(q, pos, rope, name=f"{prefix}q_rot")
         k = b.rope(k, pos, rope, name=f"{prefix}k_rot")
-        kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv")
-        a = b.attention(q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn")
+        paging: dict[str, Any] = {}
+        if self.kv_pages:
+            if self.pages is None:
+                self.pages = b.input("pages", ("M", -(-self.max_seq // PAGE_SIZE)), I32)
+            paging = {"pages": self.pages, "page_size": PAGE_SIZE}
+        kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv", **paging)
+        a = b.attention(q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn", **paging)
         o = b.qlinear(a, self.proj(layer, "o", prefix), name=f"{prefix}o")
         r = b.add(x, o, name=f"{prefix}attn_y")
         hn = self.norm(r, f"model.layers.{layer}.post_attention_layernorm", f"{prefix}mlp_norm")
@@ -220,10 +254,10 @@ def layer_block(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
     return bb.block()
 
 
-def model(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
+def model(ck: Checkpoint, layer: int, act: DType, max_seq: int, kv_pages: int = 0) -> Block:
     """Every layer; `layer` is ignored. The lm_head is embed_tokens' weight when the config ties
-    them."""
-    bb = _Builder(ck, "model", act, max_seq)
+    them. The KV caches are paged: a pool of `kv_pages` pages (default: one sequence's)."""
+    bb = _Builder(ck, "model", act, max_seq, kv_pages or -(-max_seq // PAGE_SIZE))
     b = bb.b
     ids = b.input("ids", ("M",), I32)
     pos = bb.positions()
@@ -235,7 +269,12 @@ def model(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
     h = bb.norm(h, "model.norm", "final_norm")
     head = table if ck.tie_word_embeddings else bb.linear("lm_head", "w_lm_head")
     _check_table(ck, head, "lm_head")
-    b.output("logits", b.qlinear(h, head, name="logits"))
+    logits = b.qlinear(h, head, name="logits")
+    b.output("logits", logits)
+    # The next id per row, drawn on the device (qir.sampling): a decode step hands back 4 bytes.
+    params = b.input("sampling", ("M", SAMPLING_PARAMS), F32)
+    seed = b.input("seed", ("M",), I32)
+    b.output("next", b.sample(logits, params, seed, pos, name="next"))
     return bb.block()
 
 
@@ -249,7 +288,7 @@ def _check_table(ck: Checkpoint, w: Value, module: str) -> None:
         )
 
 
-BlockFn = Callable[[Checkpoint, int, DType, int], Block]
+BlockFn = Callable[..., Block]
 BLOCKS: dict[str, BlockFn] = {
     "mlp": mlp,
     "qkv": qkv,
@@ -286,9 +325,11 @@ def build(
     layer: int,
     act: DType | None = None,
     max_seq: int | None = None,
+    kv_pages: int | None = None,
 ) -> Block:
     """`block` of `ck` at decoder layer `layer`; blocks with attention size their KV caches for
-    `max_seq` rows (default: default_max_seq)."""
+    `max_seq` positions (default: default_max_seq); the model block's is a pool of `kv_pages`
+    pages of PAGE_SIZE rows (default: one sequence's)."""
     if block not in BLOCKS:
         raise UsageError(f"unknown block {block!r}; choose one of {', '.join(BLOCKS)}")
     if not 0 <= layer < ck.num_layers:
@@ -296,4 +337,10 @@ def build(
             f"layer {layer} is out of range: the checkpoint has {ck.num_layers} layer(s)"
         )
     seq = check_max_seq(ck, max_seq) if block in CACHED else 0
+    if kv_pages is not None:
+        if block != "model":
+            raise UsageError(f"kv_pages: only the model block's KV cache is paged, not {block}'s")
+        if isinstance(kv_pages, bool) or not isinstance(kv_pages, int) or kv_pages < 1:
+            raise UsageError(f"kv_pages must be a positive int, got {kv_pages!r}")
+        return model(ck, layer, act or ck.act_dtype, seq, kv_pages)
     return BLOCKS[block](ck, layer, act or ck.act_dtype, seq)

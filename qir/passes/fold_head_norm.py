@@ -50,17 +50,14 @@ def _norm() -> Pat:
 
 
 ANY = Pat()
-RULES = (
-    Rule(
-        "head_norm_into_attention",
-        Pat("attention", (_norm(), ANY, ANY, ANY), check=_plain),
-        _fold,
-    ),
-    Rule(
-        "head_norm_into_kv_append",
-        Pat("kv_append", (ANY, ANY, _norm(), ANY, ANY), check=_plain),
-        _fold,
-    ),
+# Each op with and without a block table (then its last operand, before the norm's weight).
+RULES = tuple(
+    Rule(name, Pat(op, (*operands, *paged), check=_plain), _fold)
+    for paged in ((), (ANY,))
+    for name, op, operands in (
+        ("head_norm_into_attention", "attention", (_norm(), ANY, ANY, ANY)),
+        ("head_norm_into_kv_append", "kv_append", (ANY, ANY, _norm(), ANY, ANY)),
+    )
 )
 
 

@@ -34,17 +34,14 @@ def _rope() -> Pat:
 
 
 ANY = Pat()
-RULES = (
-    Rule(
-        "rope_into_attention",
-        Pat("attention", (_rope(), ANY, ANY, Pat(name="pos")), check=_plain),
-        _fold,
-    ),
-    Rule(
-        "rope_into_kv_append",
-        Pat("kv_append", (ANY, ANY, _rope(), ANY, Pat(name="pos")), check=_plain),
-        _fold,
-    ),
+# Each op with and without a block table (its last operand).
+RULES = tuple(
+    Rule(name, Pat(op, (*operands, *paged), check=_plain), _fold)
+    for paged in ((), (ANY,))
+    for name, op, operands in (
+        ("rope_into_attention", "attention", (_rope(), ANY, ANY, Pat(name="pos"))),
+        ("rope_into_kv_append", "kv_append", (ANY, ANY, _rope(), ANY, Pat(name="pos"))),
+    )
 )
 
 

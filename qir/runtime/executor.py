@@ -13,7 +13,9 @@ it; on the cuda backend it comes from CuPy's stream-ordered pool, which hands th
 each run, so repeated runs do not grow the pool.
 
 `capture(M)` binds every launch to fixed buffers once and records them for replay (a CUDA graph
-on the cuda backend, prebuilt ctypes calls on the host): the decode path.
+on the cuda backend, prebuilt ctypes calls on the host): the decode path. Where a kernel family
+depends on what a run's rows are (attention: rows of many sequences, or of one), runs,
+captures and memory plans take `rows` (qir.codegen.lower.resolve_rows; default by M).
 
 Results: numpy on the host backend. On the cuda backend, CuPy arrays (no copy back, still on the
 run's stream) when an input was already on the device (CuPy, or DLPack such as a torch CUDA
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from qir.codegen.kernel import Kernel
-from qir.codegen.lower import Launch, Plan
+from qir.codegen.lower import Launch, Plan, resolve_rows
 from qir.errors import UsageError
 from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
 from qir.logs import Progress
@@ -57,7 +59,7 @@ ALIGN = 256
 @dataclass(frozen=True)
 class MemoryPlan:
     m: int
-    active: tuple[int, ...]  # the launches that run at this M (see Launch.when)
+    active: tuple[int, ...]  # the launches that run at this M (see Launch.runs_for)
     offsets: Mapping[str, int]  # intermediate value -> byte offset in the arena
     arena_bytes: int
     output_bytes: int
@@ -116,14 +118,15 @@ def _nbytes(plan: Plan, value: str, sizes: dict[str, int]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def plan_memory(plan: Plan, m: int) -> MemoryPlan:
-    """Arena offsets for the intermediates of `plan` at M=`m`: best fit into the holes left by
-    values whose last reader has run. A launch's outputs are placed before its dying inputs are
-    freed, so no kernel writes over what it reads."""
+def plan_memory(plan: Plan, m: int, rows: str | None = None) -> MemoryPlan:
+    """Arena offsets for the intermediates of `plan` at M=`m` (rows of the kind `rows`, see
+    qir.codegen.lower.resolve_rows): best fit into the holes left by values whose last reader
+    has run. A launch's outputs are placed before its dying inputs are freed, so no kernel
+    writes over what it reads."""
     sizes = {"M": m}
     outputs = {v for _, v in plan.graph.outputs}
     in_state = state_aliases(plan)
-    active = tuple(i for i, launch in enumerate(plan.launches) if launch.runs_for(m))
+    active = tuple(i for i, launch in enumerate(plan.launches) if launch.runs_for(m, rows))
     launches = [plan.launches[i] for i in active]
     last_read: dict[str, int] = {}
     for i, launch in enumerate(launches):
@@ -288,7 +291,7 @@ class CompiledBlock:
         self._inputs = declared_inputs(graph)
         self._outputs = [(name, v, _tensor(plan, v).dtype.np) for name, v in graph.outputs]
         self._templates = [self._arg_template(launch) for launch in plan.launches]
-        self._layouts: dict[int, _Layout] = {}
+        self._layouts: dict[tuple[int, str], _Layout] = {}
         # States (KV caches): zeroed once, then each run starts from what the last one left.
         # A block with state is one sequence: runs of it must not overlap.
         self._aliases = state_aliases(plan)
@@ -323,13 +326,14 @@ class CompiledBlock:
         """Bytes the states (KV caches) hold, for the block's lifetime."""
         return sum(math.prod(t.concrete({})) * t.dtype.itemsize for t in self._state_types.values())
 
-    def memory_plan(self, m: int) -> MemoryPlan:
-        return self._layout(m).mem
+    def memory_plan(self, m: int, rows: str | None = None) -> MemoryPlan:
+        return self._layout(m, rows).mem
 
-    def load(self, m: int) -> None:
-        """Load (compiling if cold) the kernels a run with M=`m` launches; the block does so for
-        M=1 when it is built, and each run or capture for its own M."""
-        active = self._layout(m).mem.active
+    def load(self, m: int, rows: str | None = None) -> None:
+        """Load (compiling if cold) the kernels a run with M=`m` (rows of the kind `rows`)
+        launches; the block does so for M=1 when it is built, and each run or capture for its
+        own M."""
+        active = self._layout(m, rows).mem.active
         if all(self._loaded[i] is not None for i in active):
             return
         with self._load_lock:
@@ -338,9 +342,10 @@ class CompiledBlock:
             for i, loaded in zip(missing, load_kernels(self.backend, kernels), strict=True):
                 self._loaded[i] = loaded
 
-    def _layout(self, m: int) -> _Layout:
-        if m not in self._layouts:
-            mem, sizes = plan_memory(self.plan, m), {"M": m}
+    def _layout(self, m: int, rows: str | None = None) -> _Layout:
+        key = (m, resolve_rows(m, rows))
+        if key not in self._layouts:
+            mem, sizes = plan_memory(self.plan, m, key[1]), {"M": m}
             buffers = tuple(
                 (v, *_storage(self.plan, v, sizes), mem.offsets.get(v))
                 for i in mem.active
@@ -348,18 +353,21 @@ class CompiledBlock:
                 if v not in self._aliases
             )
             grids = tuple((i, self.plan.launches[i].grid(m)) for i in mem.active)
-            self._layouts[m] = _Layout(mem, buffers, grids)
-        return self._layouts[m]
+            self._layouts[key] = _Layout(mem, buffers, grids)
+        return self._layouts[key]
 
-    def run(self, inputs: Mapping[str, Any], stream: Any = None) -> dict[str, Any]:
-        """Run the block once on `stream` (cuda: a CuPy or torch stream; None: the current one).
-        See the module docstring for what comes back."""
+    def run(
+        self, inputs: Mapping[str, Any], stream: Any = None, rows: str | None = None
+    ) -> dict[str, Any]:
+        """Run the block once on `stream` (cuda: a CuPy or torch stream; None: the current one);
+        `rows`: what its rows are, where kernels depend on it (qir.codegen.lower.ROWS). See the
+        module docstring for what comes back."""
         be = self.backend
         with be.on(stream) as s:
             env, sizes, on_device = self._bind(inputs)
             m = sizes.get("M", 1)
-            self.load(m)
-            layout = self._layout(m)
+            self.load(m, rows)
+            layout = self._layout(m, rows)
             self._allocate(env, layout)
             for i, grid in layout.launches:
                 be.launch(self._loaded[i], grid, self._args(i, env, m), s)
@@ -367,24 +375,27 @@ class CompiledBlock:
                 return {name: env[v] for name, v, _ in self._outputs}
             return {name: be.from_device(env[v]).view(dt) for name, v, dt in self._outputs}
 
-    def capture_batches(self, sizes: Sequence[int], stream: Any = None) -> CapturedBatches:
+    def capture_batches(
+        self, sizes: Sequence[int], stream: Any = None, rows: str | None = None
+    ) -> CapturedBatches:
         """A capture per batch size in `sizes`; a call pads to the nearest (see CapturedBatches)."""
-        return CapturedBatches(self, sizes, stream)
+        return CapturedBatches(self, sizes, stream, rows)
 
-    def capture(self, m: int, stream: Any = None) -> CapturedBlock:
-        """Bind every launch for M=`m` to fixed buffers and record them for replay."""
+    def capture(self, m: int, stream: Any = None, rows: str | None = None) -> CapturedBlock:
+        """Bind every launch for M=`m` (rows of the kind `rows`) to fixed buffers and record
+        them for replay."""
         if isinstance(m, bool) or not isinstance(m, int):
             raise BindError(f"M must be an int, got {m!r}")
         if m < 1:
             raise BindError(f"M must be at least 1, got {m}")
         be, graph, sizes = self.backend, self.plan.graph, {"M": m}
-        self.load(m)
+        self.load(m, rows)
         with be.on(stream):
             env: dict[str, Any] = {}
             for n in graph.inputs:
                 t = _tensor(self.plan, n)
                 env[n] = be.empty(t.concrete(sizes), t.dtype.np)
-            layout = self._layout(m)
+            layout = self._layout(m, rows)
             self._allocate(env, layout)
             bound = [(self._loaded[i], grid, self._args(i, env, m)) for i, grid in layout.launches]
             replay = be.record(bound)
@@ -398,6 +409,7 @@ class CompiledBlock:
             {n: env[n] for n in graph.inputs},
             {o: env[v] for o, v in graph.outputs},
             replay,
+            layout.mem.active,
         )
 
     def _bind(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, int], bool]:
@@ -458,13 +470,14 @@ class CapturedBlock:
         inputs: dict[str, Any],
         outputs: dict[str, Any],
         replay: Callable[[Any], None],
+        active: tuple[int, ...],
     ) -> None:
         self.block = block
         self.m = m
         self.inputs = inputs
         self.outputs = outputs
         self._replay = replay
-        self.active = block.memory_plan(m).active  # the launches it replays
+        self.active = active  # the launches it replays
 
     def __call__(
         self, inputs: Mapping[str, Any] | None = None, stream: Any = None
@@ -502,11 +515,18 @@ class CapturedBatches:
     row alone, so the first M rows are what a run at M gives, bit for bit. Returns views of
     those rows: overwritten by the next call of the same capture."""
 
-    def __init__(self, block: CompiledBlock, sizes: Sequence[int], stream: Any = None) -> None:
+    def __init__(
+        self,
+        block: CompiledBlock,
+        sizes: Sequence[int],
+        stream: Any = None,
+        rows: str | None = None,
+    ) -> None:
         if not sizes or any(isinstance(m, bool) or not isinstance(m, int) for m in sizes):
             raise BindError(f"batch sizes must be a non-empty list of ints, got {sizes!r}")
         self.block = block
-        self.captures = {m: block.capture(m, stream) for m in sorted(set(sizes))}
+        self.rows = rows
+        self.captures = {m: block.capture(m, stream, rows) for m in sorted(set(sizes))}
         self._picked: dict[int, CapturedBlock] = {}
 
     def capture_for(self, m: int) -> CapturedBlock:
@@ -517,7 +537,7 @@ class CapturedBatches:
                     f"M={m}: the captured batch sizes are {list(self.captures)}; "
                     "run the block directly or capture a larger size"
                 )
-            active = self.block.memory_plan(m).active
+            active = self.block.memory_plan(m, self.rows).active
             same = [c for size, c in self.captures.items() if size >= m and c.active == active]
             if self.block._state and m not in self.captures:
                 # Padding rows would append whatever their stale inputs hold to the KV cache.

@@ -240,8 +240,8 @@ def test_w4a4_model_matches_the_reference(backend):
     and against transformers' 16-bit-activation logits, looser."""
     golden = np.load(DATA / W4A4 / "golden_model.npz")
     ours, ref = Model.load(DATA / W4A4, backend=backend), Model.load(DATA / W4A4)
-    # embedding, the layer, lm_head (16-bit) with the final norm as its prologue
-    assert ours.compiled.launches_for(1) == 1 + LAUNCHES[W4A4][0] + 1
+    # embedding, the layer, lm_head (16-bit) with the final norm as its prologue, sample
+    assert ours.compiled.launches_for(1) == 1 + LAUNCHES[W4A4][0] + 1 + 1
     long = (np.arange(70) * 11 + 5) % 256
     for tokens in (golden["tokens"], long):
         assert max_rel(ours.logits(tokens), ref.logits(tokens)) <= TOL[BF16]
@@ -316,14 +316,17 @@ def _gate_kernels() -> list[Any]:
     # Qwen3-8B's: q/k RMSNorm per head folded into the append and attention's q load, and the
     # unfused per-head norm (--passes none).
     norm = HeadNorm(BF16, 1e-6)
-    a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), 32, 128**-0.5, QWEN3, norm)
-    for k in (
-        attention_split_kernel(a),
-        attention_prefill_kernel(a),
-        kv_append_kernel(a.cache, QWEN3, norm),
-        rms_norm_kernel(BF16, BF16, 128, 1e-6, groups=32),
-    ):
-        kernels[k.name] = k
+    paged = CacheShape(BF16, 4096 * 16, 8, 128, page_size=16, table_pages=256)
+    for cache in (CacheShape(BF16, 4096, 8, 128), paged):  # a layer block's, a model's
+        a = AttentionSpec(cache, 32, 128**-0.5, QWEN3, norm)
+        for k in (
+            attention_split_kernel(a),
+            attention_prefill_kernel(a),
+            kv_append_kernel(a.cache, QWEN3, norm),
+        ):
+            kernels[k.name] = k
+    k = rms_norm_kernel(BF16, BF16, 128, 1e-6, groups=32)
+    kernels[k.name] = k
     # The GEMVs and GEMMs have their gates in test_every_format and test_gemm_kernels (those
     # with a norm prologue here); the fixtures' attention kernels are the Llama shapes' with a
     # smaller head.

@@ -37,6 +37,14 @@ __device__ __forceinline__ void qir_rotate(float& a, float& b, float angle) {
   qir_rotate_cs(a, b, cosf(angle), sinf(angle));
 }
 
+// The cache row of position p (>= 0) of a sequence whose block table is `table`: page
+// table[p / PAGE] of a pool of PAGES pages, row p % PAGE in it. A page id outside the pool reads
+// its nearest page instead of memory past the pool (the interpreter refuses such a table).
+template <int PAGE, int PAGES>
+__device__ __forceinline__ int qir_page_row(const int32_t* table, int p) {
+  return min(max(table[p / PAGE], 0), PAGES - 1) * PAGE + p % PAGE;
+}
+
 __device__ __forceinline__ float qir_warp_reduce_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));

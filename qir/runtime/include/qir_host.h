@@ -1003,6 +1003,10 @@ inline float __fdividef(float x, float y) { return x / y; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fsqrt_rn(float x) { return sqrtf(x); }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+// Rounded double operations: plain ones here (ISO C++ mode does not contract them into FMAs).
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
@@ -1011,6 +1015,8 @@ inline int __float_as_int(float x) { return qir_host::from_bits<int>(qir_host::t
 inline unsigned __float_as_uint(float x) { return qir_host::from_bits<unsigned>(qir_host::to_bits(x)); }
 inline float __int_as_float(int x) { return qir_host::from_bits<float>(qir_host::to_bits(x)); }
 inline float __uint_as_float(unsigned x) { return qir_host::from_bits<float>(qir_host::to_bits(x)); }
+inline long long __double_as_longlong(double x) { return qir_host::from_bits<long long>(qir_host::to_bits(x)); }
+inline double __longlong_as_double(long long x) { return qir_host::from_bits<double>(qir_host::to_bits(x)); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }

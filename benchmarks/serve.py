@@ -1,0 +1,218 @@
+"""`qir serve` under load: N requests of mixed prompt and output lengths, sent all at once and
+then the same requests one at a time, in one run, through the official OpenAI client (streamed,
+greedy, `ignore_eos` so each request generates exactly its output length).
+
+    python benchmarks/serve.py [CHECKPOINT] [--backend host|cuda] [--requests 16]
+    python benchmarks/serve.py --url http://127.0.0.1:8000 [--api-key KEY]   # a running server
+
+Without --url it serves CHECKPOINT itself (default: the tiny tests/data/mlx_affine4_g64_S) on a
+free loopback port. Per mode: requests/s and output tokens/s over the wall time, time to first
+token and inter-token latency percentiles (p50/p90/p99; an inter-token gap is the time between
+two streamed chunks, a chunk per token except where a token completes no character), and the
+batching ratio: output tokens/s all at once over one at a time. A warm-up round (untimed) runs
+first so that kernel compiles and captures stay out of the numbers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "tests" / "data" / "mlx_affine4_g64_S"
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "reads",
+    "every",
+    "token",
+    "of",
+    "its",
+    "prompt",
+    "then",
+    "writes",
+    "more",
+    "words",
+    "one",
+    "at",
+    "a",
+    "time",
+]
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Timing:
+    start: float
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    end: float = 0.0
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.start
+
+    @property
+    def gaps(self) -> list[float]:
+        return list(np.diff(self.chunks))
+
+
+@dataclass
+class Row:
+    mode: str
+    requests: int
+    wall_s: float
+    requests_per_s: float
+    tokens_per_s: float
+    ttft_ms: tuple[float, ...]  # p50, p90, p99
+    itl_ms: tuple[float, ...]
+
+
+def jobs(n: int, prompt_words: list[int], output_tokens: list[int], seed: int) -> list[Job]:
+    """n requests crossing the prompt and output lengths, the prompts' words drawn at random."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        words = prompt_words[i % len(prompt_words)]
+        tokens = output_tokens[(i // len(prompt_words) + i) % len(output_tokens)]
+        out.append(Job(" ".join(rng.choice(WORDS, words)), tokens))
+    return out
+
+
+async def run(client: Any, model: str, job: Job) -> Timing:
+    t = Timing(time.perf_counter())
+    stream = await client.completions.create(
+        model=model,
+        prompt=job.prompt,
+        max_tokens=job.max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            t.chunks.append(time.perf_counter())
+        if chunk.usage is not None:
+            t.tokens = chunk.usage.completion_tokens
+    t.end = time.perf_counter()
+    if not t.chunks or t.tokens != job.max_tokens:
+        raise RuntimeError(f"{job}: {t.tokens} tokens in {len(t.chunks)} chunks came back")
+    return t
+
+
+async def one_at_a_time(client: Any, model: str, todo: list[Job]) -> list[Timing]:
+    return [await run(client, model, job) for job in todo]
+
+
+async def all_at_once(client: Any, model: str, todo: list[Job]) -> list[Timing]:
+    return list(await asyncio.gather(*(run(client, model, job) for job in todo)))
+
+
+def row(mode: str, timings: list[Timing], wall: float) -> Row:
+    def pct(values: list[float]) -> tuple[float, ...]:
+        if not values:
+            return tuple(float("nan") for _ in PERCENTILES)
+        return tuple(float(np.percentile(values, p)) * 1e3 for p in PERCENTILES)
+
+    tokens = sum(t.tokens for t in timings)
+    gaps = [g for t in timings for g in t.gaps]
+    return Row(
+        mode,
+        len(timings),
+        wall,
+        len(timings) / wall,
+        tokens / wall,
+        pct([t.ttft for t in timings]),
+        pct(gaps),
+    )
+
+
+async def measure(url: str, api_key: str, todo: list[Job], warmup: int) -> list[Row]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    for _ in range(warmup):
+        await all_at_once(client, model, todo)
+    rows = []
+    for mode, how in (("one at a time", one_at_a_time), ("all at once", all_at_once)):
+        t0 = time.perf_counter()
+        timings = await how(client, model, todo)
+        rows.append(row(mode, timings, time.perf_counter() - t0))
+    await client.close()
+    return rows
+
+
+def show(rows: list[Row], todo: list[Job]) -> None:
+    prompts = sorted({len(j.prompt.split()) for j in todo})
+    outputs = sorted({j.max_tokens for j in todo})
+    print(f"{len(todo)} requests; prompts of {prompts} words, {outputs} output tokens; greedy")
+    head = f"{'mode':14} {'req/s':>7} {'out tok/s':>9}  {'TTFT ms p50/p90/p99':>22}"
+    print(f"{head}  {'ITL ms p50/p90/p99':>22}  {'wall s':>7}")
+    for r in rows:
+        ttft = "/".join(f"{v:.0f}" for v in r.ttft_ms)
+        itl = "/".join(f"{v:.0f}" for v in r.itl_ms)
+        print(
+            f"{r.mode:14} {r.requests_per_s:7.2f} {r.tokens_per_s:9.1f}  {ttft:>22}  {itl:>22}  "
+            f"{r.wall_s:7.2f}"
+        )
+    ratio = rows[1].tokens_per_s / rows[0].tokens_per_s
+    print(f"batching ratio (output tokens/s, all at once / one at a time): {ratio:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("checkpoint", nargs="?", type=Path, default=DEFAULT_CHECKPOINT)
+    ap.add_argument("--url", help="a running server (default: serve CHECKPOINT here)")
+    ap.add_argument("--api-key", default="none", help="the running server's key")
+    ap.add_argument("--backend", help="host or cuda (default: best available)")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-words", type=int, nargs="+", default=[4, 12, 24])
+    ap.add_argument("--output-tokens", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.requests < 1:
+        ap.error("--requests must be at least 1")
+    todo = jobs(args.requests, args.prompt_words, args.output_tokens, args.seed)
+    with ExitStack() as stack:
+        url = args.url
+        if url is None:
+            from qir.runtime.backend import best_backend
+            from qir.serving import Engine
+            from qir.serving.http import background, create_app
+
+            engine = Engine.load(args.checkpoint, backend=args.backend or best_backend())
+            for line in engine.describe():
+                print(line)
+            url = stack.enter_context(background(create_app(engine)))
+        try:
+            rows = asyncio.run(measure(url, args.api_key, todo, args.warmup))
+        except Exception as e:  # a refusal (a request past the context, a wrong key): one line
+            status = getattr(e, "status_code", None)
+            if status is None:
+                raise
+            raise SystemExit(f"serve.py: the server answered {status}: {e}") from None
+    show(rows, todo)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""The serving engine: requests (prompt ids, a sampling, limits) in, deltas (new text and ids,
+then a finish reason and the usage) out, for many clients at once.
+
+The engine owns the model and a worker thread that runs its steps; the HTTP layer (or any
+asyncio code) submits a Request and reads a Stream of Deltas, and cancels it when the client
+goes away. What runs the steps is the scheduler (qir.serving.scheduler); this module is the
+boundary the server is written against:
+
+    engine = Engine.load("path/to/checkpoint", backend="host")
+    engine.start()
+    stream = engine.submit(Request(prompt=engine.tokenizer.encode("Hi"), max_tokens=16,
+                                   sampling=Sampling(temperature=0.8, seed=1)))
+    async for delta in stream: ...        # Delta(text, token_ids, finish_reason, usage)
+    await engine.shutdown()               # drain: finish what runs, refuse new requests
+
+Errors a client caused (a prompt past the context, ids outside the vocabulary, bad sampling
+values) are UsageErrors raised by `submit`; a full queue is QueueFull; both before anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qir.dtypes import DType
+from qir.errors import QirError, UsageError
+from qir.models import Model
+from qir.models.blocks import PAGE_SIZE, check_max_seq
+from qir.models.checkpoint import Checkpoint, load
+from qir.sampling import Sampling
+from qir.serving.scheduler import PagePool, Scheduler, Seq
+
+# Requests waiting to run, beyond which `submit` refuses (the server's 429).
+DEFAULT_MAX_QUEUE = 256
+# Sequences decoded in one batch, and prompt tokens per prefill chunk.
+DEFAULT_MAX_BATCH = 16
+DEFAULT_CHUNK = 256
+# The KV cache's share of a GPU's free memory after the weights, and the host's default size.
+GPU_KV_FRACTION = 0.85
+DEFAULT_HOST_KV_GB = 2.0
+
+
+class QueueFull(QirError):
+    """Too many requests are waiting: try again later."""
+
+
+class EngineClosed(QirError):
+    """The engine is shutting down or stopped: no new requests."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]  # token ids, special tokens included
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()  # strings that end the text (not part of it)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What a request gained since its last delta. finish_reason: None while it runs, then
+    "stop" (an eos id or a stop string), "length" (max_tokens or the context) or "error"."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class Stream:
+    """A request's deltas as they come (async iteration); `cancel()` stops it and frees what it
+    holds (a disconnected client)."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self._loop = loop
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.done = False
+
+    def push(self, delta: Delta) -> None:
+        """From the engine's thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
+        while not self.done:
+            delta = await self._queue.get()
+            self.done = delta.finish_reason is not None
+            yield delta
+
+
+class Engine:
+    """Requests in, deltas out, for many clients at once: a worker thread runs the scheduler's
+    steps (qir.serving.scheduler: continuous batching over a paged KV cache)."""
+
+    def __init__(
+        self,
+        model: Model,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        name: str | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> None:
+        self.model = model
+        self.name = name or model.checkpoint.path.name
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(model, max_batch, chunk)
+        self._incoming: list[Seq] = []
+        self._lock = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        chunk: int = DEFAULT_CHUNK,
+        kv_cache_gb: float | None = None,
+        name: str | None = None,
+        **options: Any,
+    ) -> Engine:
+        """The checkpoint at `path` with a KV cache of `kv_cache_gb` GiB (default: what the
+        device has free after the weights, most of it, on a GPU; enough for max_batch
+        sequences at full context, at most DEFAULT_HOST_KV_GB, on the host); options as
+        Model's (backend, act, max_seq, passes, weight_quantization)."""
+        ck = load(path)
+        max_seq = check_max_seq(ck, options.pop("max_seq", None))
+        pages = kv_pages(
+            ck,
+            options.get("act"),
+            max_seq,
+            kv_cache_gb,
+            max_batch,
+            options.get("backend", "reference"),
+        )
+        model = Model(ck, max_seq=max_seq, kv_pages=pages, **options)
+        return cls(model, max_queue, name, max_batch, chunk)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def max_seq(self) -> int:
+        return self.model.max_seq
+
+    def prompt_ids(self, text: str) -> tuple[int, ...]:
+        """A completion prompt's ids (the tokenizer's special tokens as it adds them)."""
+        return tuple(self.model.encode(text))
+
+    def chat_ids(self, messages: Any) -> tuple[int, ...]:
+        """A chat's prompt ids: the messages through the checkpoint's chat template, with the
+        assistant's turn opened."""
+        text = self.model.chat_prompt(messages)
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def sampling(self, **options: Any) -> Sampling:
+        """A request's Sampling: the given do_sample/temperature/top_k/top_p/min_p/seed (None:
+        the checkpoint's generation_config.json, as transformers takes it)."""
+        return self.model.sampling(**options)
+
+    def describe(self) -> list[str]:
+        """Lines the server prints when it starts: the model, its context, what fits."""
+        block, pages = self.model.block, self.scheduler.pool.pages
+        per_page = page_bytes(self.model.checkpoint, self.model.act)
+        full = pages // block.table_pages
+        return [
+            f"model {self.name}: context {self.max_seq} tokens, batches of up to "
+            f"{self.scheduler.max_batch} sequences, prompts in chunks of {self.scheduler.chunk}",
+            f"KV cache: {pages} pages of {PAGE_SIZE} tokens ({pages * per_page / 2**30:.2f} GiB), "
+            f"{full} sequence(s) at full context",
+        ]
+
+    def check(self, request: Request) -> None:
+        """UsageError naming what a request cannot have (the server's 400)."""
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int):
+            raise UsageError(f"max_tokens must be an int, got {request.max_tokens!r}")
+        if request.max_tokens < 1:
+            raise UsageError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if not request.prompt:
+            raise UsageError("prompt: no tokens")
+        # The last id is never fed back: it takes no row.
+        self.model.tokens(list(request.prompt), request.max_tokens - 1)
+
+    def submit(self, request: Request) -> Stream:
+        """Queue `request`; its Stream yields its deltas. Call from the event loop's thread."""
+        self.check(request)
+        stream = Stream(request, asyncio.get_running_loop())
+        seq = self._seq(request, stream)
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            if len(self._incoming) + len(self.scheduler.waiting) >= self.max_queue:
+                raise QueueFull(
+                    f"{len(self._incoming) + len(self.scheduler.waiting)} requests are waiting; "
+                    "try again later"
+                )
+            self._incoming.append(seq)
+            self._lock.notify()
+        return stream
+
+    def _seq(self, request: Request, stream: Stream) -> Seq:
+        from qir.text import TextStream
+
+        text = TextStream(self.tokenizer, request.stop)
+        n_prompt = len(request.prompt)
+
+        def on_token(seq: Seq, token: int, last: bool) -> None:
+            piece = text.add(token)
+            finish = None
+            if text.stopped:
+                seq.done, finish = True, "stop"
+            elif last:
+                piece += text.finish()
+                finish = "stop" if token in seq.eos else "length"
+            stream.push(Delta(piece, (token,), finish, n_prompt, seq.generated))
+
+        eos = frozenset() if request.ignore_eos else frozenset(self.model.generation_config.eos_ids)
+        seed = request.sampling.seed
+        return Seq(
+            list(request.prompt),
+            request.max_tokens,
+            request.sampling,
+            seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
+            eos,
+            on_token,
+            stream.cancelled.is_set,
+            tag=stream,
+        )
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="qir-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Refuse new requests; finish those queued and running (drain) or cancel them."""
+        with self._lock:
+            self._closing = True
+            if not drain:
+                for seq in [*self._incoming, *self.scheduler.waiting, *self.scheduler.running]:
+                    seq.tag.cancel()
+            self._lock.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _work(self) -> None:
+        sched = self.scheduler
+        while True:
+            with self._lock:
+                while not self._incoming and sched.idle and not self._closing:
+                    self._lock.wait()
+                for seq in self._incoming:
+                    sched.add(seq)
+                self._incoming.clear()
+                if sched.idle and self._closing:
+                    return
+            try:
+                sched.step()
+            except Exception as e:  # a bug must not take the server down: the clients hear it
+                message = f"{type(e).__name__}: {e}"
+                for seq in [*sched.waiting, *sched.running]:
+                    seq.tag.push(Delta("", (), "error", error=message))
+                    seq.done = True
+                sched.waiting.clear()
+                sched.running.clear()
+                sched.pool = PagePool(sched.pool.pages)
+
+
+def page_bytes(ck: Checkpoint, act: DType) -> int:
+    """Bytes one page of every layer's K and V caches takes."""
+    return ck.num_layers * 2 * PAGE_SIZE * ck.num_kv_heads * ck.head_dim * act.itemsize
+
+
+def kv_pages(
+    ck: Checkpoint,
+    act: DType | None,
+    max_seq: int,
+    kv_cache_gb: float | None,
+    max_batch: int,
+    backend: str,
+) -> int:
+    """Pages of the KV-cache pool: `kv_cache_gb` GiB of them, else the default of Engine.load;
+    at least one sequence's worth (a UsageError when the budget holds less)."""
+    per_page = page_bytes(ck, act or ck.act_dtype)
+    table = -(-max_seq // PAGE_SIZE)
+    if kv_cache_gb is not None:
+        if (
+            isinstance(kv_cache_gb, bool)
+            or not isinstance(kv_cache_gb, int | float)
+            or not kv_cache_gb > 0
+        ):
+            raise UsageError(f"--kv-cache-gb must be a positive number, got {kv_cache_gb!r}")
+        pages = int(kv_cache_gb * 2**30 // per_page)
+    elif backend == "cuda":
+        import cupy
+
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        # The weights are not on the device yet: their checkpoint bytes stand for them.
+        weights = sum(
+            int(np.prod(ck.store.shape(t))) * ck.store.dtype(t).itemsize for t in ck.store
+        )
+        pages = int((free - weights) * GPU_KV_FRACTION // per_page)
+    else:
+        pages = min(max_batch * table, int(DEFAULT_HOST_KV_GB * 2**30 // per_page))
+    if pages < table:
+        raise UsageError(
+            f"the KV cache holds {pages} pages of {PAGE_SIZE} tokens ({pages * per_page / 2**30:.3f} "
+            f"GiB), less than one sequence of --max-seq {max_seq} ({table} pages): give more "
+            "--kv-cache-gb or a smaller --max-seq"
+        )
+    return pages

@@ -1,0 +1,261 @@
+"""The OpenAI API's request and response bodies, as pydantic models: what `qir serve` reads
+and writes on /v1/chat/completions, /v1/completions and /v1/models.
+
+Requests keep unknown fields (`extra="allow"`) and ignore them, as OpenAI's server does, except
+those that would change the result and that qir does not do (REFUSED: logprobs, n > 1, tools,
+penalties, ...), which `refused()` names for a 400. Sampling fields left out take the
+checkpoint's generation_config.json (as vLLM does), not OpenAI's temperature 1. top_k, min_p and
+ignore_eos are extensions vLLM also accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+
+NonNegative = Annotated[float, Field(ge=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or value in (0, "", [], {}, "none")
+
+
+# Fields qir does not implement, with the test that a value leaves the result unchanged.
+REFUSED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": _off,
+    "best_of": lambda v: v in (None, 1),
+    "echo": _off,
+    "suffix": _off,
+    "presence_penalty": _off,
+    "frequency_penalty": _off,
+    "repetition_penalty": lambda v: v in (None, 1),
+    "logit_bias": _off,
+    "tools": _off,
+    "tool_choice": _off,
+    "functions": _off,
+    "function_call": _off,
+    "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
+    "audio": _off,
+    "modalities": lambda v: _off(v) or v == ["text"],
+    "prediction": _off,
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """What both endpoints take: limits, sampling, stop strings, streaming."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: NonNegative | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's -1 (and 0): off
+    min_p: Probability | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    ignore_eos: bool = False
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, message) of the first field asking for what qir does not do."""
+        if self.n not in (None, 1):
+            return "n", f"n: one choice per request (got {self.n}); send n requests"
+        for name, unchanged in REFUSED.items():
+            value = (self.model_extra or {}).get(name)
+            if not unchanged(value):
+                return name, f"{name}: not supported by this server (got {value!r})"
+        return None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_options(self) -> dict[str, Any]:
+        """Engine.sampling's keywords (None: the checkpoint's default)."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": 0 if self.top_k == -1 else self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+        }
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """The most tokens asked for (None: what fits) and the field that asked."""
+        return self.max_tokens, "max_tokens"
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_limit(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def refused(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            if not _off((m.model_extra or {}).get("tool_calls")):
+                return f"messages.[{i}].tool_calls", "tool calls: not supported by this server"
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    where = f"messages.[{i}].content.[{j}]"
+                    return where, f"{where}: only text parts (got type {part.type!r})"
+        return super().refused()
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as a chat template takes them: text content, "developer" as "system"
+        (OpenAI's newer name for it)."""
+        out = []
+        for m in self.messages:
+            content = m.content if isinstance(m.content, str) else ""
+            if isinstance(m.content, list):
+                content = "".join(p.text or "" for p in m.content)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return out
+
+
+class CompletionRequest(GenerationRequest):
+    # One prompt: text or token ids (a list of one of either is taken too).
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def one_prompt(self) -> str | list[int] | None:
+        """The prompt, or None where several were sent."""
+        p: Any = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return p  # text, ids, or nothing
+        return p[0] if len(p) == 1 else None
+
+
+# Responses.
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A chunk's change: the role first, then content, then nothing (the finish chunk);
+    fields that are not part of it are left out, not null."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "qir"
+    max_model_len: int  # vLLM's extension: the context, in tokens
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,65 @@
+"""A real `qir serve` app (uvicorn on a free loopback port, the host backend, a fixture with a
+tokenizer and a chat template) shared by a test module, and the official OpenAI client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from qir.models import Model
+from qir.serving import Engine, Request, Stream
+from tests.conftest import DATA
+
+FIXTURE = DATA / "mlx_affine4_g64_S"  # Metaspace BPE, [INST] chat template, greedy by default
+NAME = FIXTURE.name
+API_KEY = "sk-qir-test"
+MAX_BODY = 16 << 10
+
+
+@dataclass
+class Served:
+    url: str  # http://127.0.0.1:PORT
+    engine: Engine
+    streams: list[Stream] = field(default_factory=list)  # every Stream the engine handed out
+
+    def client(self, api_key: str = API_KEY) -> object:
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def async_client(self) -> object:
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def serve(max_queue: int = 64) -> Iterator[Served]:
+    from qir.serving.http import background, create_app
+
+    engine = Engine.load(FIXTURE, backend="host", max_queue=max_queue)
+    served = Served("", engine)
+    submit = engine.submit
+
+    def spy(request: Request) -> Stream:  # the streams, to see what the engine was told
+        stream = submit(request)
+        served.streams.append(stream)
+        return stream
+
+    engine.submit = spy  # type: ignore[method-assign]
+    app = create_app(engine, api_key=API_KEY, max_body_bytes=MAX_BODY)
+    with background(app) as url:
+        served.url = url
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Served]:
+    yield from serve()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Model:
+    """The same checkpoint and options, run alone: what `qir generate` prints."""
+    return Model.load(FIXTURE, backend="host")
