@@ -204,10 +204,17 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def _check_span(node: Node, positions: np.ndarray, span: int, what: str) -> None:
-    if positions.size and (positions.min() < -1 or positions.max() >= span):
+    """Positions from -1 (padding) up: below span, or any with a window (a ring)."""
+    top = positions.max() if node.attr("window") is None else -1
+    if positions.size and (positions.min() < -1 or top >= span):
         raise BindError(
             f"{node.op}: positions {positions.min()}..{positions.max()} are outside {what}"
         )
+
+
+def _slots(node: Node, positions: np.ndarray, span: int) -> np.ndarray:
+    """Where positions sit among a sequence's `span` (a window's ring wraps them)."""
+    return positions % span if node.attr("window") is not None else positions
 
 
 def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray) -> np.ndarray | None:
@@ -225,7 +232,8 @@ def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray) -> np.ndarray 
     span = table.shape[1] * page
     _check_span(node, positions, span, f"the {span} a block table of {table.shape[1]} pages holds")
     pages = cache.shape[0] // page
-    needed = (np.arange(table.shape[1])[None, :] <= positions[:, None] // page) & (
+    last = np.minimum(positions, span - 1)  # a ring's row past its span uses every page
+    needed = (np.arange(table.shape[1])[None, :] <= last[:, None] // page) & (
         positions[:, None] >= 0
     )
     used = table[needed]
@@ -253,7 +261,8 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
         k = rope.rotate(k, positions, attrs).astype(kc.dtype)
     kc, vc = kc.copy(), vc.copy()
     real = positions >= 0
-    at = positions[real] if rows is None else rows[np.flatnonzero(real), positions[real]]
+    slots = _slots(node, positions[real], kc.shape[0] if rows is None else rows.shape[1])
+    at = slots if rows is None else rows[np.flatnonzero(real), slots]
     kc[at] = k[real].reshape(len(at), *kc.shape[1:])
     vc[at] = v[real].reshape(len(at), *vc.shape[1:])
     return kc, vc
@@ -279,10 +288,16 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         tables, which = np.unique(rows, axis=0, return_inverse=True)
         groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
     scale = np.float32(node.attr("scale"))
+    window = node.attr("window")
     for members, where in groups:
         keys, values = _f32(kc[where]), _f32(vc[where])  # [S, kv_heads, D]
         scores = np.einsum("mkgd,ckd->mkgc", qh[members], keys) * scale
-        visible = np.arange(len(where))[None, :] <= positions[members, None]
+        pm, slot = positions[members, None], np.arange(len(where))[None, :]
+        if window is None:
+            visible = slot <= pm
+        else:  # slot s holds position p - ((p - s) mod S): visible within the window
+            _check_ring(positions[members], len(where), window)
+            visible = (pm - slot) % len(where) < np.minimum(window, pm + 1)
         scores = np.where(visible[:, None, None, :], scores, -np.inf)
         top = scores.max(axis=-1, keepdims=True)
         p = np.exp(scores - np.where(np.isfinite(top), top, 0))
@@ -291,6 +306,18 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         out[members] = np.einsum("mkgc,ckd->mkgd", p, values)
     result: np.ndarray = out.reshape(m, -1)
     return result
+
+
+def _check_ring(positions: np.ndarray, span: int, window: int) -> None:
+    """One run's rows of a sequence write their keys before any reads the ring: the earliest
+    row's window must not have been overwritten by the latest row's key."""
+    real = positions[positions >= 0]
+    if real.size and real.max() - real.min() + window > span:
+        raise BindError(
+            f"attention: positions {real.min()}..{real.max()} of one sequence in one run need "
+            f"{real.max() - real.min() + window} positions of a ring of {span} (window "
+            f"{window}): run at most {span - window + 1} at a time"
+        )
 
 
 def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:

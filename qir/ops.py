@@ -476,16 +476,47 @@ def _check_paging(
         )
 
 
+def cache_room(cache: TensorType, table: ValueType | None, attrs: Mapping[str, Any]) -> int:
+    """The positions a sequence's cache holds: the cache's rows, or through a block table its
+    pages times page_size."""
+    if table is None:
+        rows = cache.shape[0]
+        assert isinstance(rows, int)
+        return rows
+    assert isinstance(table, TensorType) and isinstance(table.shape[1], int)
+    return int(table.shape[1]) * int(attrs["page_size"])
+
+
+def _check_window(
+    op: str, types: Sequence[ValueType], cache: TensorType, attrs: Mapping[str, Any]
+) -> None:
+    """A sliding window (attribute window = W): attention reads positions p - W + 1..p, and a
+    sequence's cache is a ring: position p sits at p % room (cache_room), so it holds the last
+    `room` positions and W <= room."""
+    w = attrs.get("window")
+    if w is None:
+        return
+    pages = cache_operands(op, attrs)[0]
+    room = cache_room(cache, None if pages is None else types[pages], attrs)
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= room:
+        raise IRTypeError(
+            f"{op}: window must be an int from 1 to the {room} positions a sequence's cache "
+            f"holds, got {w!r}"
+        )
+
+
 def _infer_kv_append(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
     """(k_cache, v_cache, k, v, positions[, pages][, k_norm]) -> the two caches with row m of k
     and v written at positions[m] (through the block table `pages`, see _check_paging). A rope
     prologue (its attributes) rotates k as it is written; a head-norm prologue (k_norm
-    [head_dim], norm_eps) normalises each head of k first."""
+    [head_dim], norm_eps) normalises each head of k first. With a window (a sliding layer's)
+    the cache is a ring (_check_window)."""
     _count_operands("kv_append", types, attrs)
     cache = _caches("kv_append", names, types, 0, 1)
     _check_paging("kv_append", names, types, cache, 5, attrs)
+    _check_window("kv_append", types, cache, attrs)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
     _head_norm("kv_append", names, types, attrs, head_dim)
@@ -510,11 +541,13 @@ def _infer_attention(
     0..positions[m] (causal; through the block table `pages`, see _check_paging), query head h
     to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its attributes) rotates
     q as it is read; a head-norm prologue (q_norm [head_dim], norm_eps) normalises each head of
-    q first."""
+    q first. With a window W, row m reads positions positions[m] - W + 1..positions[m] of a
+    ring (_check_window)."""
     _count_operands("attention", types, attrs)
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
     _check_paging("attention", names, types, cache, 4, attrs)
+    _check_window("attention", types, cache, attrs)
     _checked("attention", names, types, 3, index_problem)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
@@ -617,12 +650,17 @@ OPS: dict[str, OpSpec] = {
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
-        OpSpec("kv_append", VARIADIC, _infer_kv_append, ROPE_ATTRS | {"page_size", "norm_eps"}),
+        OpSpec(
+            "kv_append",
+            VARIADIC,
+            _infer_kv_append,
+            ROPE_ATTRS | {"page_size", "norm_eps", "window"},
+        ),
         OpSpec(
             "attention",
             VARIADIC,
             _infer_attention,
-            frozenset({"scale", "page_size", "norm_eps"}) | ROPE_ATTRS,
+            frozenset({"scale", "page_size", "norm_eps", "window"}) | ROPE_ATTRS,
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
         OpSpec("sample", 4, _infer_sample),

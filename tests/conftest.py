@@ -32,7 +32,14 @@ MLX_FIXTURES = ("mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S")
 # Checkpoints of the other model families (tests/models/test_families.py runs them as layers
 # and models); their formats' blocks are the S fixtures' (the format tests skip them).
 FAMILY_FIXTURES = frozenset(
-    {"mlx_affine4_qwen2", "ct_w4a16_qwen2", "mlx_affine4_qwen3", "ct_w4a16_qwen3"}
+    {
+        "mlx_affine4_qwen2",
+        "ct_w4a16_qwen2",
+        "mlx_affine4_qwen3",
+        "ct_w4a16_qwen3",
+        "mlx_affine4_mistral",
+        "ct_w4a16_mistral",
+    }
 )
 
 

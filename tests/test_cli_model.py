@@ -112,8 +112,8 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
             "hidden_activation 'gelu_pytorch_tanh' (MLP activation) is not supported",
         ),
         (
-            {"model_type": "mistral", "sliding_window": 4},
-            "sliding_window '4 on 2 of 2 layers' (sliding-window attention) is not supported",
+            {"model_type": "phi3"},
+            "model.layers.0.self_attn.qkv_proj 'q+k+v' (fused projections) is not supported",
         ),
     ],
 )

@@ -145,7 +145,8 @@ def rope_kernel(act: DType, heads: int, r: RopeSpec) -> Kernel:
 class CacheShape:
     """A KV cache: `capacity` rows of [kv_heads, head_dim]. Paged (page_size > 0): a pool of
     capacity / page_size pages, each row's positions reached through its block table of
-    `table_pages` pages (qir.ops); else one sequence, position p at row p."""
+    `table_pages` pages (qir.ops); else one sequence, position p at row p. With a sliding
+    window (window > 0) a sequence's room is a ring: position p at p % positions."""
 
     act: DType
     capacity: int
@@ -153,6 +154,7 @@ class CacheShape:
     head_dim: int
     page_size: int = 0
     table_pages: int = 0
+    window: int = 0
 
     @property
     def positions(self) -> int:
@@ -162,7 +164,7 @@ class CacheShape:
     @property
     def tag(self) -> str:
         paged = f"_p{self.page_size}x{self.table_pages}" if self.page_size else ""
-        return f"_c{self.capacity}{paged}"
+        return f"_c{self.capacity}{paged}" + (f"_w{self.window}" if self.window else "")
 
     def context(self) -> dict[str, Any]:
         return {
@@ -172,6 +174,7 @@ class CacheShape:
             "page_size": self.page_size,
             "table_pages": self.table_pages,
             "num_pages": self.capacity // self.page_size if self.page_size else 0,
+            "window": self.window,
         }
 
     def table_param(self) -> tuple[KernelParam, ...]:

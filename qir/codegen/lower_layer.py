@@ -54,8 +54,9 @@ def _cache(graph: Graph, op: str) -> CacheShape:
     at = cache_operands(graph.node(op).op, dict(graph.node(op).attrs))[0]
     pages = _tensor(graph, operands[at]).shape[1] if at is not None else 0
     page = graph.node(op).attr("page_size") or 0
+    window = graph.node(op).attr("window") or 0
     return CacheShape(
-        t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]), page, _int(pages)
+        t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]), page, _int(pages), window
     )
 
 

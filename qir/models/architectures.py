@@ -237,10 +237,8 @@ def features(ck: Checkpoint) -> Features:
         act_key or arch.activation_keys[0],
         ck.field(act_key) if act_key else arch.activation,
     )
-    for path, parts in arch.fused.items():
-        prefix = f"model.layers.0.{path}."
-        if any(name.startswith(prefix) for name in ck.store):
-            uses.append(Use("fused_linears", prefix[:-1], "+".join(parts)))
+    for path, parts in arch.fused.items():  # the family's checkpoints hold them so
+        uses.append(Use("fused_linears", f"model.layers.0.{path}", "+".join(parts)))
     if arch.norm != "x*w":
         uses.append(Use("norm_plus_one", "model_type", ck.field("model_type")))
     if arch.post_norms:

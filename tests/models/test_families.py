@@ -26,9 +26,11 @@ CASES = {
     "ct_w4a16_qwen2": (7, 6),
     "mlx_affine4_qwen3": (7, 6),  # q/k RMSNorm per head
     "ct_w4a16_qwen3": (7, 6),
+    "mlx_affine4_mistral": (7, 6),  # sliding-window attention (window 8) on every layer
+    "ct_w4a16_mistral": (7, 6),
 }
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
-SIXTEEN_BIT = ("autogptq_g64_llama", "mlx_affine4_qwen2", "ct_w4a16_qwen3")
+SIXTEEN_BIT = ("autogptq_g64_llama", "mlx_affine4_qwen2", "ct_w4a16_qwen3", "ct_w4a16_mistral")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -76,3 +78,39 @@ def test_16_bit_layer_and_model_within_the_layer_bounds(case, backend):
     assert n >= 1
     np.testing.assert_array_equal(gen.tokens[:n], golden["greedy"][:n])
     assert max_rel(gen.logits[:n], golden["step_logits"][:n]) <= GOLDEN_TOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sliding_window_model_keeps_a_ring_of_its_window(backend):
+    """Mistral (window 8): with a prefill chunk of 4 a sequence's KV cache is a ring of one
+    page (16 positions, not max_seq's 128) per layer; the 12-token prompt is prefilled in runs
+    of 9, and the 8 greedy steps (positions up to 19) lap the ring, still transformers'."""
+    case = "mlx_affine4_mistral"
+    golden = np.load(DATA / case / "golden_model.npz")
+    model = Model.load(DATA / case, backend=backend, act=F32, prefill_chunk=4)
+    assert (model.block.max_seq, model.block.table_pages, model.block.prefill_chunk) == (128, 1, 9)
+    caches = [model.block.graph.node(n).type for n in model.block.graph.of_op("state")]
+    assert {c.shape[0] for c in caches} == {16} and len(caches) == 4  # k and v of 2 layers
+    assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= F32_TOL
+    gen = model.generate(golden["tokens"], 8)
+    np.testing.assert_array_equal(gen.tokens, golden["greedy"])
+    assert max_rel(gen.logits, golden["step_logits"]) <= F32_TOL
+
+
+def test_a_ring_is_not_reused_past_what_it_still_holds():
+    """A chat turn reuses the KV rows of a common prefix of ids; once later positions have
+    lapped a sliding layer's ring over the prefix's window, the prompt is computed again."""
+    case = DATA / "mlx_affine4_mistral"
+    ring = Model.load(case, act=F32, prefill_chunk=4)  # 16 positions a sequence
+    full = Model.load(case, act=F32)
+    greedy = ring.sampling()
+    first = list(range(3, 23))  # 20 positions, then 3 generated: the ring lapped
+    second = [*first[:6], 200, 201, 202]
+    for model in (ring, full):
+        for _ in model.steps(first, 4, greedy, reuse=True):
+            pass
+    turn = [t for t, _, _ in ring.steps(second, 4, greedy, reuse=True, keep_logits=True)]
+    assert ring.stats.cached_tokens == 0  # the prefix's window was overwritten
+    want = [t for t, _, _ in full.steps(second, 4, greedy, reuse=True)]
+    assert full.stats.cached_tokens == 6
+    assert turn == want

@@ -1,8 +1,7 @@
 """The mlx-lm fixtures: `python mlx.py SRC DST [convert options]` in a venv with mlx 0.32.4,
 mlx-lm 0.32.2 (mlx-cpu), numpy 2.4.6; default options `-q --q-bits 4 --q-group-size 64`.
 
-Runs `python -m mlx_lm convert --hf-path SRC --mlx-path DST <options>` (offline), drops the
-tokenizer files, and writes DST/golden.npz: `W.<l>.<p>` for the seven linears of every layer and
+Runs `python -m mlx_lm convert --hf-path SRC --mlx-path DST <options>` (offline), and writes DST/golden.npz: `W.<l>.<p>` for the seven linears of every layer and
 `W.embed_tokens` / `W.lm_head` (mlx-lm quantizes those too; a tied lm_head has none), each
 `mx.dequantize(weight, scales, biases, group_size, bits, mode, dtype=float32)` on the modules of
 `mlx_lm.utils.load_model(DST)`, with the stored bf16 scales and biases widened to float32 first
