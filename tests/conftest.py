@@ -39,6 +39,8 @@ FAMILY_FIXTURES = frozenset(
         "ct_w4a16_qwen3",
         "mlx_affine4_mistral",
         "ct_w4a16_mistral",
+        "mlx_affine4_phi3",
+        "ct_w4a16_phi3",
     }
 )
 

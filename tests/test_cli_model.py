@@ -112,8 +112,8 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
             "hidden_activation 'gelu_pytorch_tanh' (MLP activation) is not supported",
         ),
         (
-            {"model_type": "phi3"},
-            "model.layers.0.self_attn.qkv_proj 'q+k+v' (fused projections) is not supported",
+            {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            "rope_scaling rope_type 'longrope' is not supported",
         ),
     ],
 )

@@ -169,6 +169,16 @@ class Features:
         return lines
 
 
+def segment_rows(ck: Checkpoint, short: str) -> int:
+    """Rows of a layer linear (q, k, v, gate, up) within a fused one."""
+    sizes = {
+        "q": ck.num_heads * ck.head_dim,
+        "k": ck.num_kv_heads * ck.head_dim,
+        "v": ck.num_kv_heads * ck.head_dim,
+    }
+    return sizes.get(short, ck.intermediate_size)
+
+
 def architecture_of(config: Mapping[str, Any], where: str) -> Architecture:
     """The row of ARCHITECTURES for config.json, or a one-line refusal naming the field."""
     model_type = config.get("model_type")

@@ -103,7 +103,7 @@ class Block:
 
 # What the builder implements of the features a family may use (qir.models.architectures);
 # a checkpoint using another is refused in one line naming its config field.
-SUPPORTED: frozenset[str] = frozenset({"bias", "qk_norm", "sliding_window"})
+SUPPORTED: frozenset[str] = frozenset({"bias", "qk_norm", "sliding_window", "fused_linears"})
 ACTIVATIONS = ("silu",)
 
 

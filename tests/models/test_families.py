@@ -28,9 +28,17 @@ CASES = {
     "ct_w4a16_qwen3": (7, 6),
     "mlx_affine4_mistral": (7, 6),  # sliding-window attention (window 8) on every layer
     "ct_w4a16_mistral": (7, 6),
+    "mlx_affine4_phi3": (7, 6),  # fused qkv_proj / gate_up_proj; a window of 16
+    "ct_w4a16_phi3": (7, 6),
 }
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
-SIXTEEN_BIT = ("autogptq_g64_llama", "mlx_affine4_qwen2", "ct_w4a16_qwen3", "ct_w4a16_mistral")
+SIXTEEN_BIT = (
+    "autogptq_g64_llama",
+    "mlx_affine4_qwen2",
+    "ct_w4a16_qwen3",
+    "ct_w4a16_mistral",
+    "mlx_affine4_phi3",
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,3 +122,26 @@ def test_a_ring_is_not_reused_past_what_it_still_holds():
     want = [t for t, _, _ in full.steps(second, 4, greedy, reuse=True)]
     assert full.stats.cached_tokens == 6
     assert turn == want
+
+
+@pytest.mark.parametrize("case", ["mlx_affine4_phi3", "ct_w4a16_phi3"])
+def test_fused_projections_are_read_as_views_of_their_rows(case):
+    """Phi-3's qkv_proj and gate_up_proj: q, k, v, gate and up are row ranges of the fused
+    buffers (no copy), which merge_parallel merges back into one launch each."""
+    ck = load(DATA / case)
+    fused = ck.linear("model.layers.1.self_attn.qkv_proj")
+    rows = {"q": (0, 256), "k": (256, 384), "v": (384, 512)}
+    whole = fused.weight.format.dequantize(fused.buffers, 512, 256)
+    for short, (start, stop) in rows.items():
+        lin = ck.linear(f"model.layers.1.self_attn.{short}_proj")
+        assert (lin.weight.out_features, lin.weight.in_features) == (stop - start, 256)
+        assert all(np.shares_memory(lin.buffers[b], ck._fused.buffers[b]) for b in lin.buffers)
+        np.testing.assert_array_equal(
+            lin.weight.format.dequantize(lin.buffers, stop - start, 256), whole[start:stop]
+        )
+    gate = ck.linear("model.layers.0.mlp.gate_proj")
+    up = ck.linear("model.layers.0.mlp.up_proj")
+    both = ck.linear("model.layers.0.mlp.gate_up_proj")
+    full = both.weight.format.dequantize(both.buffers, 1024, 256)
+    np.testing.assert_array_equal(gate.weight.format.dequantize(gate.buffers, 512, 256), full[:512])
+    np.testing.assert_array_equal(up.weight.format.dequantize(up.buffers, 512, 256), full[512:])

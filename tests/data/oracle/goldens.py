@@ -63,8 +63,14 @@ def build(case: Path, golden: dict[str, np.ndarray]) -> torch.nn.Module:
     ).eval()
     stored = checkpoint_tensors(case)
     state = {}
+    fused = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
     for name in model.state_dict():
         parts = name.split(".")
+        if name.startswith("model.layers.") and ".".join(parts[3:-1]) in fused:
+            layer, kind = int(parts[2]), "W" if parts[-1] == "weight" else "bias"
+            pieces = [golden[f"{kind}.{layer}.{s}"] for s in fused[".".join(parts[3:-1])]]
+            state[name] = torch.from_numpy(np.concatenate(pieces))  # the tool's rows, stacked
+            continue
         if name.startswith("model.layers.") and parts[-1] in ("weight", "bias"):
             layer, module = int(parts[2]), ".".join(parts[3:-1])
             short = {v: k for k, v in PROJ.items()}.get(module)

@@ -42,6 +42,17 @@ TOKENIZER = (
 )
 
 
+# Phi-3's fused linears: path -> the short names whose rows they stack.
+FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+
+
+def rows(config: dict, short: str) -> int:
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    sizes = {"q": heads * head_dim, "k": kv * head_dim, "v": kv * head_dim}
+    return sizes.get(short, config["intermediate_size"])
+
+
 def main(src: str, dst: str, scheme: str = "W4A16") -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
@@ -57,14 +68,25 @@ def main(src: str, dst: str, scheme: str = "W4A16") -> None:
     for f in sorted(Path(dst).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     out: dict[str, np.ndarray] = {}
+
+    def decode(prefix: str) -> np.ndarray:
+        local = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        local.pop("bias", None)
+        local["weight_scale"] = local["weight_scale"].float()
+        return compressor.decompress(local, group)["weight"].float().numpy()
+
     for layer in range(config["num_hidden_layers"]):
-        for p, path in PROJ.items():
+        paths = dict(PROJ)
+        for path, parts in FUSED.items():  # Phi-3: split the fused rows as its module does
             prefix = f"model.layers.{layer}.{path}."
-            local = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-            local.pop("bias", None)
-            local["weight_scale"] = local["weight_scale"].float()
-            w = compressor.decompress(local, group)["weight"]
-            out[f"W.{layer}.{p}"] = w.float().numpy()
+            if any(k.startswith(prefix) for k in tensors):
+                w, start = decode(prefix), 0
+                for short in parts:
+                    out[f"W.{layer}.{short}"] = w[start : start + rows(config, short)]
+                    start += rows(config, short)
+                    paths.pop(short)
+        for p, path in paths.items():
+            out[f"W.{layer}.{p}"] = decode(f"model.layers.{layer}.{path}.")
     np.savez_compressed(Path(dst) / "golden.npz", **out)
 
 

@@ -11,6 +11,7 @@ checkpoint (goldens.py reads them).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,17 @@ TOKENIZER = (
 )
 
 
+# Phi-3's fused linears: path -> the rows of the short names they stack (from config.json).
+FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+
+
+def rows(config: dict, short: str) -> int:
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    sizes = {"q": heads * head_dim, "k": kv * head_dim, "v": kv * head_dim}
+    return sizes.get(short, config["intermediate_size"])
+
+
 def decode(module: object) -> np.ndarray:
     scales = module.scales.astype(mx.float32)
     biases = module.get("biases")
@@ -60,10 +72,20 @@ def main(src: str, dst: str, *options: str) -> None:
     for name in TOKENIZER:
         (Path(dst) / name).unlink(missing_ok=True)
     model, _ = load_model(Path(dst))
+    config = json.loads((Path(dst) / "config.json").read_text())
     inner = model.model
     out: dict[str, np.ndarray] = {}
     for layer, block in enumerate(inner.layers):
-        for p, path in PROJ.items():
+        paths = dict(PROJ)
+        for path, parts in FUSED.items():  # a fused linear's rows, split as its module splits
+            if hasattr(getattr(block, path.split(".")[0]), path.split(".")[1]):
+                w = decode(getattr(getattr(block, path.split(".")[0]), path.split(".")[1]))
+                start = 0
+                for short in parts:
+                    out[f"W.{layer}.{short}"] = w[start : start + rows(config, short)]
+                    start += rows(config, short)
+                    paths.pop(short)
+        for p, path in paths.items():
             mod = block
             for part in path.split("."):
                 mod = getattr(mod, part)

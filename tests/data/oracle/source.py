@@ -33,6 +33,14 @@ FAMILIES = {
     "qwen2": {"tie_word_embeddings": True, "rope_theta": 1000000.0, "use_sliding_window": False},
     "qwen3": {"tie_word_embeddings": False, "rope_theta": 1000000.0, "attention_bias": False},
     "mistral": {"tie_word_embeddings": False, "rope_theta": 10000.0, "sliding_window": 8},
+    # Phi-3-mini-4k's shape of config: fused qkv_proj / gate_up_proj, a window on every layer
+    "phi3": {
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "sliding_window": 16,
+        "pad_token_id": 0,
+        "original_max_position_embeddings": 128,
+    },
 }
 
 
