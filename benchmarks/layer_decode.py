@@ -44,6 +44,7 @@ from qir.sampling import Sampling
 from qir.types import TensorType
 
 LLAMA3_8B: dict[str, Any] = {
+    "model_type": "llama",
     "hidden_size": 4096,
     "intermediate_size": 14336,
     "num_attention_heads": 32,

@@ -129,12 +129,15 @@ class Builder:
         name: str | None = None,
         pages: Value | None = None,
         page_size: int | None = None,
+        window: int | None = None,
     ) -> tuple[Value, Value]:
         """Writes row m of k and v at positions[m] of the caches; returns the written caches,
         which attention must read (not the states themselves). With a block table `pages`
-        (i32[M, pages]) the caches are pools of pages of `page_size` rows (qir.ops)."""
+        (i32[M, pages]) the caches are pools of pages of `page_size` rows (qir.ops); with a
+        sliding `window`, a sequence's cache is a ring (position p at p % its room)."""
         operands = (k_cache, v_cache, k, v, positions, *((pages,) if pages else ()))
-        both = self._op("kv_append", operands, name, **_paging(pages, page_size))
+        attrs = {**_paging(pages, page_size), **({"window": window} if window else {})}
+        both = self._op("kv_append", operands, name, **attrs)
         assert isinstance(both.type, TupleType)
         return self.get(both, 0, f"{both.name}.k"), self.get(both, 1, f"{both.name}.v")
 
@@ -151,14 +154,17 @@ class Builder:
         name: str | None = None,
         pages: Value | None = None,
         page_size: int | None = None,
+        window: int | None = None,
     ) -> Value:
         """Causal grouped-query attention of each row over its positions 0..positions[m] (through
-        the block table `pages` where given); `scale` defaults to 1/sqrt(head_dim)."""
+        the block table `pages` where given; the last `window` of them with a sliding window, of
+        a ring as kv_append wrote it); `scale` defaults to 1/sqrt(head_dim)."""
         head_dim = k_cache.type.shape[2] if isinstance(k_cache.type, TensorType) else 1
         assert isinstance(head_dim, int)
         s = float(scale) if scale is not None else float(head_dim) ** -0.5
         operands = (q, k_cache, v_cache, positions, *((pages,) if pages else ()))
-        return self._op("attention", operands, name, scale=s, **_paging(pages, page_size))
+        attrs = {**_paging(pages, page_size), **({"window": window} if window else {})}
+        return self._op("attention", operands, name, scale=s, **attrs)
 
     def embedding(self, ids: Value, table: Value, dtype: DType, name: str | None = None) -> Value:
         """Row ids[m] of the (dequantized) table [vocab, features], in `dtype`."""

@@ -39,9 +39,7 @@ def weights_bytes(graph: Graph) -> int:
     for n in graph.weights:
         t = graph.node(n).type
         if isinstance(t, QWeight):
-            total += sum(
-                value_bytes(b, {}) for b in t.format.buffers(t.out_features, t.in_features).values()
-            )
+            total += sum(value_bytes(b, {}) for b in t.buffers().values())
         else:
             total += value_bytes(t, {})
     return total

@@ -15,7 +15,7 @@ from qir import rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, cache_operands, qlinear_layout
 from qir.types import QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
@@ -87,7 +87,23 @@ def weight_buffers(node: Node, weights: Weights) -> Mapping[str, np.ndarray]:
         return bufs
     assert isinstance(w, QWeight)
     w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
+    if w.bias:
+        b = bufs.get("bias")
+        want = w.buffers()["bias"]
+        if b is None or b.shape != want.shape or b.dtype != want.dtype.np:
+            got = "nothing" if b is None else f"{b.dtype} {list(b.shape)}"
+            raise BindError(f"weight {key!r}: buffer 'bias' is {got}, expected {want}")
+        if not np.all(np.isfinite(b)):
+            raise BindError(f"weight {key!r}: buffer 'bias' contains NaN or Inf")
     return bufs
+
+
+def bias(node: Node, weights: Weights) -> np.ndarray | None:
+    """The float32 bias a weight node carries, or None."""
+    w = node.type
+    if not isinstance(w, QWeight) or not w.bias:
+        return None
+    return np.asarray(weights[node.attr("key")]["bias"], np.float32)
 
 
 def dequantized(node: Node, weights: Weights) -> np.ndarray:
@@ -133,11 +149,14 @@ def quantize_act(scheme: str, x: np.ndarray, attrs: Mapping[str, Any]) -> np.nda
     return ACT_QUANTIZERS[scheme](_f32(x), **rule)
 
 
-def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarray, ...]:
+def _qlinear(
+    node: Node, args: list[np.ndarray], biases: list[np.ndarray | None]
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """Fused or not, the same numerics as the unfused ops: the prologue (or the silu_mul epilogue)
     rounds silu(g) and the product to the act dtype like separate silu/mul ops would (an
     rms_norm prologue rounds the normalised row as rms_norm stores it), the residual epilogue
-    adds the residual to the rounded projection."""
+    adds the residual to the rounded projection. A weight's bias (`biases`, one per weight) joins
+    its float32 sums before they round."""
     attrs = dict(node.attrs)
     ins, ws, extras = qlinear_layout(len(args), attrs)
     m = args[0].shape[0]
@@ -157,7 +176,10 @@ def _qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray | tuple[np.ndarra
         x = rms_norm(x, nw, eps).astype(dt)
     else:
         (x,) = args[ins]
-    outs = [(_f32(x) @ w.T).astype(dt) for w in args[ws]]
+    outs = [
+        (_f32(x) @ w.T + (np.float32(0) if b is None else b)).astype(dt)
+        for w, b in zip(args[ws], biases, strict=True)
+    ]
     if attrs.get("epilogue") == "residual":
         (r,) = args[extras]
         outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
@@ -173,33 +195,45 @@ def _silu_mul(g: np.ndarray, u: np.ndarray, dt: Any) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """float32: x / sqrt(mean(x^2) + eps) * w, per row."""
+    """float32: x / sqrt(mean(x^2) + eps) * w, per row, or per group of len(w) features of a
+    row (per head)."""
     x = _f32(x)
-    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
-    return x / np.sqrt(ms + np.float32(eps)) * _f32(w)
+    g = x.reshape(*x.shape[:-1], -1, w.shape[-1])
+    ms = np.mean(g * g, axis=-1, keepdims=True, dtype=np.float32)
+    return (g / np.sqrt(ms + np.float32(eps)) * _f32(w)).reshape(x.shape)
 
 
 def _check_span(node: Node, positions: np.ndarray, span: int, what: str) -> None:
-    if positions.size and (positions.min() < -1 or positions.max() >= span):
+    """Positions from -1 (padding) up: below span, or any with a window (a ring)."""
+    top = positions.max() if node.attr("window") is None else -1
+    if positions.size and (positions.min() < -1 or top >= span):
         raise BindError(
             f"{node.op}: positions {positions.min()}..{positions.max()} are outside {what}"
         )
 
 
-def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray, at: int) -> np.ndarray | None:
+def _slots(node: Node, positions: np.ndarray, span: int) -> np.ndarray:
+    """Where positions sit among a sequence's `span` (a window's ring wraps them)."""
+    return positions % span if node.attr("window") is not None else positions
+
+
+def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray) -> np.ndarray | None:
     """int64 [M, S]: where row m's positions 0..S-1 sit in a paged cache (S: the positions a
     block table holds): table[m, p // page_size] * page_size + p % page_size. None without a
-    block table (operand `at`), where position p is row p. Positions (operand `at - 1`; -1 for
-    a padding row) must fit, and so must the pages a row reads or writes."""
-    positions = args[at - 1]
-    if len(args) == at:
+    block table (qir.ops.cache_operands), where position p is row p. Positions (the operand
+    before the block table; -1 for a padding row) must fit, and so must the pages a row reads
+    or writes."""
+    positions = args[4 if node.op == "kv_append" else 3]
+    at = cache_operands(node.op, dict(node.attrs))[0]
+    if at is None:
         _check_span(node, positions, cache.shape[0], f"the KV cache of {cache.shape[0]} rows")
         return None
     table, page = args[at], node.attr("page_size")
     span = table.shape[1] * page
     _check_span(node, positions, span, f"the {span} a block table of {table.shape[1]} pages holds")
     pages = cache.shape[0] // page
-    needed = (np.arange(table.shape[1])[None, :] <= positions[:, None] // page) & (
+    last = np.minimum(positions, span - 1)  # a ring's row past its span uses every page
+    needed = (np.arange(table.shape[1])[None, :] <= last[:, None] // page) & (
         positions[:, None] >= 0
     )
     used = table[needed]
@@ -215,15 +249,20 @@ def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray, at: int) -> np
 
 def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """New caches (copies) with row m of k and v at positions[m] (padding rows, at -1, write
-    nothing); k rotated by a rope prologue."""
+    nothing); each head of k normed by a head-norm prologue, then rotated by a rope prologue
+    (each rounded, as the ops would)."""
     kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
-    rows = _pages(node, args, kc, 5)
+    rows = _pages(node, args, kc)
+    norm = cache_operands("kv_append", attrs)[1]
+    if norm is not None:
+        k = rms_norm(k, args[norm], node.attr("norm_eps")).astype(kc.dtype)
     if "rope_type" in attrs:
         k = rope.rotate(k, positions, attrs).astype(kc.dtype)
     kc, vc = kc.copy(), vc.copy()
     real = positions >= 0
-    at = positions[real] if rows is None else rows[np.flatnonzero(real), positions[real]]
+    slots = _slots(node, positions[real], kc.shape[0] if rows is None else rows.shape[1])
+    at = slots if rows is None else rows[np.flatnonzero(real), slots]
     kc[at] = k[real].reshape(len(at), *kc.shape[1:])
     vc[at] = v[real].reshape(len(at), *vc.shape[1:])
     return kc, vc
@@ -231,11 +270,14 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
 
 def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
     """float32 softmax(q k^T * scale) v per head, row m over its positions 0..positions[m]
-    (zeros for a padding row, at -1)."""
+    (zeros for a padding row, at -1); q through its prologues (head norm, rope) first."""
     q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
-    rows = _pages(node, args, kc, 4)
+    rows = _pages(node, args, kc)
     m, (_, kv_heads, d) = q.shape[0], kc.shape
+    norm = cache_operands("attention", attrs)[1]
+    if norm is not None:
+        q = rms_norm(q, args[norm], node.attr("norm_eps")).astype(q.dtype)
     if "rope_type" in attrs:
         q = rope.rotate(q, positions, attrs).astype(q.dtype)
     qh = _f32(q).reshape(m, kv_heads, -1, d)  # [M, kv_heads, group, D]
@@ -246,10 +288,16 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         tables, which = np.unique(rows, axis=0, return_inverse=True)
         groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
     scale = np.float32(node.attr("scale"))
+    window = node.attr("window")
     for members, where in groups:
         keys, values = _f32(kc[where]), _f32(vc[where])  # [S, kv_heads, D]
         scores = np.einsum("mkgd,ckd->mkgc", qh[members], keys) * scale
-        visible = np.arange(len(where))[None, :] <= positions[members, None]
+        pm, slot = positions[members, None], np.arange(len(where))[None, :]
+        if window is None:
+            visible = slot <= pm
+        else:  # slot s holds position p - ((p - s) mod S): visible within the window
+            _check_ring(positions[members], len(where), window)
+            visible = (pm - slot) % len(where) < np.minimum(window, pm + 1)
         scores = np.where(visible[:, None, None, :], scores, -np.inf)
         top = scores.max(axis=-1, keepdims=True)
         p = np.exp(scores - np.where(np.isfinite(top), top, 0))
@@ -258,6 +306,18 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         out[members] = np.einsum("mkgc,ckd->mkgd", p, values)
     result: np.ndarray = out.reshape(m, -1)
     return result
+
+
+def _check_ring(positions: np.ndarray, span: int, window: int) -> None:
+    """One run's rows of a sequence write their keys before any reads the ring: the earliest
+    row's window must not have been overwritten by the latest row's key."""
+    real = positions[positions >= 0]
+    if real.size and real.max() - real.min() + window > span:
+        raise BindError(
+            f"attention: positions {real.min()}..{real.max()} of one sequence in one run need "
+            f"{real.max() - real.min() + window} positions of a ring of {span} (window "
+            f"{window}): run at most {span - window + 1} at a time"
+        )
 
 
 def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:
@@ -284,6 +344,7 @@ def evaluate(
     (zeros); None: every state starts empty and nothing is kept."""
     bind_inputs(graph, inputs)
     env: dict[str, Any] = {}
+    biases: dict[str, np.ndarray | None] = {}
     states = state if state is not None else {}
     declared = state_keys(graph)
     for key, value in states.items():
@@ -296,6 +357,7 @@ def evaluate(
             env[name] = inputs[name]
         elif node.op == "weight":
             env[name] = dequantized(node, weights)
+            biases[name] = bias(node, weights)
         elif node.op == "state":
             t = node.type
             assert isinstance(t, TensorType)
@@ -309,7 +371,8 @@ def evaluate(
             assert isinstance(node.type, TensorType)
             env[name] = _LAYER_OPS[node.op](node, args).astype(node.type.dtype.np)
         elif node.op == "qlinear":
-            env[name] = _qlinear(node, args)
+            ws = qlinear_layout(len(args), dict(node.attrs))[1]
+            env[name] = _qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
         elif node.op == "quantize_act":
             # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
             # With an RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel

@@ -184,9 +184,7 @@ def _infer_qlinear(
             raise IRTypeError("qlinear: act_quant quantizes a prologue's result; use quantize_act")
         _check_act_rule("qlinear", attrs, "act_quant")
     if prologue == "rms_norm":
-        normed = _infer_rms_norm(types[:2], names[:2], attrs)
-        assert isinstance(normed, TensorType)
-        x = normed
+        x = _infer_row_norm("qlinear", types[:2], names[:2], attrs)
     if prologue == "silu_mul":
         u = _activation("qlinear", names, types, 1)
         if u != x:
@@ -302,7 +300,7 @@ def _infer_quantize_act(
     x = _activation("quantize_act", names, types, 0)
     if len(types) not in (1, 3) or (len(types) == 3) != ("eps" in attrs):
         raise IRTypeError("quantize_act: takes (x), or (xn, x, w) with an rms_norm eps")
-    if len(types) == 3 and _infer_rms_norm(types[1:], names[1:], attrs) != x:
+    if len(types) == 3 and _infer_row_norm("quantize_act", types[1:], names[1:], attrs) != x:
         raise IRTypeError(
             f"quantize_act: rms_norm({_desc(names[1], types[1])}) does not match "
             f"{_desc(names[0], x)}"
@@ -354,17 +352,71 @@ def _infer_binary(op: str) -> Infer:
 def _infer_rms_norm(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
+    """(x [M, N], w [D]) -> x normed over each group of D features (D = N: whole rows; D a
+    divisor of N: per head, as Qwen3's q/k norms)."""
     x = _activation("rms_norm", names, types, 0)
     w = _checked("rms_norm", names, types, 1, param_problem)
-    if w.shape[0] != x.shape[1]:
+    n, d = x.shape[1], w.shape[0]
+    assert isinstance(n, int) and isinstance(d, int)
+    if n % d:
         raise IRTypeError(
             f"rms_norm: weight {_desc(names[1], w)} does not match the features of "
-            f"{_desc(names[0], x)}"
+            f"{_desc(names[0], x)} (or a whole number of groups of them)"
         )
     eps = attrs.get("eps")
     if not isinstance(eps, float) or not eps > 0:
         raise IRTypeError(f"rms_norm: eps must be a positive float, got {eps!r}")
     return x
+
+
+def _infer_row_norm(
+    op: str, types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> TensorType:
+    """An rms_norm prologue of whole rows (what the qlinear and quantize_act kernels compute)."""
+    x = _infer_rms_norm(types, names, attrs)
+    assert isinstance(x, TensorType) and isinstance(types[1], TensorType)
+    if types[1].shape[0] != x.shape[1]:
+        raise IRTypeError(f"{op}: an rms_norm prologue normalises whole rows, not groups")
+    return x
+
+
+def cache_operands(op: str, attrs: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """Where kv_append's / attention's optional operands sit after their fixed ones (5 and 4):
+    the block table (with attribute page_size), then the head-norm weight (with norm_eps)."""
+    at = 5 if op == "kv_append" else 4
+    pages = at if attrs.get("page_size") is not None else None
+    norm = at + (pages is not None) if attrs.get("norm_eps") is not None else None
+    return pages, norm
+
+
+def _count_operands(op: str, types: Sequence[ValueType], attrs: Mapping[str, Any]) -> None:
+    pages, norm = cache_operands(op, attrs)
+    want = (5 if op == "kv_append" else 4) + (pages is not None) + (norm is not None)
+    if len(types) != want:
+        raise IRTypeError(
+            f"{op}: takes {want} operands (a block table with page_size, a head-norm weight "
+            f"with norm_eps), got {len(types)}"
+        )
+
+
+def _head_norm(
+    op: str,
+    names: Sequence[str],
+    types: Sequence[ValueType],
+    attrs: Mapping[str, Any],
+    head_dim: int,
+) -> None:
+    """The per-head RMSNorm prologue of attention (q) and kv_append (k): a weight [head_dim]
+    (see cache_operands), with attribute norm_eps."""
+    at = cache_operands(op, attrs)[1]
+    if at is None:
+        return
+    w = _checked(op, names, types, at, param_problem)
+    if w.shape != (head_dim,):
+        raise IRTypeError(f"{op}: head-norm weight {_desc(names[at], w)} must be [{head_dim}]")
+    eps = attrs["norm_eps"]
+    if not isinstance(eps, float) or not eps > 0:
+        raise IRTypeError(f"{op}: norm_eps must be a positive float, got {eps!r}")
 
 
 def _heads(op: str, name: str, x: TensorType, head_dim: int) -> int:
@@ -412,9 +464,7 @@ def _check_paging(
     page_size rows, and row m's position p sits at row table[m, p // page_size] * page_size
     + p % page_size. A row at position -1 is padding: nothing is written or read for it."""
     page = attrs.get("page_size")
-    if len(types) == at:
-        if page is not None:
-            raise IRTypeError(f"{op}: page_size {page} needs a block table operand")
+    if page is None:
         return
     _checked(op, names, types, at, table_problem)
     capacity = cache.shape[0]
@@ -426,18 +476,50 @@ def _check_paging(
         )
 
 
+def cache_room(cache: TensorType, table: ValueType | None, attrs: Mapping[str, Any]) -> int:
+    """The positions a sequence's cache holds: the cache's rows, or through a block table its
+    pages times page_size."""
+    if table is None:
+        rows = cache.shape[0]
+        assert isinstance(rows, int)
+        return rows
+    assert isinstance(table, TensorType) and isinstance(table.shape[1], int)
+    return int(table.shape[1]) * int(attrs["page_size"])
+
+
+def _check_window(
+    op: str, types: Sequence[ValueType], cache: TensorType, attrs: Mapping[str, Any]
+) -> None:
+    """A sliding window (attribute window = W): attention reads positions p - W + 1..p, and a
+    sequence's cache is a ring: position p sits at p % room (cache_room), so it holds the last
+    `room` positions and W <= room."""
+    w = attrs.get("window")
+    if w is None:
+        return
+    pages = cache_operands(op, attrs)[0]
+    room = cache_room(cache, None if pages is None else types[pages], attrs)
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= room:
+        raise IRTypeError(
+            f"{op}: window must be an int from 1 to the {room} positions a sequence's cache "
+            f"holds, got {w!r}"
+        )
+
+
 def _infer_kv_append(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(k_cache, v_cache, k, v, positions[, pages]) -> the two caches with row m of k and v
-    written at positions[m] (through the block table `pages`, see _check_paging). A rope
-    prologue (its attributes) rotates k as it is written."""
-    if len(types) not in (5, 6):
-        raise IRTypeError(f"kv_append: takes 5 operands, or 6 with a block table; got {len(types)}")
+    """(k_cache, v_cache, k, v, positions[, pages][, k_norm]) -> the two caches with row m of k
+    and v written at positions[m] (through the block table `pages`, see _check_paging). A rope
+    prologue (its attributes) rotates k as it is written; a head-norm prologue (k_norm
+    [head_dim], norm_eps) normalises each head of k first. With a window (a sliding layer's)
+    the cache is a ring (_check_window)."""
+    _count_operands("kv_append", types, attrs)
     cache = _caches("kv_append", names, types, 0, 1)
     _check_paging("kv_append", names, types, cache, 5, attrs)
+    _check_window("kv_append", types, cache, attrs)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+    _head_norm("kv_append", names, types, attrs, head_dim)
     for i in (2, 3):
         t = _activation("kv_append", names, types, i)
         if t.shape[1] != kv_heads * head_dim or t.dtype != cache.dtype:
@@ -455,18 +537,21 @@ def _infer_kv_append(
 def _infer_attention(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(q, k_cache, v_cache, positions[, pages]): row m attends to its positions 0..positions[m]
-    (causal; through the block table `pages`, see _check_paging), query head h to kv head
-    h // (heads / kv_heads) (grouped-query). A rope prologue (its attributes) rotates q as it is
-    read."""
-    if len(types) not in (4, 5):
-        raise IRTypeError(f"attention: takes 4 operands, or 5 with a block table; got {len(types)}")
+    """(q, k_cache, v_cache, positions[, pages][, q_norm]): row m attends to its positions
+    0..positions[m] (causal; through the block table `pages`, see _check_paging), query head h
+    to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its attributes) rotates
+    q as it is read; a head-norm prologue (q_norm [head_dim], norm_eps) normalises each head of
+    q first. With a window W, row m reads positions positions[m] - W + 1..positions[m] of a
+    ring (_check_window)."""
+    _count_operands("attention", types, attrs)
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
     _check_paging("attention", names, types, cache, 4, attrs)
+    _check_window("attention", types, cache, attrs)
     _checked("attention", names, types, 3, index_problem)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+    _head_norm("attention", names, types, attrs, head_dim)
     heads = _heads("attention", names[0], q, head_dim)
     if heads % kv_heads or q.dtype != cache.dtype:
         raise IRTypeError(
@@ -489,8 +574,10 @@ def _infer_embedding(
     """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`."""
     _checked("embedding", names, types, 0, index_problem)
     table = types[1]
-    if not isinstance(table, QWeight):
-        raise IRTypeError(f"embedding: operand 1 ({_desc(names[1], table)}) must be a weight")
+    if not isinstance(table, QWeight) or table.bias:
+        raise IRTypeError(
+            f"embedding: operand 1 ({_desc(names[1], table)}) must be a weight without a bias"
+        )
     dt = attrs.get("dtype")
     if dt not in [d.name for d in dtypes.ACTIVATION]:
         raise IRTypeError(
@@ -563,9 +650,17 @@ OPS: dict[str, OpSpec] = {
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
-        OpSpec("kv_append", VARIADIC, _infer_kv_append, ROPE_ATTRS | {"page_size"}),
         OpSpec(
-            "attention", VARIADIC, _infer_attention, frozenset({"scale", "page_size"}) | ROPE_ATTRS
+            "kv_append",
+            VARIADIC,
+            _infer_kv_append,
+            ROPE_ATTRS | {"page_size", "norm_eps", "window"},
+        ),
+        OpSpec(
+            "attention",
+            VARIADIC,
+            _infer_attention,
+            frozenset({"scale", "page_size", "norm_eps", "window"}) | ROPE_ATTRS,
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
         OpSpec("sample", 4, _infer_sample),

@@ -18,7 +18,7 @@ _NODE = re.compile(rf"^%({_NAME}) = (\w+)((?: %{_NAME}(?:, %{_NAME})*)?)(?: \{{(
 _OUTPUT = re.compile(rf"^output ({_NAME}) = %({_NAME})$")
 _TENSOR = re.compile(r"^(\w+)\[(.*)\]$")
 _QACT = re.compile(r"^qact<(\w+), (.+)>$")
-_QWEIGHT = re.compile(r"^qweight<(.+)>\[(\d+), (\d+)\]$")
+_QWEIGHT = re.compile(r"^qweight<(.+)>\[(\d+), (\d+)\](\+bias)?$")
 
 
 class ParseError(QirError, ValueError):
@@ -39,7 +39,8 @@ def parse_type(text: str) -> ValueType:
         return QActType(m.group(1), source)
     m = _QWEIGHT.match(text)
     if m:
-        return QWeight(parse_format(m.group(1)), int(m.group(2)), int(m.group(3)))
+        fmt, out, in_ = parse_format(m.group(1)), int(m.group(2)), int(m.group(3))
+        return QWeight(fmt, out, in_, bias=m.group(4) is not None)
     m = _TENSOR.match(text)
     if not m:
         raise ParseError(f"bad type {text!r}")

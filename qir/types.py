@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qir.dtypes import DType
+from qir.dtypes import F32, DType
 
 if TYPE_CHECKING:
     from qir.formats.base import WeightFormat
@@ -41,14 +41,29 @@ class TensorType:
 
 @dataclass(frozen=True)
 class QWeight:
-    """A quantized (or plain) linear weight in nn.Linear orientation [out_features, in_features]."""
+    """A quantized (or plain) linear weight in nn.Linear orientation [out_features, in_features].
+
+    With `bias`, the linear's bias travels with it: `qlinear(x, W)` is x W^T + b, b a float32
+    buffer "bias" [out_features] beside the format's (a checkpoint's f16/bf16 bias widens to it
+    exactly), added to the float32 sums before they round to the activation type. A weight
+    carries its bias through every fusion that moves weights (merged q/k/v launches keep one per
+    segment)."""
 
     format: WeightFormat
     out_features: int
     in_features: int
+    bias: bool = False
 
     def __str__(self) -> str:
-        return f"qweight<{self.format.spell()}>[{self.out_features}, {self.in_features}]"
+        bias = "+bias" if self.bias else ""
+        return f"qweight<{self.format.spell()}>[{self.out_features}, {self.in_features}]{bias}"
+
+    def buffers(self) -> dict[str, TensorType]:
+        """The kernel-layout buffers: the format's, then the bias."""
+        out = dict(self.format.buffers(self.out_features, self.in_features))
+        if self.bias:
+            out["bias"] = TensorType((self.out_features,), F32)
+        return out
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,9 @@ def sentencepiece_style() -> tuple[Tokenizer, dict[str, object], str | None]:
     # byte_fallback as real Llama 2 / Mistral tokenizer.json files have it (transformers' Llama
     # class rebuilds the model so); with no <0xNN> pieces an unknown character is dropped.
     tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first", split=False
+    )
     tok.decoder = decoders.Sequence(
         [
             decoders.Replace("▁", " "),

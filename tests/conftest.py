@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -28,6 +29,29 @@ ON_GPU = pytest.mark.skipif(
 )
 BACKENDS = ["host", pytest.param("cuda", marks=[pytest.mark.gpu, ON_GPU])]
 MLX_FIXTURES = ("mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S")
+# Checkpoints of the other model families (tests/models/test_families.py runs them as layers
+# and models); their formats' blocks are the S fixtures' (the format tests skip them).
+FAMILY_FIXTURES = frozenset(
+    {
+        "mlx_affine4_qwen2",
+        "ct_w4a16_qwen2",
+        "mlx_affine4_qwen3",
+        "ct_w4a16_qwen3",
+        "mlx_affine4_mistral",
+        "ct_w4a16_mistral",
+        "mlx_affine4_phi3",
+        "ct_w4a16_phi3",
+    }
+)
+
+
+def format_fixtures() -> list[str]:
+    """The fixtures with block goldens (golden.npz) that the format tests take."""
+    return sorted(
+        p.name
+        for p in DATA.iterdir()
+        if (p / "golden.npz").is_file() and p.name not in FAMILY_FIXTURES
+    )
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -92,6 +116,14 @@ def random_weight(
     if isinstance(fmt, Nvfp4) and fmt.act_bits == 4:
         return QWeight(fmt, out_f, in_f), fmt.quantize(w, input_amax=INPUT_AMAX)
     return QWeight(fmt, out_f, in_f), fmt.quantize(w)
+
+
+def with_bias(
+    rng: np.random.Generator, qw: QWeight, bufs: dict[str, np.ndarray]
+) -> tuple[QWeight, dict[str, np.ndarray]]:
+    """The weight with a random float32 bias, about the size of its outputs."""
+    b = rng.standard_normal(qw.out_features, dtype=np.float32) * 0.5
+    return dataclasses.replace(qw, bias=True), {**bufs, "bias": b}
 
 
 def mlp_graph(

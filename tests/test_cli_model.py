@@ -107,8 +107,14 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     [
         ({"rms_norm_eps": None}, "lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
-        ({"sliding_window": 32}, "sliding_window 32 (sliding-window attention"),
-        ({"attention_bias": True}, "attention_bias is true"),
+        (
+            {"model_type": "gemma3_text"},
+            "hidden_activation 'gelu_pytorch_tanh' (MLP activation) is not supported",
+        ),
+        (
+            {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            "rope_scaling rope_type 'longrope' is not supported",
+        ),
     ],
 )
 def test_a_checkpoint_a_layer_cannot_run_is_one_line(tmp_path, capsys, config, message):

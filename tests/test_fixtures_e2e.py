@@ -11,9 +11,9 @@ import qir
 from qir.dtypes import F16
 from qir.models import load
 from qir.models.blocks import build
-from tests.conftest import BACKENDS, DATA, max_rel, rel_err
+from tests.conftest import BACKENDS, DATA, format_fixtures, max_rel, rel_err
 
-FIXTURES = sorted(p.name for p in DATA.iterdir() if (p / "golden.npz").is_file())
+FIXTURES = format_fixtures()
 GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 
 
@@ -22,7 +22,7 @@ def _x(golden: np.lib.npyio.NpzFile, m: int) -> tuple[np.ndarray, str]:
 
 
 def test_every_fixture_is_covered():
-    assert len(FIXTURES) == 12
+    assert len(FIXTURES) == 13
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

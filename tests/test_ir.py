@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from qir import parse, print_graph
+from qir import interpret, parse, print_graph
 from qir.builder import Builder
-from qir.dtypes import BF16, F16, F32
+from qir.dtypes import BF16, F16, F32, I32
 from qir.formats.base import FormatError
 from qir.formats.mlx import MlxAffine
 from qir.graph import Node
+from qir.interpret import BindError
 from qir.ops import IRTypeError
 from qir.parser import ParseError
 from qir.types import QWeight, TensorType
 from qir.verify import VerifyError, verify
-from tests.conftest import FMT4, mlp_graph
+from tests.conftest import FMT4, mlp_graph, random_weight
 
 
 def test_qlinear_rejects_width_mismatch_naming_both_operands():
@@ -95,6 +97,35 @@ def test_parse_reads_hand_written_ir():
     assert g.node("w").attr("key") == "a.b"
 
 
+def test_a_bias_travels_with_its_weight(rng):
+    """+bias in the weight's type: printed and parsed, checked when bound, added to the float32
+    sums before they round; an embedding table takes none."""
+    qw = QWeight(FMT4, 16, 64, bias=True)
+    assert str(qw).endswith("[16, 64]+bias") and qw.buffers()["bias"] == TensorType((16,), F32)
+    b = Builder()
+    x = b.input("x", ("M", 64), F16)
+    w = b.weight("p", qw, name="w_p")
+    b.output("y", b.qlinear(x, w))
+    assert parse(print_graph(b.graph)).node("w_p").type == qw
+    e = Builder()
+    with pytest.raises(
+        IRTypeError, match=r"embedding: operand 1 .* must be a weight without a bias"
+    ):
+        e.embedding(e.input("ids", ("M",), I32), e.weight("p", qw), F16)
+    _, bufs = random_weight(rng, 16, 64, FMT4)
+    xs = {"x": rng.standard_normal((3, 64)).astype(np.float16)}
+    with pytest.raises(
+        BindError, match=r"weight 'p': buffer 'bias' is nothing, expected f32\[16\]"
+    ):
+        interpret(b.graph, xs, {"p": bufs})
+    with pytest.raises(BindError, match=r"buffer 'bias' is float16 \[16\], expected f32\[16\]"):
+        interpret(b.graph, xs, {"p": {**bufs, "bias": np.zeros(16, np.float16)}})
+    bias = rng.standard_normal(16).astype(np.float32)
+    y = interpret(b.graph, xs, {"p": {**bufs, "bias": bias}})["y"]
+    want = xs["x"].astype(np.float32) @ FMT4.dequantize(bufs, 16, 64).T + bias
+    np.testing.assert_array_equal(y, want.astype(np.float16))
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -172,6 +203,9 @@ def test_silu_mul_epilogue_takes_4_bit_input_but_no_prologue():
     )
     assert parse(normed).node("h").attr("prologue") == "rms_norm"
     with pytest.raises(VerifyError, match="rms_norm: weight"):
+        parse(normed.replace("bf16[64]", "bf16[48]"))
+    # a per-head norm (a weight of a divisor of the width) is no prologue of a projection
+    with pytest.raises(VerifyError, match="an rms_norm prologue normalises whole rows"):
         parse(normed.replace("bf16[64]", "bf16[32]"))
 
 

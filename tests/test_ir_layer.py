@@ -66,10 +66,13 @@ def test_activation_only_ops_refuse_indices_caches_and_parameters():
 def test_layer_ops_check_shapes_against_each_other():
     b, v = layer_core()
     norm_w = b.param("norm", TensorType((64,), BF16))
-    with pytest.raises(IRTypeError, match=r"rms_norm: weight %p\w*: bf16\[64\] does not match"):
-        b.rms_norm(v["q"], norm_w, 1e-6)
+    odd_w = b.param("odd", TensorType((48,), BF16))
+    with pytest.raises(IRTypeError, match=r"rms_norm: weight %p\w*: bf16\[48\] does not match"):
+        b.rms_norm(v["q"], odd_w, 1e-6)
     with pytest.raises(IRTypeError, match="eps must be a positive float"):
         b.rms_norm(v["k"], norm_w, 0.0)
+    # a weight of a divisor of the width normalises each group (a head) on its own
+    assert b.rms_norm(v["q"], norm_w, 1e-6).type == v["q"].type
     with pytest.raises(IRTypeError, match=r"%k: f16\[M, 64\] is not a whole number of heads of 48"):
         b.rope(v["k"], v["pos"], {**ROPE, "head_dim": 48})
     with pytest.raises(IRTypeError, match=r"kv_append: %q: f16\[M, 128\] does not fit a row"):
@@ -81,6 +84,39 @@ def test_layer_ops_check_shapes_against_each_other():
         b.attention(q3, kc, vc, v["pos"])
     table = b.weight("embed", QWeight(FMT4, 100, 64))
     assert b.embedding(v["pos"], table, BF16).type == TensorType(("M", 64), BF16)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "attention %q, %kc, %vc, %pos, %w32 {scale=0.1}",
+            r"attention: takes 4 operands \(a block table",
+        ),
+        (
+            "attention %q, %kc, %vc, %pos {norm_eps=1e-06, scale=0.1}",
+            r"attention: takes 5 operands \(a block table",
+        ),
+        ("attention %q, %kc, %vc, %pos, %w64 {norm_eps=1e-06, scale=0.1}", r"must be \[32\]"),
+        ("kv_append %kc, %vc, %k, %v, %pos, %w64 {norm_eps=1e-06}", r"must be \[32\]"),
+        ("kv_append %kc, %vc, %k, %v, %pos, %w32 {norm_eps=0.0}", "norm_eps must be a positive"),
+    ],
+)
+def test_head_norm_prologues_are_checked(text, message):
+    src = f"""graph t {{
+  %q = input : f16[M, 128]
+  %k = input : f16[M, 64]
+  %v = input : f16[M, 64]
+  %pos = input : i32[M]
+  %w32 = weight {{key="a"}} : bf16[32]
+  %w64 = weight {{key="b"}} : bf16[64]
+  %kc = state {{key="k"}} : f16[16, 2, 32]
+  %vc = state {{key="v"}} : f16[16, 2, 32]
+  %y = {text} : {"f16[M, 128]" if text.startswith("attention") else "(f16[16, 2, 32], f16[16, 2, 32])"}
+  output y = %y
+}}"""
+    with pytest.raises(VerifyError, match=message):
+        parse(src)
 
 
 @pytest.mark.parametrize(

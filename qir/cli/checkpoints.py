@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from qir.models import load
+from qir.formats.base import FormatError
+from qir.models import Checkpoint, load
 
 _WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed")
 
@@ -69,7 +70,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for r in [header, *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     print(f"{len(rows)} linears, {total} bytes")
+    print()
+    print("\n".join(_architecture(ck)))
     return 0
+
+
+def _architecture(ck: Checkpoint) -> list[str]:
+    """What the decoder layers compute (qir.models.architectures), or why qir cannot say."""
+    try:
+        f = ck.features
+    except FormatError as e:
+        return [f"architecture: not supported: {e}"]
+    lines = f.describe()
+    lines.insert(
+        1,
+        f"  {ck.num_layers} layers, {ck.num_heads} heads of {ck.head_dim} "
+        f"({ck.num_kv_heads} kv heads), {'tied' if ck.tie_word_embeddings else 'untied'} "
+        "lm_head",
+    )
+    try:
+        rope = ck.rope
+        scaling = ", ".join(f"{k} {v}" for k, v in rope.items() if k not in ("head_dim", "theta"))
+        lines.append(f"  RoPE theta {rope['theta']:g}, {scaling}")
+    except FormatError as e:
+        lines.append(f"  RoPE: not supported: {e}")
+    return lines
 
 
 def cmd_dequant(args: argparse.Namespace) -> int:

@@ -22,8 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import EPILOGUES, GemvSpec, norm_param, norm_suffix, target_suffix
+from qir.codegen.fragments import Fragment, fragment_for
+from qir.codegen.gemv import (
+    EPILOGUES,
+    GemvSpec,
+    bias_of,
+    norm_param,
+    norm_suffix,
+    segments,
+    target_suffix,
+    weight_params,
+)
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
 from qir.dtypes import BF16, F16, DType
@@ -177,7 +186,7 @@ class GemmSpec:
     def name(self) -> str:
         f = self
         w0 = f.weights[0]
-        outs = "_".join(str(w.out_features) for w in f.weights)
+        outs = segments(f.weights)
         fused = ("_silu" if f.prologue else "") + norm_suffix(f.norm) + EPILOGUES[f.epilogue]
         if f.a4:
             fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
@@ -307,7 +316,21 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
                 expr = f"seg == {seg['j']} ? w{seg['j']}_{s} : {expr}"
             select[s] = expr
         b_args = ", ".join(f"sel_{s}" for s in suffixes)
-    params = _params(spec, frag.params)
+    params = _params(spec, frag)
+    # Biases join the float sums before anything rounds: the gate's and the up's in a pair, a
+    # multi-weight launch's segment's (chosen per block, null for a segment without).
+    g_value, u_value, bias_decl = "acc[mt][nt][i]", "acc[mt][nt + 1][i]", ""
+    if f.paired or len(f.weights) == 1:
+        if f.weights[0].bias:
+            g_value += " + w0_bias[n]"
+        if f.paired and f.weights[1].bias:
+            u_value += " + w1_bias[n]"
+    elif any(w.bias for w in f.weights):
+        expr = f"(const float*){bias_of(f.weights, len(f.weights) - 1)}"
+        for seg in reversed(segments[:-1]):
+            expr = f"seg == {seg['j']} ? (const float*){bias_of(f.weights, seg['j'])} : {expr}"
+        bias_decl = f"  const float* __restrict__ bias = {expr};"
+        g_value += " + (bias != nullptr ? bias[n] : 0.0f)"
     # Pieces rendered here from their own templates (the fragment with its context), so the
     # kernel template only places them.
     v = _variant(f)
@@ -372,6 +395,9 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
         epilogue=f.epilogue,
         target=f.target.arch if f.target else "",
         fp4_cvt=bool(f.target and f.target.fp4_cvt and frag.e2m1),
+        bias_decl=bias_decl,
+        g_value=g_value,
+        u_value=u_value,
     )
     return Kernel(
         spec.name,
@@ -382,7 +408,7 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
     )
 
 
-def _params(spec: GemmSpec, frag_params: tuple[KernelParam, ...]) -> list[KernelParam]:
+def _params(spec: GemmSpec, frag: Fragment) -> list[KernelParam]:
     """The GEMV's parameter list (lowering binds both families' launches alike)."""
     f = spec
     act_in = f"const {f.act.c_type}* __restrict__"
@@ -398,11 +424,7 @@ def _params(spec: GemmSpec, frag_params: tuple[KernelParam, ...]) -> list[Kernel
     scale = f.a4 and (f.prologue or f.native) and f.a4_mode != "dynamic"
     return [
         *inputs,
-        *(
-            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
-            for j in range(len(f.weights))
-            for p in frag_params
-        ),
+        *weight_params(f.weights, frag),
         *(
             KernelParam(f"y{j}", f"{f.act.c_type}* __restrict__", "buffer")
             for j in range(1 if f.paired else len(f.weights))
@@ -423,16 +445,17 @@ def _doc(spec: GemmSpec) -> list[str]:
     if f.a4:
         x = f"nvfp4({x})"
     lines = []
+    b = [f" + b{j}" if w.bias else "" for j, w in enumerate(f.weights)]
     if f.paired:
         lines.append(
-            f"y0 = silu({x} W0^T) * ({x} W1^T); W0, W1 are [{w0.out_features}, {w0.in_features}]"
-            f" in {w0.format.spell()}"
+            f"y0 = silu({x} W0^T{b[0]}) * ({x} W1^T{b[1]}); W0, W1 are "
+            f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
         )
     else:
         res = "r + " if f.epilogue == "residual" else ""
         for j, w in enumerate(f.weights):
             lines.append(
-                f"y{j} = {res}{x} W{j}^T; W{j} is [{w.out_features}, {w.in_features}] in "
+                f"y{j} = {res}{x} W{j}^T{b[j]}; W{j} is [{w.out_features}, {w.in_features}] in "
                 f"{w0.format.spell()}"
             )
     lines.append(

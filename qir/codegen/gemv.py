@@ -94,7 +94,9 @@ class GemvSpec:
         if self.epilogue == "residual" and len(self.weights) != 1:
             raise ValueError("the residual epilogue takes exactly one weight")
         if self.epilogue == "silu_mul" and (
-            len(self.weights) != 2 or self.weights[0] != self.weights[1] or self.prologue
+            len(self.weights) != 2
+            or _shape(self.weights[0]) != _shape(self.weights[1])
+            or self.prologue
         ):
             raise ValueError("the silu_mul epilogue takes two weights of one shape, no prologue")
         if self.a4 and self.weights[0].format.act_quant_scheme() != "nvfp4":
@@ -111,7 +113,7 @@ class GemvSpec:
     @property
     def name(self) -> str:
         w0 = self.weights[0]
-        outs = "_".join(str(w.out_features) for w in self.weights)
+        outs = segments(self.weights)
         fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm)
         fused += EPILOGUES[self.epilogue]
         if self.a4:
@@ -160,6 +162,39 @@ def target_suffix(target: Target | None) -> str:
     return f"_{target.tag}" if target else ""
 
 
+def _shape(w: QWeight) -> tuple[object, int, int]:
+    return w.format, w.out_features, w.in_features
+
+
+def segments(weights: tuple[QWeight, ...]) -> str:
+    """The kernel-name part spelling each weight's rows, "b" after a biased one: n256b_64b_64b."""
+    return "_".join(f"{w.out_features}{'b' if w.bias else ''}" for w in weights)
+
+
+def weight_params(weights: tuple[QWeight, ...], frag: Fragment) -> list[KernelParam]:
+    """Each weight's buffers as kernel parameters w<j>_<buffer>, its bias (float) last."""
+    return [
+        p
+        for j, w in enumerate(weights)
+        for p in (
+            *(
+                KernelParam(f"w{j}_{q.name.removeprefix('w_')}", q.c_type, "buffer")
+                for q in frag.params
+            ),
+            *(
+                (KernelParam(f"w{j}_bias", "const float* __restrict__", "buffer"),)
+                if w.bias
+                else ()
+            ),
+        )
+    ]
+
+
+def bias_of(weights: tuple[QWeight, ...], j: int) -> str:
+    """Weight j's bias pointer in C++ (nullptr without one)."""
+    return f"w{j}_bias" if weights[j].bias else "nullptr"
+
+
 def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
     act_in = f"const {spec.act.c_type}* __restrict__"
     inputs: tuple[KernelParam, ...]
@@ -174,11 +209,7 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
     scale = spec.a4 and spec.prologue and spec.a4_mode != "dynamic"
     return [
         *inputs,
-        *(
-            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
-            for j in range(len(spec.weights))
-            for p in frag.params
-        ),
+        *weight_params(spec.weights, frag),
         *(
             KernelParam(f"y{j}", f"{spec.act.c_type}* __restrict__", "buffer")
             for j in range(1 if spec.paired else len(spec.weights))
@@ -192,10 +223,12 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
 def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
     """C++ statements choosing this block's weight(s), output and row count: a launch of several
     weights gives each a range of blocks; a paired launch reads both weights in every block."""
+    ws = spec.weights
     if spec.paired:
         w0, w1 = (frag.weight_init(f"w{j}_") for j in range(2))
         return [
             f"const qir_weight weights[QIR_WEIGHTS] = {{{w0}, {w1}}};",
+            f"const float* biases[QIR_WEIGHTS] = {{{bias_of(ws, 0)}, {bias_of(ws, 1)}}};",
             f"const int n_rows = {spec.weights[0].out_features}, block0 = 0;",
             "act_t* __restrict__ y = y0;",
         ]
@@ -216,6 +249,9 @@ def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
         "const qir_weight weights[QIR_WEIGHTS] = {"
         + pick([frag.weight_init(f"w{j}_") for j in range(n)])
         + "};",
+        "const float* biases[QIR_WEIGHTS] = {"
+        + pick([f"(const float*){bias_of(ws, j)}" for j in range(n)])
+        + "};",
         f"const int n_rows = {pick([str(w.out_features) for w in spec.weights])};",
         f"const int block0 = {pick(['0', *map(str, ends[:-1])])};",
         f"act_t* __restrict__ y = {pick([f'y{j}' for j in range(n)])};",
@@ -230,14 +266,19 @@ def _header(spec: GemvSpec) -> list[str]:
         x = f"rms_norm(x, nw)[m, k] (eps {spec.norm[1]})"
     if spec.a4:
         x = f"nvfp4({x})"
+    b = [f" + b{j}[n]" if w.bias else "" for j, w in enumerate(spec.weights)]
     if spec.paired:
         return [
-            f"y0[m, n] = silu(g) * u with g = sum_k {x} * W0[n, k], u = sum_k {x} * W1[n, k];",
+            f"y0[m, n] = silu(g) * u with g = sum_k {x} * W0[n, k]{b[0]}, "
+            f"u = sum_k {x} * W1[n, k]{b[1]};",
             f"W0, W1 are [{w0.out_features}, {k}] in {fmt}",
         ]
     res = "r[m, n] + " if spec.epilogue == "residual" else ""
     return [
-        f"y{j}[m, n] = {res}sum_k {x} * W{j}[n, k]; W{j} is [{w.out_features}, {k}] in {fmt}"
+        f"y{j}[m, n] = {res}(sum_k {x} * W{j}[n, k]{b[j]}); W{j} is [{w.out_features}, {k}] in "
+        f"{fmt}"
+        if b[j]
+        else f"y{j}[m, n] = {res}sum_k {x} * W{j}[n, k]; W{j} is [{w.out_features}, {k}] in {fmt}"
         for j, w in enumerate(spec.weights)
     ]
 
@@ -265,6 +306,7 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         chunks_per_row=frag.chunks_per_row(w0.in_features),
         path=("packed", "float", "a4").index(spec.path(frag)),
         epilogue=("", "residual", "silu_mul").index(spec.epilogue),
+        has_bias=any(w.bias for w in spec.weights),
         source=_act_source(spec),
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),

@@ -85,20 +85,39 @@ class RopeSpec:
         return ", ".join(c_float(f) for f in rope.inv_freq(dict(self.attrs)))
 
 
+@dataclass(frozen=True)
+class HeadNorm:
+    """A per-head RMSNorm prologue: its weight's dtype and eps (attribute norm_eps)."""
+
+    dtype: DType
+    eps: float
+
+    def tag(self, which: str) -> str:
+        return f"_{which}norm{self.dtype.name}"
+
+
+def _norm_context(n: HeadNorm | None) -> dict[str, Any]:
+    if n is None:
+        return {"norm": False, "norm_eps": "", "w_t": ""}
+    return {"norm": True, "norm_eps": c_float(n.eps), "w_t": n.dtype.c_type}
+
+
 def _rope_context(r: RopeSpec | None) -> dict[str, Any]:
     if r is None:
         return {"rope": False, "rope_desc": "", "inv_freq": ""}
     return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table}
 
 
-def rms_norm_kernel(act: DType, w: DType, n: int, eps: float) -> Kernel:
-    name = f"rms_norm_{act.name}_n{n}_w{w.name}"
+def rms_norm_kernel(act: DType, w: DType, n: int, eps: float, groups: int = 1) -> Kernel:
+    """Rows of `groups` groups of n features, each normed on its own (grid.x = groups)."""
+    name = f"rms_norm_{act.name}_n{n}_w{w.name}" + (f"_g{groups}" if groups > 1 else "")
     source = render(
         "rms_norm.cu.j2",
         name=name,
         act_t=act.c_type,
         w_t=w.c_type,
         N=n,
+        groups=groups,
         eps=c_float(eps),
         threads=NORM_THREADS,
     )
@@ -126,7 +145,8 @@ def rope_kernel(act: DType, heads: int, r: RopeSpec) -> Kernel:
 class CacheShape:
     """A KV cache: `capacity` rows of [kv_heads, head_dim]. Paged (page_size > 0): a pool of
     capacity / page_size pages, each row's positions reached through its block table of
-    `table_pages` pages (qir.ops); else one sequence, position p at row p."""
+    `table_pages` pages (qir.ops); else one sequence, position p at row p. With a sliding
+    window (window > 0) a sequence's room is a ring: position p at p % positions."""
 
     act: DType
     capacity: int
@@ -134,6 +154,7 @@ class CacheShape:
     head_dim: int
     page_size: int = 0
     table_pages: int = 0
+    window: int = 0
 
     @property
     def positions(self) -> int:
@@ -143,7 +164,7 @@ class CacheShape:
     @property
     def tag(self) -> str:
         paged = f"_p{self.page_size}x{self.table_pages}" if self.page_size else ""
-        return f"_c{self.capacity}{paged}"
+        return f"_c{self.capacity}{paged}" + (f"_w{self.window}" if self.window else "")
 
     def context(self) -> dict[str, Any]:
         return {
@@ -153,14 +174,16 @@ class CacheShape:
             "page_size": self.page_size,
             "table_pages": self.table_pages,
             "num_pages": self.capacity // self.page_size if self.page_size else 0,
+            "window": self.window,
         }
 
     def table_param(self) -> tuple[KernelParam, ...]:
         return (_buf("pages", "int32_t"),) if self.page_size else ()
 
 
-def kv_append_kernel(c: CacheShape, r: RopeSpec | None) -> Kernel:
+def kv_append_kernel(c: CacheShape, r: RopeSpec | None, norm: HeadNorm | None = None) -> Kernel:
     name = f"kv_append_{c.act.name}{c.tag}_kv{c.kv_heads}_d{c.head_dim}{r.tag if r else ''}"
+    name += norm.tag("k") if norm else ""
     source = render(
         "kv_append.cu.j2",
         name=name,
@@ -171,6 +194,7 @@ def kv_append_kernel(c: CacheShape, r: RopeSpec | None) -> Kernel:
         width=c.kv_heads * c.head_dim,
         threads=THREADS,
         **_rope_context(r),
+        **_norm_context(norm),
     )
     t = c.act.c_type
     params = (
@@ -180,6 +204,7 @@ def kv_append_kernel(c: CacheShape, r: RopeSpec | None) -> Kernel:
         _buf("v", t),
         _buf("pos", "int32_t"),
         *c.table_param(),
+        *((_buf("kn", norm.dtype.c_type),) if norm else ()),
         _M,
     )
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
@@ -191,6 +216,7 @@ class AttentionSpec:
     heads: int
     scale: float
     rope: RopeSpec | None
+    norm: HeadNorm | None = None  # each head of q normed before the rotation
 
     def __post_init__(self) -> None:
         if self.cache.head_dim not in HEAD_DIMS:
@@ -224,7 +250,7 @@ class AttentionSpec:
         c = self.cache
         return (
             f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}{c.tag}"
-            f"{self.rope.tag if self.rope else ''}"
+            f"{self.rope.tag if self.rope else ''}{self.norm.tag('q') if self.norm else ''}"
         )
 
     def _context(self, name: str) -> dict[str, Any]:
@@ -241,17 +267,19 @@ class AttentionSpec:
             "scale": c_float(self.scale),
             "threads": THREADS,
             **_rope_context(self.rope),
+            **_norm_context(self.norm),
         }
 
 
-def _attention_inputs(c: CacheShape) -> tuple[KernelParam, ...]:
-    t = c.act.c_type
+def _attention_inputs(a: AttentionSpec) -> tuple[KernelParam, ...]:
+    t = a.cache.act.c_type
     return (
         _buf("q", t),
         _buf("k_cache", t),
         _buf("v_cache", t),
         _buf("pos", "int32_t"),
-        *c.table_param(),
+        *a.cache.table_param(),
+        *((_buf("qn", a.norm.dtype.c_type),) if a.norm else ()),
     )
 
 
@@ -260,7 +288,7 @@ def attention_split_kernel(a: AttentionSpec) -> Kernel:
     source = render(
         "attention_split.cu.j2", split_keys=a.split_keys, splits=a.splits, **a._context(name)
     )
-    params = (*_attention_inputs(a.cache), _buf("part", "float", False), _M)
+    params = (*_attention_inputs(a), _buf("part", "float", False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 
 
@@ -283,7 +311,7 @@ def attention_combine_kernel(a: AttentionSpec) -> Kernel:
 def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
     name = f"attn_prefill_{a._tag()}_r{PREFILL_ROWS}"
     source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
-    params = (*_attention_inputs(a.cache), _buf("y", a.cache.act.c_type, False), _M)
+    params = (*_attention_inputs(a), _buf("y", a.cache.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 
 

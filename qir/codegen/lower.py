@@ -123,7 +123,7 @@ class Plan:
                     total += value_bytes(w, sizes)
                     continue
                 assert isinstance(w, QWeight)
-                t = w.format.buffers(w.out_features, w.in_features)[a.buffer]
+                t = w.buffers()[a.buffer]
                 total += value_bytes(t, sizes)
             elif a.kind == "const":
                 total += 4
@@ -176,7 +176,11 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
     def args_of(ins_args: list[Arg], extra: list[Arg]) -> tuple[Arg, ...]:
         return (
             *ins_args,
-            *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
+            *(
+                Arg("weight", w, b)
+                for w, t in zip(operands[ws], weights, strict=True)
+                for b in (*frag.buffers, *(("bias",) if t.bias else ()))
+            ),
             *(Arg("value", o) for o in outputs),
             *(Arg("value", v) for v in operands[extras]),
             *extra,

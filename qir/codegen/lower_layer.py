@@ -15,6 +15,7 @@ from qir.codegen.layer_kernels import (
     PREFILL_ROWS,
     AttentionSpec,
     CacheShape,
+    HeadNorm,
     RopeSpec,
     attention_combine_kernel,
     attention_prefill_kernel,
@@ -28,7 +29,7 @@ from qir.codegen.layer_kernels import (
 from qir.codegen.lower import ALL_M, Arg, Launch
 from qir.dtypes import F32
 from qir.graph import Graph
-from qir.ops import W4A4_MAX_M
+from qir.ops import W4A4_MAX_M, cache_operands
 from qir.types import QWeight, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
@@ -50,11 +51,12 @@ def _cache(graph: Graph, op: str) -> CacheShape:
     operands = graph.operands(op)
     kv_append = graph.node(op).op == "kv_append"
     t = _tensor(graph, operands[0 if kv_append else 1])
-    at = 5 if kv_append else 4
-    pages = _tensor(graph, operands[at]).shape[1] if len(operands) > at else 0
+    at = cache_operands(graph.node(op).op, dict(graph.node(op).attrs))[0]
+    pages = _tensor(graph, operands[at]).shape[1] if at is not None else 0
     page = graph.node(op).attr("page_size") or 0
+    window = graph.node(op).attr("window") or 0
     return CacheShape(
-        t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]), page, _int(pages)
+        t.dtype, _int(t.shape[0]), _int(t.shape[1]), _int(t.shape[2]), page, _int(pages), window
     )
 
 
@@ -71,13 +73,27 @@ def _only_as_norm_source(graph: Graph, name: str) -> bool:
 
 def lower_rms_norm(graph: Graph, name: str) -> Lowered:
     x, w = graph.operands(name)
-    t = _tensor(graph, name)
-    kernel = rms_norm_kernel(
-        t.dtype, _tensor(graph, w).dtype, _int(t.shape[1]), graph.node(name).attr("eps")
-    )
+    t, wt = _tensor(graph, name), _tensor(graph, w)
+    n = _int(wt.shape[0])
+    groups = _int(t.shape[1]) // n  # a per-head norm: a block per group
+    kernel = rms_norm_kernel(t.dtype, wt.dtype, n, graph.node(name).attr("eps"), groups)
     args = (Arg("value", x), Arg("weight", w, "weight"), Arg("value", name), Arg("M"))
     when = (W4A4_MAX_M + 1, ALL_M[1]) if _only_as_norm_source(graph, name) else ALL_M
-    return [Launch(kernel, 1, 1, args, (name,), (name,), when)], {}
+    return [Launch(kernel, groups, 1, args, (name,), (name,), when)], {}
+
+
+def _cache_args(graph: Graph, name: str) -> tuple[HeadNorm | None, tuple[Arg, ...]]:
+    """A kv_append's or attention's head-norm prologue, if any, and its operands as kernel
+    arguments in order (the values; the block table; the norm's weight)."""
+    node = graph.node(name)
+    at = cache_operands(node.op, dict(node.attrs))[1]
+    operands = graph.operands(name)
+    args = tuple(
+        Arg("weight", o, "weight") if i == at else Arg("value", o) for i, o in enumerate(operands)
+    )
+    if at is None:
+        return None, args
+    return HeadNorm(_tensor(graph, operands[at]).dtype, node.attr("norm_eps")), args
 
 
 def lower_rope(graph: Graph, name: str) -> Lowered:
@@ -91,9 +107,11 @@ def lower_rope(graph: Graph, name: str) -> Lowered:
 
 
 def lower_kv_append(graph: Graph, name: str) -> Lowered:
-    kernel = kv_append_kernel(_cache(graph, name), RopeSpec.of(dict(graph.node(name).attrs)))
+    norm, operands = _cache_args(graph, name)
+    rope = RopeSpec.of(dict(graph.node(name).attrs))
+    kernel = kv_append_kernel(_cache(graph, name), rope, norm)
     # The caches are written in place: the args are the states, the gets alias them.
-    args = (*(Arg("value", a) for a in graph.operands(name)), Arg("M"))
+    args = (*operands, Arg("M"))
     return [Launch(kernel, 1, 1, args, graph.users(name), (name,))], {}
 
 
@@ -101,9 +119,9 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
     node = graph.node(name)
     cache = _cache(graph, name)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
-    spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)))
+    norm, reads = _cache_args(graph, name)
+    spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)), norm)
     part = graph.fresh(f"{name}.partials")
-    reads = tuple(Arg("value", a) for a in graph.operands(name))
     launches = [
         Launch(
             attention_split_kernel(spec),

@@ -170,6 +170,25 @@ class WeightFormat(ABC):
         w4a4 = self.declared_act_bits() == 4
         return {"bits": p.get("bits"), "group": p.get("group_size"), "w4a4": w4a4}
 
+    def rows(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+    ) -> dict[str, np.ndarray]:
+        """Rows start..stop of a weight's kernel-layout buffers, as views (no copy): every buffer
+        that holds a row per output (a weight of stop - start rows has it shorter) is sliced,
+        the rest (a per-tensor scale, GPTQ's g_idx) shared: Phi-3's fused q/k/v and gate/up
+        read as the segments a merged launch takes."""
+        full = self.buffers(out_features, in_features)
+        part = self.buffers(stop - start, in_features)
+        return {
+            name: bufs[name][start:stop] if part[name].shape != t.shape else bufs[name]
+            for name, t in full.items()
+        }
+
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
     ) -> None:

@@ -31,6 +31,7 @@ from qir.dtypes import ACTIVATION, F32, I32, DType
 from qir.errors import UsageError
 from qir.formats.base import FormatError
 from qir.graph import Graph
+from qir.models.architectures import FEATURES, Features
 from qir.models.checkpoint import Checkpoint
 from qir.ops import SAMPLING_PARAMS
 from qir.types import QWeight, TensorType
@@ -40,6 +41,10 @@ from qir.types import QWeight, TensorType
 MAX_SEQ_CAP = 4096
 # Rows per page of a paged KV cache (vLLM's default block size).
 PAGE_SIZE = 16
+# A sliding layer's KV cache is a ring of its window plus this many positions less one (where
+# that is less than max_seq): one run of a sequence (a prefill chunk) may bring this many rows,
+# whose keys are all written before any row reads its window.
+PREFILL_CHUNK = 256
 
 Weights = dict[str, dict[str, np.ndarray]]
 
@@ -50,11 +55,15 @@ class Block:
     weights: Weights  # weight key (module path) -> kernel-layout buffers
     max_seq: int = 0  # the positions a sequence has room for (0 without attention)
     kv_pages: int = 0  # pages of a paged cache's pool (0: not paged)
+    # The positions a sequence's cache holds where less than max_seq (every layer a sliding
+    # one, its cache a ring); and the rows one run of a sequence may bring then (0: any).
+    room: int = 0
+    prefill_chunk: int = 0
 
     @property
     def table_pages(self) -> int:
-        """Pages in a row of the block table: a sequence's max_seq positions."""
-        return -(-self.max_seq // PAGE_SIZE)
+        """Pages in a row of the block table: a sequence's max_seq positions, or its ring's."""
+        return -(-(self.room or self.max_seq) // PAGE_SIZE)
 
     def token_inputs(
         self, ids: np.ndarray, start: int = 0, table: np.ndarray | None = None
@@ -83,8 +92,33 @@ class Block:
                     f"{len(x)} rows are {len(x)} positions: past --max-seq {capacity} (the "
                     "KV cache's rows)"
                 )
+            if self.prefill_chunk and len(x) > self.prefill_chunk:
+                raise UsageError(
+                    f"{len(x)} rows in one run: a sliding layer's ring takes at most "
+                    f"{self.prefill_chunk} (its window plus the prefill chunk)"
+                )
             out["pos"] = np.arange(len(x), dtype=np.int32)
         return out
+
+
+# What the builder implements of the features a family may use (qir.models.architectures);
+# a checkpoint using another is refused in one line naming its config field.
+SUPPORTED: frozenset[str] = frozenset({"bias", "qk_norm", "sliding_window", "fused_linears"})
+ACTIVATIONS = ("silu",)
+
+
+def checked(ck: Checkpoint, only: tuple[str, ...] | None = None) -> Features:
+    """`ck`'s layer features, refusing the first one (of `only`, default all) that the builder
+    does not implement."""
+    f = ck.features
+    if f.activation.value not in ACTIVATIONS and (only is None or "activation" in only):
+        raise FormatError(
+            f"{ck.path}/config.json: {f.activation.refusal()} (supported: {', '.join(ACTIVATIONS)})"
+        )
+    use = f.unsupported(SUPPORTED | frozenset(() if only is None else FEATURES.keys() - only))
+    if use is not None:
+        raise FormatError(f"{ck.path}/config.json: {use.refusal()}")
+    return f
 
 
 # A sample op's params row that draws nothing (qir.sampling: temperature below 0).
@@ -95,15 +129,37 @@ class _Builder:
     """One block's Builder with the checkpoint it reads and the weights it collects."""
 
     def __init__(
-        self, ck: Checkpoint, name: str, act: DType, max_seq: int = 0, kv_pages: int = 0
+        self,
+        ck: Checkpoint,
+        name: str,
+        act: DType,
+        max_seq: int = 0,
+        kv_pages: int = 0,
+        chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.ck, self.act, self.max_seq, self.kv_pages = ck, act, max_seq, kv_pages
         self.b = Builder(name)
         self.weights: Weights = {}
         self.pages: Value | None = None  # the block table input, once a paged layer asks
+        self.chunk = chunk
+        # A paged block's sequences hold this many positions (its block table's pages) where
+        # every layer slides (a ring of pages); 0: max_seq.
+        self.room = 0
+        self.run_rows = 0  # rows one run of a sequence may bring (0: any)
 
     def block(self) -> Block:
-        return Block(self.b.graph, self.weights, self.max_seq, self.kv_pages)
+        return Block(
+            self.b.graph, self.weights, self.max_seq, self.kv_pages, self.room, self.run_rows
+        )
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, where it hides any position of max_seq."""
+        w = self.ck.features.windows[layer]
+        return w if w is not None and w < self.max_seq else None
+
+    def ring(self, window: int) -> int:
+        """The positions a sliding layer's (unpaged) cache holds."""
+        return min(self.max_seq, window + self.chunk - 1)
 
     def linear(self, module: str, name: str) -> Value:
         lin = self.ck.linear(module)
@@ -114,24 +170,29 @@ class _Builder:
     def proj(self, layer: int, proj: str, prefix: str = "") -> Value:
         return self.linear(self.ck.layer_module(layer, proj), f"{prefix}w_{proj}")
 
-    def norm(self, x: Value, module: str, name: str) -> Value:
+    def norm(self, x: Value, module: str, name: str, size: int = 0) -> Value:
+        """RMSNorm of x by `module`'s weight: of whole rows (hidden_size), or with `size`
+        (head_dim) of each head."""
+        checked(self.ck, ("norm_plus_one",))
         key = f"{module}.weight"
         w = self.ck.tensor(key)
-        hidden = self.ck.hidden_size
-        if w.shape != (hidden,):
-            raise FormatError(f"{key}: shape {list(w.shape)}, expected [{hidden}] (hidden_size)")
+        n, what = (size, "head_dim") if size else (self.ck.hidden_size, "hidden_size")
+        if w.shape != (n,):
+            raise FormatError(f"{key}: shape {list(w.shape)}, expected [{n}] ({what})")
         self.weights[module] = {"weight": w}
-        t = TensorType((hidden,), _param_dtype(w, key))
+        t = TensorType((n,), _param_dtype(w, key))
         p = self.b.param(module, t, name=f"{name}.w")
         return self.b.rms_norm(x, p, self.ck.rms_norm_eps, name=name)
 
     def qkv(self, x: Value, layer: int, prefix: str = "") -> tuple[Value, Value, Value]:
+        checked(self.ck, ("fused_linears",))
         q, k, v = (
             self.b.qlinear(x, self.proj(layer, p, prefix), name=f"{prefix}{p}") for p in "qkv"
         )
         return q, k, v
 
     def mlp(self, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
+        checked(self.ck, ("activation", "fused_linears"))
         b = self.b
         gate = b.qlinear(x, self.proj(layer, "gate", prefix), name=f"{prefix}gate")
         up = b.qlinear(x, self.proj(layer, "up", prefix), name=f"{prefix}up")
@@ -141,26 +202,35 @@ class _Builder:
 
     def layer(self, x: Value, pos: Value, layer: int, prefix: str = "") -> Value:
         ck, b = self.ck, self.b
-        problem = ck.attention_problem()
-        if problem:
-            raise FormatError(f"{ck.path}/config.json: {problem}")
+        f = checked(ck)
         rope = ck.rope
         attn = f"model.layers.{layer}.self_attn"
         h = self.norm(x, f"model.layers.{layer}.input_layernorm", f"{prefix}attn_norm")
         q, k, v = self.qkv(h, layer, prefix)
-        rows = self.kv_pages * PAGE_SIZE if self.kv_pages else self.max_seq
+        if f.arch.qk_norm:  # per head, before RoPE (fold_head_norm moves them into its readers)
+            q = self.norm(q, f"{attn}.q_norm", f"{prefix}q_norm", ck.head_dim)
+            k = self.norm(k, f"{attn}.k_norm", f"{prefix}k_norm", ck.head_dim)
+        window = self.window(layer)
+        if self.kv_pages:
+            rows, room = self.kv_pages * PAGE_SIZE, (self.room or self.max_seq)
+            room = -(-room // PAGE_SIZE) * PAGE_SIZE
+        else:
+            rows = room = self.ring(window) if window else self.max_seq
+        if window and room < self.max_seq:  # a ring: one run's rows must not lap it
+            fits = room - window + 1
+            self.run_rows = min(self.run_rows or fits, fits)
         cache = TensorType((rows, ck.num_kv_heads, ck.head_dim), self.act)
         kc = b.state(f"{attn}.k_cache", cache, name=f"{prefix}k_cache")
         vc = b.state(f"{attn}.v_cache", cache, name=f"{prefix}v_cache")
         q = b.rope(q, pos, rope, name=f"{prefix}q_rot")
         k = b.rope(k, pos, rope, name=f"{prefix}k_rot")
-        paging: dict[str, Any] = {}
+        paging: dict[str, Any] = {"window": window}
         if self.kv_pages:
             if self.pages is None:
-                self.pages = b.input("pages", ("M", -(-self.max_seq // PAGE_SIZE)), I32)
-            paging = {"pages": self.pages, "page_size": PAGE_SIZE}
+                self.pages = b.input("pages", ("M", room // PAGE_SIZE), I32)
+            paging.update(pages=self.pages, page_size=PAGE_SIZE)
         kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv", **paging)
-        a = b.attention(q, kc, vc, pos, ck.head_dim**-0.5, name=f"{prefix}attn", **paging)
+        a = b.attention(q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn", **paging)
         o = b.qlinear(a, self.proj(layer, "o", prefix), name=f"{prefix}o")
         r = b.add(x, o, name=f"{prefix}attn_y")
         hn = self.norm(r, f"model.layers.{layer}.post_attention_layernorm", f"{prefix}mlp_norm")
@@ -220,17 +290,35 @@ def norm_mlp(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
     return bb.block()
 
 
-def layer_block(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
-    bb = _Builder(ck, "layer", act, max_seq)
+def layer_block(
+    ck: Checkpoint, layer: int, act: DType, max_seq: int, chunk: int = PREFILL_CHUNK
+) -> Block:
+    bb = _Builder(ck, "layer", act, max_seq, chunk=chunk)
     x = bb.x()
     bb.b.output("y", bb.layer(x, bb.positions(), layer))
     return bb.block()
 
 
-def model(ck: Checkpoint, layer: int, act: DType, max_seq: int, kv_pages: int = 0) -> Block:
+def model(
+    ck: Checkpoint,
+    layer: int,
+    act: DType,
+    max_seq: int,
+    kv_pages: int = 0,
+    chunk: int = PREFILL_CHUNK,
+) -> Block:
     """Every layer; `layer` is ignored. The lm_head is embed_tokens' weight when the config ties
-    them. The KV caches are paged: a pool of `kv_pages` pages (default: one sequence's)."""
-    bb = _Builder(ck, "model", act, max_seq, kv_pages or -(-max_seq // PAGE_SIZE))
+    them. The KV caches are paged: a pool of `kv_pages` pages (default: one sequence's). Where
+    every layer slides by one window (Mistral), a sequence's block table is a ring of the
+    pages its window and a prefill chunk take, not max_seq's."""
+    windows = {w if w is not None and w < max_seq else None for w in ck.features.windows}
+    room = 0
+    if len(windows) == 1 and (w := next(iter(windows))) is not None:
+        room = -(-(w + chunk - 1) // PAGE_SIZE) * PAGE_SIZE
+        room = room if room < max_seq else 0
+    pages = -(-(room or max_seq) // PAGE_SIZE)
+    bb = _Builder(ck, "model", act, max_seq, kv_pages or pages, chunk)
+    bb.room = room
     b = bb.b
     ids = b.input("ids", ("M",), I32)
     pos = bb.positions()
@@ -299,10 +387,13 @@ def build(
     act: DType | None = None,
     max_seq: int | None = None,
     kv_pages: int | None = None,
+    prefill_chunk: int | None = None,
 ) -> Block:
     """`block` of `ck` at decoder layer `layer`; blocks with attention size their KV caches for
     `max_seq` positions (default: default_max_seq); the model block's is a pool of `kv_pages`
-    pages of PAGE_SIZE rows (default: one sequence's)."""
+    pages of PAGE_SIZE rows (default: one sequence's). A sliding layer's cache is a ring of its
+    window plus `prefill_chunk` (default PREFILL_CHUNK) positions less one, where that is less
+    than max_seq; runs of a sequence then take at most Block.prefill_chunk rows."""
     if block not in BLOCKS:
         raise UsageError(f"unknown block {block!r}; choose one of {', '.join(BLOCKS)}")
     if not 0 <= layer < ck.num_layers:
@@ -310,10 +401,21 @@ def build(
             f"layer {layer} is out of range: the checkpoint has {ck.num_layers} layer(s)"
         )
     seq = check_max_seq(ck, max_seq) if block in CACHED else 0
+    ring: dict[str, int] = {}
+    if prefill_chunk is not None:
+        if block not in CACHED:
+            raise UsageError(f"prefill_chunk: the {block} block keeps no KV cache")
+        if (
+            isinstance(prefill_chunk, bool)
+            or not isinstance(prefill_chunk, int)
+            or prefill_chunk < 1
+        ):
+            raise UsageError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        ring["chunk"] = prefill_chunk
     if kv_pages is not None:
         if block != "model":
             raise UsageError(f"kv_pages: only the model block's KV cache is paged, not {block}'s")
         if isinstance(kv_pages, bool) or not isinstance(kv_pages, int) or kv_pages < 1:
             raise UsageError(f"kv_pages must be a positive int, got {kv_pages!r}")
-        return model(ck, layer, act or ck.act_dtype, seq, kv_pages)
-    return BLOCKS[block](ck, layer, act or ck.act_dtype, seq)
+        return model(ck, layer, act or ck.act_dtype, seq, kv_pages, **ring)
+    return BLOCKS[block](ck, layer, act or ck.act_dtype, seq, **ring)

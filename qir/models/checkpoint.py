@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
-from qir.formats.base import FormatError
+from qir.formats.base import FormatError, check_tensor
 from qir.models import strict_json
+from qir.models.architectures import (
+    LLAMA_LINEARS,
+    Features,
+    architecture_of,
+    features,
+    segment_rows,
+)
 from qir.models.checkpoint_dir import find, read_bytes
 from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
@@ -29,15 +37,9 @@ from qir.types import QWeight
 _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 # Short names (as in golden.npz keys) of the HF Llama-style linears of one decoder layer.
-LAYER_LINEARS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
+LAYER_LINEARS = LLAMA_LINEARS
+# The tensor that holds a quantized linear's codes, per family (the inspect command's list).
+_WEIGHT_TENSORS = ("weight", "qweight", "weight_packed")
 _LAYER_MODULE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
 )
@@ -73,7 +75,8 @@ class Checkpoint:
         self.path = path
         self.config = config
         self.family = family
-        self.store = TensorStore(path)
+        self.store = TensorStore(path, family.files(config))
+        self._fused: Linear | None = None  # the fused linear a block reads segments of
 
     def field(self, key: str) -> Any:
         """config.json's `key`, a top-level entry of config_fields.FIELDS (checked when the
@@ -184,23 +187,10 @@ class Checkpoint:
             raise FormatError(f"{self._where()}: {where}: {problem}")
         return attrs
 
-    def attention_problem(self) -> str | None:
-        """Why qir cannot run this checkpoint's attention and MLP as Llama's, or None: biases,
-        sliding windows, an activation other than SiLU, per-head q/k norms."""
-        for key in ("attention_bias", "mlp_bias"):
-            if self.field(key):
-                return f"{key} is true (biased projections are not supported)"
-        window = self.field("sliding_window")
-        if window is not None and self.field("use_sliding_window"):
-            return f"sliding_window {window!r} (sliding-window attention is not supported)"
-        for key in ("hidden_act", "hidden_activation"):
-            if self.field(key) not in (None, "silu"):
-                return f"{key} {self.field(key)!r} (only silu MLPs are supported)"
-        for suffix in ("self_attn.q_proj.bias", "self_attn.q_norm.weight"):
-            name = f"model.layers.0.{suffix}"
-            if name in self.store:
-                return f"{name} is present (q/k/v biases and q/k norms are not supported)"
-        return None
+    @cached_property
+    def features(self) -> Features:
+        """What its decoder layers compute (qir.models.architectures), checked once."""
+        return features(self)
 
     def layer_module(self, layer: int, name: str) -> str:
         return layer_module(layer, name, self.num_layers)
@@ -227,7 +217,26 @@ class Checkpoint:
         return self.store.get(name)
 
     def linear(self, module: str) -> Linear:
-        lin = self.family.linear(self, module)
+        """The linear at `module`, in its format's kernel layout; with its `bias` tensor, if the
+        checkpoint has one (zeros included), widened to float32. A layer linear the family
+        stores fused (Phi-3's q/k/v in qkv_proj, gate/up in gate_up_proj) is its rows of the
+        fused one, views of its buffers (no copy)."""
+        segment = self._segment(module)
+        if segment is not None:
+            fused, start, stop = segment
+            whole = self._fused_linear(fused)
+            w = whole.weight
+            bufs = w.format.rows(whole.buffers, w.out_features, w.in_features, start, stop)
+            if w.bias:
+                bufs["bias"] = whole.buffers["bias"][start:stop]
+            lin = Linear(module, replace(w, out_features=stop - start), bufs)
+            self._check_shape(module, lin)
+            return lin
+        lin = self._read_linear(module)
+        self._check_shape(module, lin)
+        return lin
+
+    def _check_shape(self, module: str, lin: Linear) -> None:
         want = self.expected_shape(module)
         got = (lin.weight.out_features, lin.weight.in_features)
         if want is not None and got != want:
@@ -235,7 +244,49 @@ class Checkpoint:
                 f"{module}.weight: holds a {list(got)} weight in {lin.weight.format.spell()}, "
                 f"but config.json implies {list(want)}"
             )
-        return lin
+
+    def _segment(self, module: str) -> tuple[str, int, int] | None:
+        """(fused module, first row, end row) where `module` is a layer linear the checkpoint
+        stores inside a fused one (and not on its own), else None."""
+        m = _LAYER_MODULE.match(module)
+        if m is None or any(f"{module}.{s}" in self.store for s in _WEIGHT_TENSORS):
+            return None
+        try:
+            arch = architecture_of(self.config, str(self.path / "config.json"))
+        except FormatError:
+            return None
+        short = {v: k for k, v in LAYER_LINEARS.items()}[m.group(2)]
+        for path, parts in arch.fused.items():
+            fused = f"model.layers.{m.group(1)}.{path}"
+            if short in parts and any(f"{fused}.{s}" in self.store for s in _WEIGHT_TENSORS):
+                start = sum(segment_rows(self, p) for p in parts[: parts.index(short)])
+                return fused, start, start + segment_rows(self, short)
+        return None
+
+    def _fused_linear(self, module: str) -> Linear:
+        """A fused linear, read once for the segments a block takes of it in a row."""
+        if self._fused is None or self._fused.module != module:
+            lin = self._read_linear(module)
+            parts = next(p for path, p in self.features.arch.fused.items() if module.endswith(path))
+            want = (sum(segment_rows(self, s) for s in parts), self.hidden_size)
+            got = (lin.weight.out_features, lin.weight.in_features)
+            if got != want:
+                raise FormatError(
+                    f"{module}.weight: holds a {list(got)} weight in {lin.weight.format.spell()}, "
+                    f"but config.json implies {list(want)} ({'+'.join(parts)})"
+                )
+            self._fused = lin
+        return self._fused
+
+    def _read_linear(self, module: str) -> Linear:
+        lin = self.family.linear(self, module)
+        name = f"{module}.bias"
+        if name not in self.store:
+            return lin
+        b = self.store.get(name)
+        check_tensor(b, name, (lin.weight.out_features,), F16.np, BF16.np, F32.np)
+        bufs = {**lin.buffers, "bias": b.astype(np.float32)}
+        return Linear(module, replace(lin.weight, bias=True), bufs)
 
 
 def _unsupported(config: Mapping[str, Any]) -> str:

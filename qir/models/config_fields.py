@@ -90,6 +90,7 @@ _SECTION: tuple[Field, ...] = (
     Field("version", str),
     Field("format", str),
     Field("checkpoint_format", str),
+    Field("model_file_base_name", str),  # auto-gptq's file name
     Field("zero_point", bool),
     Field("modules_to_not_convert", list, items=str),
     Field("ignore", list, items=str),
@@ -148,12 +149,23 @@ FIELDS: tuple[Field, ...] = (
             Field(f"{section}.partial_rotary_factor", float, above=0),
         )
     ),
+    # the family (qir.models.architectures) and what its layers use
+    Field("model_type", str),
+    Field("architectures", list, items=str),
     Field("attention_bias", bool, default=False),
     Field("mlp_bias", bool, default=False),
     _int("sliding_window", at_least=1),
-    Field("use_sliding_window", bool, default=True),  # absent: a window, if given, applies
+    Field("use_sliding_window", bool, default=False),  # Qwen2/3's switch (their default)
+    _int("max_window_layers", at_least=0, default=28),  # Qwen2/3: sliding from this layer on
+    Field("layer_types", list, items=str),
+    _int("sliding_window_pattern", at_least=1, default=6),  # Gemma 3 without layer_types
+    Field("rope_local_base_freq", float, above=0),  # Gemma 3's sliding layers' RoPE base
+    Field("query_pre_attn_scalar", float, above=0),
+    Field("attn_logit_softcapping", float, above=0),
+    Field("final_logit_softcapping", float, above=0),
     Field("hidden_act", str),
     Field("hidden_activation", str),
+    *(_int(key, at_least=0) for key in ("num_experts", "num_local_experts", "n_routed_experts")),
     # where each producer writes its quantization (the families' matchers look at these)
     Field("quantization_config", dict),
     Field("quantization", dict),  # mlx-lm

@@ -111,11 +111,13 @@ class Model:
         weight_quantization: str = "declared",
         kv_pages: int | None = None,
         target: str | None = None,  # the GPU the kernels are for (qir.compile's)
+        prefill_chunk: int | None = None,
     ) -> None:
         """kv_pages: the KV cache's pool of pages (qir.models.blocks; default: one sequence's,
-        which this class's own methods use; qir.serving shares a larger pool)."""
+        which this class's own methods use; qir.serving shares a larger pool). prefill_chunk:
+        what a sliding layer's ring holds besides its window (qir.models.blocks)."""
         self.checkpoint = ck
-        self.block: Block = build(ck, "model", 0, act, max_seq, kv_pages)
+        self.block: Block = build(ck, "model", 0, act, max_seq, kv_pages, prefill_chunk)
         if self.block.kv_pages < self.block.table_pages:
             raise UsageError(
                 f"kv_pages {self.block.kv_pages} hold less than one sequence of {self.block.max_seq} "
@@ -396,6 +398,9 @@ class Model:
         reuse: bool,
     ) -> Steps:
         start = self._cache.reusable(ids.tolist()) if reuse else 0
+        ring = self.block.prefill_chunk
+        if ring and len(self._cache.ids) - start >= ring:
+            start = 0  # a sliding layer's ring has lapped the rows the prefix would keep
         self.stats = Stats(len(ids), 0, sampling=sampling.describe(), cached_tokens=start)
         self.stats.seed = None if sampling.is_greedy else seed
         self._cache.ids = []  # the prefill overwrites rows from `start` on
@@ -435,7 +440,28 @@ class Model:
     def _run(
         self, ids: np.ndarray, start: int, sampling: Sampling | None, seed: int
     ) -> dict[str, Any]:
-        """One run of the block on `ids` at positions start.. (a prefill)."""
+        """The block on `ids` at positions start.. (a prefill): one run, or runs of at most
+        the block's prefill_chunk rows where sliding layers keep rings (their outputs
+        concatenated)."""
+        chunk = self.block.prefill_chunk
+        if not chunk or len(ids) <= chunk:
+            return self._run_once(ids, start, sampling, seed)
+        outs = [
+            self._run_once(
+                ids[i : i + chunk], start + i, sampling if i + chunk >= len(ids) else None, seed
+            )
+            for i in range(0, len(ids), chunk)
+        ]
+        xp: Any = np
+        if self.compiled.backend == "cuda":
+            import cupy
+
+            xp = cupy
+        return {k: xp.concatenate([o[k] for o in outs]) for k in outs[-1]}
+
+    def _run_once(
+        self, ids: np.ndarray, start: int, sampling: Sampling | None, seed: int
+    ) -> dict[str, Any]:
         inputs = self._inputs(ids, start, sampling, seed)
         if self.compiled.backend == "cuda":
             # Device inputs keep the outputs on the device: only the id (and the logits where

@@ -325,20 +325,26 @@ class TensorStore:
     INDEX = "model.safetensors.index.json"
     SINGLE = "model.safetensors"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, singles: tuple[str, ...] = ()) -> None:
+        """`singles`: names of a single-file checkpoint to try after model.safetensors (a
+        producer's own name, such as auto-gptq's gptq_model-4bit-128g.safetensors)."""
         self.path = Path(path)
         self._files: dict[str, SafetensorsFile] = {}
         index = find(self.path, self.INDEX, self.INDEX)
+        names = (self.SINGLE, *singles)
         if index is not None:
             self._shard_of = self._read_index(index)
             for shard in sorted(set(self._shard_of.values())):
                 self._files[shard] = self._open_shard(shard)
             self._check_index(index)
-        elif (single := find(self.path, self.SINGLE, self.SINGLE)) is not None:
-            self._files[self.SINGLE] = SafetensorsFile(single)
-            self._shard_of = dict.fromkeys(self._files[self.SINGLE].keys(), self.SINGLE)
-        else:
-            raise FormatError(f"{self.path}: neither {self.SINGLE} nor {self.INDEX} found")
+            return
+        for name in names:
+            check_name(name, f"{self.path}: checkpoint file")
+            if (single := find(self.path, name, name)) is not None:
+                self._files[name] = SafetensorsFile(single)
+                self._shard_of = dict.fromkeys(self._files[name].keys(), name)
+                return
+        raise FormatError(f"{self.path}: none of {', '.join((*names, self.INDEX))} found")
 
     def _read_index(self, index: Path) -> dict[str, str]:
         doc = strict_json.loads(read_bytes(index), str(index))

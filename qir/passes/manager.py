@@ -11,6 +11,7 @@ from qir.errors import UsageError
 from qir.graph import Graph
 from qir.passes.base import Pass
 from qir.passes.dce import DCE
+from qir.passes.fold_head_norm import FoldHeadNorm
 from qir.passes.fold_rope import FoldRope
 from qir.passes.merge_parallel import MergeParallel
 from qir.passes.norm_act_quant import NormActQuant
@@ -43,6 +44,7 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "norm_act_quant": lambda o: NormActQuant(),
     "norm_prologue": lambda o: NormPrologue(),
     "fold_rope": lambda o: FoldRope(),
+    "fold_head_norm": lambda o: FoldHeadNorm(),
     "dce": lambda o: DCE(),
     "select_kernels": lambda o: SelectKernels(o.gemm_from_m),
 }
@@ -55,6 +57,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         "silu_prologue",
         "residual_epilogue",
         "fold_rope",
+        "fold_head_norm",
         "route_w4a4",
         "share_act_quant",
         "norm_act_quant",

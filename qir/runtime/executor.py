@@ -185,7 +185,7 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
 
 def _format_buffers(w: object) -> dict[str, TensorType]:
     assert isinstance(w, QWeight)
-    return w.format.buffers(w.out_features, w.in_features)
+    return w.buffers()
 
 
 def compile_jobs() -> int:

@@ -99,7 +99,8 @@ class Scheduler:
         self.pool = PagePool(model.block.kv_pages)
         self.table_pages = model.block.table_pages
         self.max_batch = max_batch
-        self.chunk = chunk
+        # A sliding layer's ring takes at most the block's prefill_chunk rows a run.
+        self.chunk = min(chunk, model.block.prefill_chunk or chunk)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # in order of admission
         self._captures: dict[int, Any] = {}
@@ -143,7 +144,8 @@ class Scheduler:
     def _pages_for(self, seq: Seq, positions: int) -> bool:
         """Give `seq` the pages its first `positions` positions need (at most a sequence's
         room); False if the pool has too few."""
-        positions = min(positions, self.model.max_seq)
+        # (a ring of pages where every layer slides: its table's, however long the sequence)
+        positions = min(positions, self.model.max_seq, self.table_pages * PAGE_SIZE)
         need = -(-positions // PAGE_SIZE) - len(seq.pages)
         if need <= 0:
             return True

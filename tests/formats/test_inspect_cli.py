@@ -27,7 +27,7 @@ def test_inspect_rows(capsys, case, spelling, bits, group):
     assert main(["-q", "inspect", str(DATA / case)]) == 0
     out, err = capsys.readouterr()
     assert err == ""  # not a TTY and fast: no progress lines
-    lines = out.splitlines()
+    lines = out.split("\n\n")[0].splitlines()
     assert lines[0].split() == [
         "module",
         "format",
@@ -51,7 +51,8 @@ def test_inspect_rows(capsys, case, spelling, bits, group):
 
 def test_inspect_ct_lists_ignored_lm_head_as_dense(capsys):
     assert main(["-q", "inspect", str(DATA / "ct_mxfp4a16_S")]) == 0
-    rows = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()[1:-1]}
+    table = capsys.readouterr().out.split("\n\n")[0]
+    rows = {ln.split()[0]: ln.split() for ln in table.splitlines()[1:-1]}
     assert rows["lm_head"][1:4] == ["dense<dtype=bf16>", "16", "-"]
     assert rows["lm_head"][6] == str(256 * 256 * 2)
 
@@ -70,12 +71,13 @@ def test_inspect_lists_unquantized_lm_head_as_dense(capsys, case):
     assert main(["-q", "inspect", str(DATA / case)]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:-1]}
+    table = out.split("\n\n")[0].splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in table[1:-1]}
     dtype = "f16" if case.startswith("awq") else "bf16"
     for module in ("lm_head", "model.embed_tokens"):
         assert rows[module][1:4] == [f"dense<dtype={dtype}>", "16", "-"], module
         assert rows[module][4:7] == ["[256,", "256]", str(256 * 256 * 2)], module
-    assert len(rows) == 9 and out.splitlines()[-1].startswith("9 linears, ")
+    assert len(rows) == 9 and table[-1].startswith("9 linears, ")
     assert not rows["model.layers.0.self_attn.q_proj"][1].startswith("dense")
 
 

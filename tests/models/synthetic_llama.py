@@ -77,12 +77,27 @@ def write_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
         tensors[f"{module}.weight"] = w.astype(BF16.np)
 
     linear("model.embed_tokens", (cfg["vocab_size"], hidden), 1.0)
+    # What the family implies besides Llama's tensors (transformers' modules for it).
+    biased = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    if cfg.get("attention_bias"):
+        biased.add("self_attn.o_proj")
+    elif cfg.get("model_type") != "qwen2":
+        biased = set()
+    if cfg.get("mlp_bias"):
+        biased |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     for layer in range(cfg["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         for name, shape in shapes.items():
             linear(f"{prefix}.{name}", shape, shape[1] ** -0.5)
+            if name in biased:
+                b = 0.5 * rng.standard_normal(shape[0], dtype=np.float32)
+                tensors[f"{prefix}.{name}.bias"] = b.astype(BF16.np)
         norm(f"{prefix}.input_layernorm")
         norm(f"{prefix}.post_attention_layernorm")
+        if cfg.get("model_type") == "qwen3":
+            for which in ("q_norm", "k_norm"):
+                w = 1.0 + 0.3 * rng.standard_normal(cfg["head_dim"], dtype=np.float32)
+                tensors[f"{prefix}.self_attn.{which}.weight"] = w.astype(BF16.np)
     norm("model.norm")
     if not cfg.get("tie_word_embeddings"):
         linear("lm_head", (cfg["vocab_size"], hidden), hidden**-0.5)
@@ -114,6 +129,12 @@ class Forward:
         s = np.repeat(scales.astype(np.float64), group, axis=1)
         b = np.repeat(biases.astype(np.float64), group, axis=1)
         return codes * s + b
+
+    def linear(self, x: np.ndarray, module: str) -> np.ndarray:
+        """x W^T, plus the bias where the checkpoint has one."""
+        y = x @ self.weight(module).T
+        b = self.t.get(f"{module}.bias")
+        return y if b is None else y + b.astype(np.float64)
 
     def inv_freq(self) -> np.ndarray:
         cfg, d = self.cfg, self.cfg["head_dim"]
@@ -152,9 +173,11 @@ class Forward:
         t, d = x.shape[0], cfg["head_dim"]
         heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         h = self.norm(x, f"{p}.input_layernorm")
-        q = (h @ self.weight(f"{p}.self_attn.q_proj").T).reshape(t, heads, d)
-        k = (h @ self.weight(f"{p}.self_attn.k_proj").T).reshape(t, kv, d)
-        v = (h @ self.weight(f"{p}.self_attn.v_proj").T).reshape(t, kv, d)
+        q = self.linear(h, f"{p}.self_attn.q_proj").reshape(t, heads, d)
+        k = self.linear(h, f"{p}.self_attn.k_proj").reshape(t, kv, d)
+        v = self.linear(h, f"{p}.self_attn.v_proj").reshape(t, kv, d)
+        if f"{p}.self_attn.q_norm.weight" in self.t:  # Qwen3: each head normed before RoPE
+            q, k = self.norm(q, f"{p}.self_attn.q_norm"), self.norm(k, f"{p}.self_attn.k_norm")
         q, k = self.rope(q), self.rope(k)
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
         scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(d)
@@ -162,11 +185,11 @@ class Forward:
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         a = np.einsum("hts,shd->thd", probs, v).reshape(t, heads * d)
-        x = x + a @ self.weight(f"{p}.self_attn.o_proj").T
+        x = x + self.linear(a, f"{p}.self_attn.o_proj")
         h = self.norm(x, f"{p}.post_attention_layernorm")
-        g = h @ self.weight(f"{p}.mlp.gate_proj").T
-        u = h @ self.weight(f"{p}.mlp.up_proj").T
-        return x + (g / (1 + np.exp(-g)) * u) @ self.weight(f"{p}.mlp.down_proj").T
+        g = self.linear(h, f"{p}.mlp.gate_proj")
+        u = self.linear(h, f"{p}.mlp.up_proj")
+        return x + self.linear(g / (1 + np.exp(-g)) * u, f"{p}.mlp.down_proj")
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         x = self.weight("model.embed_tokens")[tokens]

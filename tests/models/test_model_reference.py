@@ -4,10 +4,12 @@ grouped-query Llama, and the config checks a layer needs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from qir import interpret
 from qir.dtypes import F32
@@ -24,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 12
+    assert len(FIXTURES) == 21
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -89,6 +91,41 @@ def test_grouped_query_greedy_matches_an_independent_forward(synthetic):
     np.testing.assert_array_equal(gen.tokens, seq[len(TOKENS) :])
 
 
+def test_biases_on_every_linear_match_an_independent_forward(tmp_path):
+    """attention_bias and mlp_bias: all seven linears of each layer carry a (random) bias."""
+    path = write_llama(tmp_path / "ck", attention_bias=True, mlp_bias=True)
+    ck = load(path)
+    assert ck.features.biases == ("q", "k", "v", "o", "gate", "up", "down")
+    logits = Model.load(path, act=F32).logits(TOKENS)
+    assert max_rel(logits, Forward(path).logits(TOKENS)) <= TOL
+    # without them the logits would be others
+    plain = Forward(path)
+    plain.t = {k: v for k, v in plain.t.items() if not k.endswith(".bias")}
+    assert max_rel(logits, plain.logits(TOKENS)) > 0.05
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_families_match_an_independent_forward(tmp_path, family):
+    """Qwen2's q/k/v biases, Qwen3's per-head q/k norms (2 layers, grouped-query)."""
+    path = write_llama(tmp_path / "ck", model_type=family)
+    ours = Model.load(path, act=F32)
+    assert max_rel(ours.logits(TOKENS), Forward(path).logits(TOKENS)) <= TOL
+    ours.forward(TOKENS[:4], 0)
+    step = ours.forward(TOKENS[4:5], 4)[0]
+    assert max_rel(step, Forward(path).logits(TOKENS[:5])[-1]) <= TOL
+
+
+def test_a_bias_of_the_wrong_shape_is_refused_naming_it(tmp_path):
+    path = write_llama(tmp_path / "ck", model_type="qwen2")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.bias"] = np.zeros(7, np.float16)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(
+        FormatError, match=r"model.layers.1.self_attn.k_proj.bias: shape \[7\], expected \[64\]"
+    ):
+        build(load(path), "layer", 1)
+
+
 def test_tied_embeddings_and_linear_rope(tmp_path):
     path = write_llama(
         tmp_path / "ck",
@@ -115,17 +152,45 @@ def test_tied_embeddings_and_linear_rope(tmp_path):
         ({"rms_norm_eps": None}, r"lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_type 'yarn' is not"),
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, r"llama3 lacks low_freq_factor"),
-        ({"attention_bias": True}, r"attention_bias is true"),
-        ({"sliding_window": 32}, r"sliding_window 32"),
-        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        (
+            {"model_type": "gemma3_text", "hidden_activation": "silu"},
+            r"model_type 'gemma3_text' \(RMSNorm as x \* \(1 \+ w\)\) is not supported",
+        ),
+        ({"model_type": "qwen3"}, r"no tensor 'model.layers.0.self_attn.q_norm.weight'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5"),
     ],
 )
 def test_a_layer_refuses_configs_it_cannot_run(tmp_path, overrides, message):
-    ck = load(write_llama(tmp_path / "ck", **overrides))
+    path = write_llama(tmp_path / "ck", **overrides)
+    if overrides.get("model_type") == "qwen3":  # a Qwen3 checkpoint without its q/k norms
+        tensors = load_file(str(path / "model.safetensors"))
+        save_file(
+            {k: v for k, v in tensors.items() if "_norm." not in k}, str(path / "model.safetensors")
+        )
+    ck = load(path)
     build(ck, "mlp", 0)  # blocks without attention do not need these
     with pytest.raises(FormatError, match=message):
         build(ck, "layer", 0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu' \(MLP activation\) is not supported"),
+        ({"model_type": "deepseek_v3"}, r"multi-head latent attention \(MLA\) is not supported"),
+        ({"model_type": "bert"}, r"model_type 'bert' is not supported \(supported: gemma3_text"),
+        ({"model_type": None, "architectures": None}, r"names no model_type or architectures"),
+        ({"num_local_experts": 8}, r"num_local_experts 8: mixture-of-experts layers"),
+        ({"attention_bias": True}, r"q_proj.bias: missing \(attention_bias True implies it\)"),
+    ],
+)
+def test_every_block_refuses_a_family_or_mlp_it_cannot_run(tmp_path, overrides, message):
+    path = write_llama(tmp_path / "ck")  # Llama's tensors, whatever the config says after
+    cfg = {**json.loads((path / "config.json").read_text()), **overrides}
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    ck = load(path)
+    with pytest.raises(FormatError, match=message):
+        build(ck, "mlp", 0)
 
 
 def test_token_ids_and_sequence_length_are_checked(synthetic):

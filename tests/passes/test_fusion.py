@@ -15,7 +15,7 @@ from qir.formats.mlx import MlxAffine
 from qir.passes.manager import PASSES, PassOptions, run_pipeline
 from qir.passes.rewrite import Pat, match
 from qir.types import QWeight
-from tests.conftest import random_weight
+from tests.conftest import random_weight, with_bias
 
 W4 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
 W8 = "qweight<mlx_affine<bits=8,group_size=64,scale_dtype=bf16>>"
@@ -48,7 +48,8 @@ def weights_for(text: str, rng: np.random.Generator) -> dict[str, dict[str, np.n
     out = {}
     for w in g.weights:
         t = g.node(w).type
-        out[g.node(w).attr("key")] = random_weight(rng, t.out_features, t.in_features, t.format)[1]
+        qw, bufs = random_weight(rng, t.out_features, t.in_features, t.format)
+        out[g.node(w).attr("key")] = with_bias(rng, qw, bufs)[1] if t.bias else bufs
     return out
 
 
@@ -75,6 +76,43 @@ def test_merge_parallel_fires_on_gate_up(rng):
     assert "%gate = get %gate_up {index=0} : f16[M, 256]" in after
     assert "%up = get %gate_up {index=1} : f16[M, 256]" in after
     assert_same_numbers(MLP, after, rng)
+
+
+def test_biases_ride_with_their_weights_through_every_fusion(rng):
+    """q/k merged with a bias on one segment, the gate/up pair with up's bias in the silu_mul
+    epilogue, down's bias before the residual: the weights carry them, so each pass fires as
+    without biases and the interpreter gives the same bits before and after."""
+    biased = {"up": "[256, 128]", "down": "[128, 256]"}
+    text = MLP
+    for key, shape in biased.items():
+        text = text.replace(f'{{key="{key}"}} : {W4}{shape}', f'{{key="{key}"}} : {W4}{shape}+bias')
+    text = text.replace(
+        "  output y = %y",
+        f"""  %wq = weight {{key="q"}} : {W4}[128, 128]+bias
+  %wk = weight {{key="k"}} : {W4}[64, 128]
+  %q = qlinear %y, %wq : f16[M, 128]
+  %k = qlinear %y, %wk : f16[M, 64]
+  output q = %q
+  output k = %k""",
+    )
+    g, records = run_pipeline(parse(text), "default", options=PassOptions())
+    fired = {r.name: r.matches for r in records if r.name != "select_kernels" and r.matches}
+    assert fired == {"merge_parallel": 2, "silu_epilogue": 1, "residual_epilogue": 1}
+    after = print_graph(g)
+    assert f'%w_up = weight {{key="up"}} : {W4}[256, 128]+bias' in after
+    assert '%h = qlinear %x, %w_gate, %w_up {epilogue="silu_mul"' in after
+    assert '%y = qlinear %h, %w_down, %x {epilogue="residual"' in after
+    assert "%q_k = qlinear %y, %wq, %wk {" in after
+    assert_same_numbers(text, after, rng)
+    # The biases move the numbers: zeroed, every output but k (no bias) changes.
+    w = weights_for(text, rng)
+    x = {"x": rng.standard_normal((3, 128)).astype(np.float16)}
+    with_biases = interpret(g, x, w)
+    for key in ("up", "down", "q"):
+        w[key]["bias"][:] = 0
+    zeroed = interpret(g, x, w)
+    assert not np.array_equal(with_biases["q"], zeroed["q"])
+    assert not np.array_equal(with_biases["k"], zeroed["k"])  # through y
 
 
 def test_merge_parallel_merges_three_with_different_widths(rng):
@@ -272,6 +310,7 @@ def test_default_pipeline_counts_and_ir():
         "silu_prologue": 0,
         "residual_epilogue": 1,
         "fold_rope": 0,
+        "fold_head_norm": 0,
         "route_w4a4": 0,
         "share_act_quant": 0,
         "norm_act_quant": 0,

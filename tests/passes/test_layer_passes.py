@@ -106,6 +106,51 @@ def test_fold_rope_does_not_fire_on_other_positions_or_shared_rotations(rng):
     assert run_pass(folded, "fold_rope") == (folded, 0)
 
 
+# Qwen3: q and k normed per head (weights [head_dim]) before the rotations.
+HEAD_NORMS = (
+    ATTN.replace(
+        "  %q_rot = rope %q, %pos",
+        """  %wqn = weight {key="q_norm"} : bf16[32]
+  %wkn = weight {key="k_norm"} : bf16[32]
+  %qn = rms_norm %q, %wqn {eps=1e-06} : f16[M, 128]
+  %kn = rms_norm %k, %wkn {eps=1e-06} : f16[M, 64]
+  %q_rot = rope %q, %pos""",
+    )
+    .replace("rope %q, %pos", "rope %qn, %pos")
+    .replace("rope %k, %pos", "rope %kn, %pos")
+)
+
+
+def test_fold_head_norm_puts_q_and_k_norms_before_the_folded_rotations(rng):
+    before = HEAD_NORMS.replace("@POS", "pos")
+    rotated, _ = run_pass(before, "fold_rope")
+    after, fired = run_pass(rotated, "fold_head_norm")
+    assert fired == 2
+    assert "rms_norm" not in after
+    kv = '{head_dim=32, norm_eps=1e-06, rope_type="default", theta=10000.0}'
+    assert f"%kv = kv_append %kc, %vc, %k, %v, %pos, %wkn {kv}" in after
+    attn = '{head_dim=32, norm_eps=1e-06, rope_type="default", scale=0.2, theta=10000.0}'
+    assert f"%attn = attention %q, %kv.k, %kv.v, %pos, %wqn {attn}" in after
+    assert_same_numbers(before, after, rng)
+    # the default pipeline does the same
+    g, records = run_pipeline(parse(before))
+    assert {r.name: r.matches for r in records}["fold_head_norm"] == 2
+    assert print_graph(g).count("norm_eps=1e-06") == 2
+
+
+def test_fold_head_norm_does_not_fire_on_row_norms_shared_norms_or_twice(rng):
+    rotated, _ = run_pass(HEAD_NORMS.replace("@POS", "pos"), "fold_rope")
+    # A norm of whole rows of q is no per-head prologue.
+    rows = rotated.replace("bf16[32]\n  %wkn", "bf16[128]\n  %wkn")
+    assert run_pass(rows, "fold_head_norm")[1] == 1  # k only
+    # A normed q that is also an output stays.
+    shared = rotated.replace("  output y", "  output qn = %qn\n  output y")
+    after, fired = run_pass(shared, "fold_head_norm")
+    assert fired == 1 and "%qn = rms_norm" in after and "attention %qn" in after
+    folded, _ = run_pass(rotated, "fold_head_norm")
+    assert run_pass(folded, "fold_head_norm") == (folded, 0)
+
+
 A4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
 NORM = f"""
 graph norm {{

@@ -43,11 +43,13 @@ from qir.codegen.kernel import Kernel
 from qir.codegen.layer_kernels import (
     AttentionSpec,
     CacheShape,
+    HeadNorm,
     RopeSpec,
     attention_combine_kernel,
     attention_prefill_kernel,
     attention_split_kernel,
     kv_append_kernel,
+    rms_norm_kernel,
     rope_kernel,
     sample_kernel,
 )
@@ -105,12 +107,14 @@ def mlp(fmt: WeightFormat, s: Shapes, act: DType = F16) -> Graph:
     return b.graph
 
 
-def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16) -> Graph:
-    """q, k and v merged into one launch of three outputs."""
+def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16, bias: bool = False) -> Graph:
+    """q, k and v merged into one launch of three outputs (biased as Qwen2's: the bias joins
+    the sums after the warp reduction)."""
     b = Builder("qkv")
     x = b.input("x", ("M", s.hidden), act)
     for n, o in {"q": s.hidden, "k": s.kv, "v": s.kv}.items():
-        b.output(n, b.qlinear(x, b.weight(n, QWeight(fmt, o, s.hidden), name=f"w_{n}")))
+        w = b.weight(n, QWeight(fmt, o, s.hidden, bias=bias), name=f"w_{n}")
+        b.output(n, b.qlinear(x, w))
     return b.graph
 
 
@@ -188,15 +192,59 @@ LLAMA3_ROPE = RopeSpec.of(
 )
 
 
+PLAIN = CacheShape(BF16, 4096, 8, 128)  # a layer block's cache at Llama-3-8B's KV heads
+
+
 def attention(heads: int) -> Callable[[str], list[Kernel]]:
     """Llama-3's attention kernels (8 KV heads of 128, a 4096-row cache) for `heads` q heads."""
-    a = AttentionSpec(CacheShape(BF16, 4096, 8, 128), heads, 128**-0.5, LLAMA3_ROPE)
+    a = AttentionSpec(PLAIN, heads, 128**-0.5, LLAMA3_ROPE)
     return lambda arch: [
         attention_split_kernel(a),
         attention_combine_kernel(a),
         attention_prefill_kernel(a),
         kv_append_kernel(a.cache, LLAMA3_ROPE),
         rope_kernel(BF16, heads, LLAMA3_ROPE),
+    ]
+
+
+def head_norm_attention() -> Callable[[str], list[Kernel]]:
+    """Qwen3-8B's: q/k RMSNorm per head folded into the append and attention's q load, in a
+    layer block's cache and a model's paged one, and the unfused per-head norm (--passes none)."""
+    rope = RopeSpec.of({"head_dim": 128, "theta": 1000000.0, "rope_type": "default"})
+    norm = HeadNorm(BF16, 1e-6)
+    paged = CacheShape(BF16, 4096 * 16, 8, 128, page_size=16, table_pages=256)
+    specs = [AttentionSpec(c, 32, 128**-0.5, rope, norm) for c in (PLAIN, paged)]
+    return lambda arch: [
+        *(
+            k
+            for a in specs
+            for k in (
+                attention_split_kernel(a),
+                attention_prefill_kernel(a),
+                kv_append_kernel(a.cache, rope, norm),
+            )
+        ),
+        rms_norm_kernel(BF16, BF16, 128, 1e-6, groups=32),
+    ]
+
+
+def sliding_window_attention() -> Callable[[str], list[Kernel]]:
+    """Mistral-7B's (32 heads on 8 of 128, window 4096): a ring of the window plus a prefill
+    chunk of 256, unpaged (a layer block) and in pages (a model block)."""
+    rope = RopeSpec.of({"head_dim": 128, "theta": 1000000.0, "rope_type": "default"})
+    caches = (
+        CacheShape(BF16, 4096 + 255, 8, 128, window=4096),
+        CacheShape(BF16, 272 * 16 * 4, 8, 128, page_size=16, table_pages=272, window=4096),
+    )
+    specs = [AttentionSpec(c, 32, 128**-0.5, rope) for c in caches]
+    return lambda arch: [
+        k
+        for a in specs
+        for k in (
+            kv_append_kernel(a.cache, rope),
+            attention_split_kernel(a),
+            attention_prefill_kernel(a),
+        )
     ]
 
 
@@ -259,6 +307,20 @@ GATE: tuple[Entry, ...] = (
         "mlp-mlx4g64-llama3-8b-gemms",
         graph(lambda: mlp(MlxAffine(4, 64, BF16), LLAMA3_8B), gemm),
         ("_64x64x32s3w2x2_silumul", "_64x64x32s3w2x2_res", "_128x128x32s2w2x4_silumul"),
+    ),
+    # Biased q/k/v (Qwen2): each segment's bias in the GEMV of every fragment, and the GEMMs.
+    *(
+        Entry(
+            f"qkv-biased-{tag}-checkpoint",
+            graph(lambda f=fmt, a=act: qkv(f, CHECKPOINT, a, bias=True), lambda la: not gemm(la)),
+            ("qgemv_", "b_128b_128b"),
+        )
+        for tag, fmt, act in FRAGMENTS
+    ),
+    Entry(
+        "qkv-biased-mlx4g64-checkpoint-gemms",
+        graph(lambda: qkv(MlxAffine(4, 64, BF16), CHECKPOINT, bias=True), gemm),
+        ("qgemm_",),
     ),
     # Below N = 4096: 64 x 32 and 128 x 64, merged outputs (q, k, v in one launch).
     Entry(
@@ -382,6 +444,16 @@ GATE: tuple[Entry, ...] = (
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),
+    Entry(
+        "attention-qwen3-8b-head-norm",
+        head_norm_attention(),
+        ("_qnormbf16_", "_knormbf16", "rms_norm_bf16_n128_wbf16_g32"),
+    ),
+    Entry(
+        "attention-mistral-7b-sliding-window",
+        sliding_window_attention(),
+        ("kv_append_", "attn_split_", "attn_prefill_"),
+    ),
     Entry(
         "attention-llama3-8b-paged",
         paged_attention(),

@@ -18,7 +18,7 @@ from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
-from tests.conftest import BACKENDS, FORMAT_ZOO, max_rel, random_weight
+from tests.conftest import BACKENDS, FORMAT_ZOO, max_rel, random_weight, with_bias
 
 HIDDEN, INTER, RAGGED = 256, 384, 37  # hidden and inter: multiples of every group size
 # 1: decode; 9: one full m-tile and a partial one; 70: past the W4A4 launches' 64 rows.
@@ -30,7 +30,9 @@ def block(
 ) -> tuple[Graph, dict[str, dict[str, np.ndarray]]]:
     """An MLP with residual, then two ragged projections of its result: the passes pair gate and
     up in one launch (silu(g)*u in its epilogue), add the residual in down_proj's epilogue and
-    merge the projections into one launch of N = 37 + 40 rows, not a multiple of any tile."""
+    merge the projections into one launch of N = 37 + 40 rows, not a multiple of any tile. Up,
+    down and p1 carry biases (gate and p2 none): a pair and a merged launch with one biased
+    segment, and a bias before the residual."""
     rng = np.random.default_rng(seed)
     b = Builder("zoo")
     x = b.input("x", ("M", HIDDEN), act)
@@ -39,6 +41,8 @@ def block(
     shapes |= {"p1": (RAGGED, HIDDEN), "p2": (RAGGED + 3, HIDDEN)}
     for name, (o, i) in shapes.items():
         qw, weights[name] = random_weight(rng, o, i, fmt)
+        if name in ("up", "down", "p1"):
+            qw, weights[name] = with_bias(rng, qw, weights[name])
         ws[name] = b.weight(name, qw, name=f"w_{name}")
     h = b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
     y = b.add(x, b.qlinear(h, ws["down"]))

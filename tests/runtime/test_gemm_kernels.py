@@ -40,7 +40,16 @@ from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime.executor import CompiledBlock
 from qir.runtime.host import HostBackend
 from qir.target import DEFAULT, Target
-from tests.conftest import BACKENDS, DATA, FORMAT_ZOO, ON_GPU, max_rel, random_weight, rel_err
+from tests.conftest import (
+    BACKENDS,
+    DATA,
+    FORMAT_ZOO,
+    ON_GPU,
+    format_fixtures,
+    max_rel,
+    random_weight,
+    rel_err,
+)
 from tests.runtime.test_every_format import HIDDEN, INTER, RAGGED, block, close, inputs, w4a4
 
 SMALL = (1, 7, 16, 33, 64)  # the 64-row tiles (and W4A4)
@@ -201,7 +210,7 @@ def test_k_not_a_multiple_of_the_k_step(fmt: WeightFormat, backend: str) -> None
         assert max_rel(c(xm)["y"], ref(xm)["y"]) <= 2e-3
 
 
-FIXTURES = sorted(p.name for p in DATA.iterdir() if (p / "golden.npz").is_file())
+FIXTURES = format_fixtures()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -123,6 +123,62 @@ def test_unfused_rope_append_and_attention(backend):
         assert max_rel(host_array(ours(inputs)["y"]), ref(inputs)["y"]) <= TOL[F16], start
 
 
+HEAD_NORMS = """
+graph qk_norm {
+  %q = input : f16[M, 128]
+  %k = input : f16[M, 64]
+  %v = input : f16[M, 64]
+  %pos = input : i32[M]
+  %qw = weight {key="q_norm"} : bf16[32]
+  %kw = weight {key="k_norm"} : bf16[32]
+  %kc = state {key="k"} : f16[40, 2, 32]
+  %vc = state {key="v"} : f16[40, 2, 32]
+  %qn = rms_norm %q, %qw {eps=1e-06} : f16[M, 128]
+  %kn = rms_norm %k, %kw {eps=1e-06} : f16[M, 64]
+  %q_rot = rope %qn, %pos {head_dim=32, rope_type="default", theta=1000000.0} : f16[M, 128]
+  %k_rot = rope %kn, %pos {head_dim=32, rope_type="default", theta=1000000.0} : f16[M, 64]
+  %kv = kv_append %kc, %vc, %k_rot, %v, %pos : (f16[40, 2, 32], f16[40, 2, 32])
+  %kv.k = get %kv {index=0} : f16[40, 2, 32]
+  %kv.v = get %kv {index=1} : f16[40, 2, 32]
+  %attn = attention %q_rot, %kv.k, %kv.v, %pos {scale=0.2} : f16[M, 128]
+  output y = %attn
+}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("passes", ["default", "none"])
+def test_per_head_q_k_norms_fused_and_unfused(backend, passes):
+    """Qwen3's q/k RMSNorm per head: folded into the append (k) and attention's q load (the
+    layer's launches stay those of a plain one), or as its own per-head norm launches; decode
+    and prefill (21 rows: a partial prefill tile), against the interpreter, caches included."""
+    g = qir.parse(HEAD_NORMS)
+    rng = np.random.default_rng(7)
+    weights = {
+        k: {"weight": (1 + 0.3 * rng.standard_normal(32)).astype(BF16.np)}
+        for k in ("q_norm", "k_norm")
+    }
+    ours, ref = (
+        qir.compile(g, weights, backend=be, passes=passes) for be in (backend, "reference")
+    )
+    names = [la.kernel.name for la in ours.plan.launches]
+    if passes == "default":  # the norms ride in the append and attention's q load
+        assert [n.rsplit("_", 1)[-1] for n in names] == ["knormbf16", "s32", "n2", "r16"]
+        assert "_qnormbf16_" in names[1] and "_qnormbf16_" in names[3]
+    else:  # a launch per norm, each block normalising one head of one row
+        assert names[:2] == ["rms_norm_f16_n32_wbf16_g4", "rms_norm_f16_n32_wbf16_g2"]
+    for start, m in ((0, 21), (21, 1), (22, 3)):
+        inputs = {
+            "q": (3 * rng.standard_normal((m, 128), dtype=np.float32)).astype(F16.np),
+            "k": (3 * rng.standard_normal((m, 64), dtype=np.float32)).astype(F16.np),
+            "v": rng.standard_normal((m, 64), dtype=np.float32).astype(F16.np),
+            "pos": np.arange(start, start + m, dtype=np.int32),
+        }
+        assert max_rel(host_array(ours(inputs)["y"]), ref(inputs)["y"]) <= TOL[F16], start
+    key_ours, key_ref = ours.state()["k"], ref.state()["k"]
+    assert max_rel(host_array(key_ours)[:25], key_ref[:25]) <= TOL[F16]
+
+
 ATTENTION = """
 graph attn {
   %q = input : f16[M, 128]

@@ -215,3 +215,21 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_bucket() -> None:
     together = decode(list(range(6)))
     for r in range(6):
         assert together[r].tobytes() == decode([r])[r].tobytes(), r
+
+
+def test_a_sliding_window_model_serves_sequences_from_rings_of_pages() -> None:
+    """Mistral (window 8) with rings of one page per sequence (a prefill chunk of 4: the
+    window plus 4 less one fit in 16 positions): batched, with prompts prefilled in chunks and
+    sequences running past their ring, each sequence gets the ids a full cache gives it."""
+    ck = DATA / "mlx_affine4_mistral"
+    engine = Engine.load(ck, act=F32, max_batch=4, chunk=8, max_seq=64, prefill_chunk=4)
+    assert (engine.model.block.table_pages, engine.scheduler.chunk) == (1, 8)
+    reqs = [
+        Request(tuple((7 * i + 3 * j) % 256 for j in range(n)), 10, Sampling(), ignore_eos=True)
+        for i, n in enumerate((3, 12, 20, 5))
+    ]
+    got = serve(engine, reqs)
+    full = Model.load(ck, act=F32, max_seq=64)  # no ring: max_seq's 4 pages a sequence
+    assert full.block.table_pages == 4
+    assert got == [alone(full, r) for r in reqs]
+    assert engine.scheduler.pool.free == engine.scheduler.pool.pages

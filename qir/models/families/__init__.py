@@ -15,11 +15,17 @@ if TYPE_CHECKING:
     from qir.models.checkpoint import Checkpoint, Linear
 
 
+def _no_files(config: Mapping[str, Any]) -> tuple[str, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
     matches: Callable[[Mapping[str, Any]], bool]
     linear: Callable[[Checkpoint, str], Linear]
+    # The producer's own name of a single-file checkpoint, tried after model.safetensors.
+    files: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_files
 
 
 # Tried in order; the first whose `matches` accepts config.json reads the checkpoint.

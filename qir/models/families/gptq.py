@@ -49,4 +49,13 @@ def _gptq_linear(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-register_family(Family("gptq", matches_config, _gptq_linear))
+def _files(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """auto-gptq's file: quantize_config's model_file_base_name, by default
+    gptq_model-<bits>bit-<group_size>g (what its save_quantized writes and from_quantized reads)."""
+    q = quant_config(config, "gptq")
+    assert q is not None
+    base = q.get("model_file_base_name") or f"gptq_model-{q.get('bits')}bit-{q.get('group_size')}g"
+    return (f"{base}.safetensors",)
+
+
+register_family(Family("gptq", matches_config, _gptq_linear, _files))

@@ -1,0 +1,315 @@
+"""Model architectures as data: what one decoder layer of each family computes, keyed by
+config.json's `model_type` (or, without one, its `architectures` class names).
+
+A row of ARCHITECTURES says what a family does always (its norm form and placement, per-head
+q/k norms, q/k/v biases, its activation's config key and default, its embedding scale, where its
+sliding windows come from, its checkpoint names); `features(ck)` reads the rest from the
+checkpoint (biases present as tensors, the activation named, windows per layer, soft-caps, the
+attention scale, RoPE) into one `Features` value that the block builder (qir.models.blocks)
+follows. Every feature a checkpoint uses is a `Use` naming the config field (or tensor) it comes
+from: `qir inspect` prints them, and the builder refuses, in one line naming that field, the
+first one it does not implement. Adding a family is a row here plus its tests.
+
+Families this table does not describe are refused by name (REFUSED) or as an unknown model_type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from qir.formats.base import FormatError
+
+if TYPE_CHECKING:
+    from qir.models.checkpoint import Checkpoint
+
+# A decoder layer's linears: short name -> module path below model.layers.<i> (Llama's names,
+# which most families share).
+LLAMA_LINEARS: Mapping[str, str] = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a family's decoder layer does whatever its config says (one row of the table)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    classes: tuple[str, ...]  # config.json "architectures": the transformers classes
+    # RMSNorm: "x*w", or Gemma's "x*(1+w)" (weights stored as offsets from 1).
+    norm: str = "x*w"
+    # Gemma: each block's output is normed again before its residual add (post_attention_layernorm
+    # after attention, post_feedforward_layernorm after the MLP; pre_feedforward_layernorm before
+    # the MLP).
+    post_norms: bool = False
+    qk_norm: bool = False  # a per-head RMSNorm of q and k (q_norm, k_norm) before RoPE
+    qkv_bias: bool = False  # q/k/v always carry biases (Qwen2), whatever attention_bias says
+    # The config keys that may name the MLP activation (the first present wins), and its default.
+    activation_keys: tuple[str, ...] = ("hidden_act",)
+    activation: str = "silu"
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    # Where sliding windows come from: "none" (transformers ignores sliding_window), "all"
+    # (Mistral: sliding_window, when set, on every layer), "qwen" (only with use_sliding_window:
+    # layer_types, or the layers from max_window_layers on), "layer_types" (Gemma 3: layer_types,
+    # or every sliding_window_pattern-th layer full).
+    sliding: str = "none"
+    linears: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_LINEARS))
+    # Checkpoint linears holding several of the above, stacked along out_features (Phi-3:
+    # qkv_proj = q, k, v; gate_up_proj = gate, up): path -> the short names it holds, in order.
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("llama", ("llama",), ("LlamaForCausalLM",)),
+    Architecture("mistral", ("mistral",), ("MistralForCausalLM",), sliding="all"),
+    Architecture("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), qkv_bias=True, sliding="qwen"),
+    Architecture("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), qk_norm=True, sliding="qwen"),
+    Architecture(
+        "phi3",
+        ("phi3",),
+        ("Phi3ForCausalLM",),
+        sliding="all",
+        fused={"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")},
+    ),
+    Architecture(
+        "gemma3",
+        ("gemma3_text",),
+        ("Gemma3ForCausalLM",),
+        norm="x*(1+w)",
+        post_norms=True,
+        qk_norm=True,
+        activation_keys=("hidden_activation", "hidden_act"),
+        activation="gelu_pytorch_tanh",
+        embed_scale=True,
+        sliding="layer_types",
+    ),
+)
+
+# Families qir knows it cannot run: model_type -> (the config field that says why, what).
+REFUSED: Mapping[str, tuple[str, str]] = {
+    "gemma3": ("text_config", "Gemma 3's multimodal checkpoint (its text_config's model)"),
+    "gemma3n": ("model_type", "Gemma 3n's per-layer inputs"),
+    "qwen3_next": ("layer_types", "Qwen3-Next's linear-attention layers"),
+    "qwen3_5": ("layer_types", "Qwen3.5's linear-attention layers"),
+    "deepseek_v2": ("kv_lora_rank", "DeepSeek's multi-head latent attention (MLA)"),
+    "deepseek_v3": ("kv_lora_rank", "DeepSeek's multi-head latent attention (MLA)"),
+}
+# Config fields whose presence (a positive count) means mixture-of-experts layers.
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
+BY_CLASS = {c: a for a in ARCHITECTURES for c in a.classes}
+
+# What each feature is, for refusals and `qir inspect`.
+FEATURES: Mapping[str, str] = {
+    "bias": "linear biases",
+    "qk_norm": "per-head q/k RMSNorm",
+    "activation": "MLP activation",  # not a Use of its own: Features.activation
+    "norm_plus_one": "RMSNorm as x * (1 + w)",
+    "post_norms": "norms before the residual adds",
+    "embed_scale": "embedding scale",
+    "attention_scale": "attention scale",
+    "attn_softcap": "attention logit soft-capping",
+    "final_softcap": "final logit soft-capping",
+    "sliding_window": "sliding-window attention",
+    "local_rope": "a RoPE base of its own for sliding layers",
+    "fused_linears": "fused projections",
+}
+
+
+@dataclass(frozen=True)
+class Use:
+    """One feature a checkpoint uses, with the config field (or tensor) it comes from."""
+
+    feature: str  # a key of FEATURES
+    where: str  # config field or tensor name
+    value: Any
+
+    def __str__(self) -> str:
+        return f"{FEATURES[self.feature]} ({self.where} {self.value!r})"
+
+    def refusal(self) -> str:
+        return f"{self.where} {self.value!r} ({FEATURES[self.feature]}) is not supported"
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a checkpoint's decoder layers compute: its architecture's row, resolved against its
+    config and tensors."""
+
+    arch: Architecture
+    activation: Use  # its value is the activation's name
+    biases: tuple[str, ...]  # short names of the layer linears that carry a `bias` tensor
+    windows: tuple[int | None, ...]  # per layer: its sliding window (keys seen), or None
+    attention_scale: float
+    uses: tuple[Use, ...]
+
+    def used(self, feature: str) -> bool:
+        return any(u.feature == feature for u in self.uses)
+
+    def unsupported(self, supported: frozenset[str]) -> Use | None:
+        """The first feature in use outside `supported`, or None."""
+        return next((u for u in self.uses if u.feature not in supported), None)
+
+    def describe(self) -> list[str]:
+        """Lines for `qir inspect`."""
+        a = self.arch
+        lines = [f"architecture: {a.name} ({', '.join(a.classes)})"]
+        lines.append(f"  RMSNorm {a.norm}, {'pre- and post-norms' if a.post_norms else 'pre-norm'}")
+        lines.append(f"  {self.activation}")
+        lines.extend(f"  {u}" for u in self.uses)
+        return lines
+
+
+def segment_rows(ck: Checkpoint, short: str) -> int:
+    """Rows of a layer linear (q, k, v, gate, up) within a fused one."""
+    sizes = {
+        "q": ck.num_heads * ck.head_dim,
+        "k": ck.num_kv_heads * ck.head_dim,
+        "v": ck.num_kv_heads * ck.head_dim,
+    }
+    return sizes.get(short, ck.intermediate_size)
+
+
+def architecture_of(config: Mapping[str, Any], where: str) -> Architecture:
+    """The row of ARCHITECTURES for config.json, or a one-line refusal naming the field."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str):
+        if model_type in REFUSED:
+            key, what = REFUSED[model_type]
+            raise FormatError(
+                f"{where}: model_type {model_type!r}: {what} is not supported ({key})"
+            )
+        if model_type not in BY_MODEL_TYPE:
+            raise FormatError(
+                f"{where}: model_type {model_type!r} is not supported (supported: "
+                f"{', '.join(sorted(BY_MODEL_TYPE))})"
+            )
+        return BY_MODEL_TYPE[model_type]
+    classes = config.get("architectures") or []
+    for c in classes:
+        if c in BY_CLASS:
+            return BY_CLASS[c]
+    if classes:
+        raise FormatError(f"{where}: architectures {classes!r} are not supported")
+    raise FormatError(f"{where}: names no model_type or architectures (the model's family)")
+
+
+def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]:
+    """The sliding window of each layer and the config field it comes from."""
+    n, window = ck.num_layers, ck.field("sliding_window")
+    none: list[int | None] = [None] * n
+    if arch.sliding == "none" or window is None:
+        return none, ""
+    if arch.sliding == "all":
+        return [window] * n, "sliding_window"
+    types = ck.field("layer_types")
+    if types is not None and len(types) != n:
+        raise FormatError(
+            f"{ck.path}/config.json: layer_types has {len(types)} entries for "
+            f"{n} layers (num_hidden_layers)"
+        )
+    if arch.sliding == "qwen":
+        if not ck.field("use_sliding_window"):
+            return none, ""
+        if types is None:
+            first = ck.field("max_window_layers")
+            return [window if i >= first else None for i in range(n)], "max_window_layers"
+    elif types is None:  # Gemma 3: every pattern-th layer is a full one
+        pattern = ck.field("sliding_window_pattern")
+        return [window if (i + 1) % pattern else None for i in range(n)], "sliding_window_pattern"
+    return [window if t == "sliding_attention" else None for t in types], "layer_types"
+
+
+def features(ck: Checkpoint) -> Features:
+    """The features of `ck`'s decoder layers; refuses (naming the field) what the table cannot
+    describe: an unknown or refused family, mixture-of-experts layers, an unknown layer type."""
+    where = f"{ck.path}/config.json"
+    arch = architecture_of(ck.config, where)
+    for key in EXPERT_FIELDS:
+        if ck.field(key):
+            raise FormatError(
+                f"{where}: {key} {ck.field(key)!r}: mixture-of-experts layers are not supported"
+            )
+    uses: list[Use] = []
+    act_key = next((k for k in arch.activation_keys if ck.field(k) is not None), None)
+    # Absent: the family's default, as transformers' config class fills it in.
+    activation = Use(
+        "activation",
+        act_key or arch.activation_keys[0],
+        ck.field(act_key) if act_key else arch.activation,
+    )
+    for path, parts in arch.fused.items():  # the family's checkpoints hold them so
+        uses.append(Use("fused_linears", f"model.layers.0.{path}", "+".join(parts)))
+    if arch.norm != "x*w":
+        uses.append(Use("norm_plus_one", "model_type", ck.field("model_type")))
+    if arch.post_norms:
+        uses.append(Use("post_norms", "model_type", ck.field("model_type")))
+    if arch.qk_norm:
+        uses.append(Use("qk_norm", "model_type", ck.field("model_type")))
+    biases = []
+    for short, path in arch.linears.items():
+        name = f"model.layers.0.{path}.bias"
+        if name in ck.store:
+            biases.append(short)
+    if arch.qkv_bias or ck.field("attention_bias"):
+        why = "model_type" if arch.qkv_bias else "attention_bias"
+        want = ("q", "k", "v") if arch.qkv_bias else ("q", "k", "v", "o")
+        missing = [s for s in want if s not in biases and not _fused_holds(arch, s, ck)]
+        if missing:
+            name = f"model.layers.0.{arch.linears[missing[0]]}.bias"
+            raise FormatError(f"{name}: missing ({why} {ck.field(why)!r} implies it)")
+    if ck.field("mlp_bias"):
+        missing = [s for s in ("gate", "up", "down") if s not in biases]
+        if missing:
+            name = f"model.layers.0.{arch.linears[missing[0]]}.bias"
+            raise FormatError(f"{name}: missing (mlp_bias true implies it)")
+    if biases:
+        where_bias = f"model.layers.0.{arch.linears[biases[0]]}.bias"
+        uses.append(Use("bias", where_bias, ",".join(biases)))
+    if arch.embed_scale:
+        uses.append(Use("embed_scale", "model_type", ck.field("model_type")))
+    scale = float(ck.head_dim) ** -0.5
+    scalar = ck.field("query_pre_attn_scalar")
+    if scalar is not None and arch.name == "gemma3":
+        scale = float(scalar) ** -0.5
+        uses.append(Use("attention_scale", "query_pre_attn_scalar", scalar))
+    for key, feature in (
+        ("attn_logit_softcapping", "attn_softcap"),
+        ("final_logit_softcapping", "final_softcap"),
+    ):
+        if ck.field(key) is not None:
+            uses.append(Use(feature, key, ck.field(key)))
+    windows, window_key = _windows(arch, ck)
+    types = ck.field("layer_types") or []
+    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    if unknown and arch.sliding in ("qwen", "layer_types"):
+        raise FormatError(f"{where}: layer_types {unknown[0]!r} is not supported")
+    if any(w is not None for w in windows):
+        sliding = sum(w is not None for w in windows)
+        uses.append(
+            Use(
+                "sliding_window",
+                "sliding_window" if window_key == "sliding_window" else window_key,
+                f"{ck.field('sliding_window')} on {sliding} of {len(windows)} layers",
+            )
+        )
+        if ck.field("rope_local_base_freq") is not None:
+            uses.append(Use("local_rope", "rope_local_base_freq", ck.field("rope_local_base_freq")))
+    return Features(arch, activation, tuple(biases), tuple(windows), scale, tuple(uses))
+
+
+def _fused_holds(arch: Architecture, short: str, ck: Checkpoint) -> bool:
+    """Whether a fused checkpoint linear that holds `short` carries a bias."""
+    return any(
+        short in parts and f"model.layers.0.{path}.bias" in ck.store
+        for path, parts in arch.fused.items()
+    )

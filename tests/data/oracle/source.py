@@ -1,0 +1,76 @@
+"""Tiny random-init source models for the fixtures (transformers AutoConfig.for_model +
+from_config, no downloads): `python source.py FAMILY OUT DTYPE`.
+
+Linears are sized like a trained model's (std in_features^-1/2), so activations stay O(1)
+through the layers; embeddings and lm_head have std 0.2 (logits of std ~3, tied or not); norms,
+q/k norms and biases are randomised so that each feature moves the logits. A word-level
+tokenizer of 256 ids is saved beside the model (mlx-lm's convert loads one; the fixtures drop
+it). Runs with transformers 4.51 (auto-gptq's venv) and 5.x alike.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+COMMON = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+FAMILIES = {
+    "llama": {"tie_word_embeddings": False, "rope_theta": 10000.0},
+    "qwen2": {"tie_word_embeddings": True, "rope_theta": 1000000.0, "use_sliding_window": False},
+    "qwen3": {"tie_word_embeddings": False, "rope_theta": 1000000.0, "attention_bias": False},
+    "mistral": {"tie_word_embeddings": False, "rope_theta": 10000.0, "sliding_window": 8},
+    # Phi-3-mini-4k's shape of config: fused qkv_proj / gate_up_proj, a window on every layer
+    "phi3": {
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "sliding_window": 16,
+        "pad_token_id": 0,
+        "original_max_position_embeddings": 128,
+    },
+}
+
+
+def make(family: str, out: str, dtype: str) -> None:
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # RMSNorm weights (q_norm/k_norm too)
+                spread = 0.3 if ("q_norm" in name or "k_norm" in name) else 0.2
+                p.copy_(1.0 + spread * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif p.ndim == 2:
+                p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(256)}
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0"
+    ).save_pretrained(out)
+
+
+if __name__ == "__main__":
+    make(*sys.argv[1:])

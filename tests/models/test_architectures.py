@@ -1,0 +1,128 @@
+"""The architecture table: which row a config.json selects, what each family's layers use
+(windows per layer, biases, norms), and `qir inspect`'s account of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from qir.cli import main
+from qir.formats.base import FormatError
+from qir.models import load
+from qir.models.architectures import ARCHITECTURES, architecture_of
+from tests.conftest import DATA
+from tests.models.synthetic_llama import write_llama
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
+def test_a_row_is_found_by_model_type_and_by_class_name(arch):
+    for model_type in arch.model_types:
+        assert architecture_of({"model_type": model_type}, "c") is arch
+    for cls in arch.classes:
+        assert architecture_of({"architectures": ["Other", cls]}, "c") is arch
+
+
+def test_an_unknown_class_is_refused_by_name():
+    with pytest.raises(FormatError, match=r"c: architectures \['BertModel'\] are not supported"):
+        architecture_of({"architectures": ["BertModel"]}, "c")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "windows", "field"),
+    [
+        # transformers' Llama ignores sliding_window
+        ({"sliding_window": 8}, (None, None), ""),
+        ({"model_type": "mistral", "sliding_window": 8}, (8, 8), "sliding_window"),
+        ({"model_type": "mistral", "sliding_window": None}, (None, None), ""),
+        # Qwen2/3: only with use_sliding_window (default false), from max_window_layers on
+        ({"model_type": "qwen2", "sliding_window": 8}, (None, None), ""),
+        (
+            {"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True},
+            (None, None),  # max_window_layers defaults to 28
+            "",
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "sliding_window": 8,
+                "use_sliding_window": True,
+                "max_window_layers": 1,
+            },
+            (None, 8),
+            "max_window_layers",
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "sliding_window": 8,
+                "use_sliding_window": True,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            (8, None),
+            "layer_types",
+        ),
+        # Gemma 3: every sliding_window_pattern-th layer is full
+        ({"model_type": "gemma3_text", "sliding_window": 8}, (8, 8), "sliding_window_pattern"),
+        (
+            {"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 2},
+            (8, None),
+            "sliding_window_pattern",
+        ),
+    ],
+)
+def test_sliding_windows_per_layer_follow_transformers(tmp_path, overrides, windows, field):
+    f = load(write_llama(tmp_path / "ck", **overrides)).features
+    assert f.windows == windows
+    uses = [u for u in f.uses if u.feature == "sliding_window"]
+    assert [u.where for u in uses] == ([field] if field else [])
+
+
+def test_layer_types_must_cover_every_layer(tmp_path):
+    ck = load(
+        write_llama(
+            tmp_path / "ck",
+            model_type="qwen3",
+            sliding_window=8,
+            use_sliding_window=True,
+            layer_types=["full_attention"],
+        )
+    )
+    with pytest.raises(FormatError, match=r"layer_types has 1 entries for 2 layers"):
+        _ = ck.features
+
+
+def test_gemma3_uses_its_norm_form_scale_and_activation(tmp_path):
+    ck = load(
+        write_llama(
+            tmp_path / "ck",
+            model_type="gemma3_text",
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=30.0,
+        )
+    )
+    f = ck.features
+    assert f.activation.value == "gelu_pytorch_tanh" and f.activation.where == "hidden_activation"
+    assert f.attention_scale == 16**-0.5
+    used = {u.feature for u in f.uses}
+    assert {"norm_plus_one", "post_norms", "qk_norm", "embed_scale", "final_softcap"} <= used
+
+
+def test_inspect_prints_the_architecture_and_what_it_uses(capsys, tmp_path):
+    assert main(["-q", "inspect", str(DATA / "awq_gemm_g64_S")]) == 0
+    arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert arch == [
+        "architecture: llama (LlamaForCausalLM)",
+        "  1 layers, 4 heads of 64 (4 kv heads), untied lm_head",
+        "  RMSNorm x*w, pre-norm",
+        "  MLP activation (hidden_act 'silu')",
+        "  RoPE theta 10000, rope_type default",
+    ]
+    ck = write_llama(tmp_path / "ck", model_type="mistral", sliding_window=16)
+    assert main(["-q", "inspect", str(ck)]) == 0
+    arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert arch[0] == "architecture: mistral (MistralForCausalLM)"
+    assert "  sliding-window attention (sliding_window '16 on 2 of 2 layers')" in arch
+    ck = write_llama(tmp_path / "ds", model_type="deepseek_v3")
+    assert main(["-q", "inspect", str(ck)]) == 0  # the linears still list
+    arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert arch[0].startswith("architecture: not supported: ")
+    assert arch[0].endswith("multi-head latent attention (MLA) is not supported (kv_lora_rank)")
