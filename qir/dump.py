@@ -11,7 +11,7 @@ from qir.codegen.lower import Plan, value_bytes
 from qir.graph import Graph
 from qir.printer import print_graph
 from qir.runtime.executor import plan_memory
-from qir.types import QWeight
+from qir.types import QExperts, QWeight
 
 
 def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = None) -> list[Path]:
@@ -38,7 +38,9 @@ def weights_bytes(graph: Graph) -> int:
     total = 0
     for n in graph.weights:
         t = graph.node(n).type
-        if isinstance(t, QWeight):
+        if isinstance(t, QExperts):
+            total += sum(value_bytes(b, {}) for b in t.buffers().values())
+        elif isinstance(t, QWeight):
             total += sum(
                 value_bytes(b, {}) for b in t.format.buffers(t.out_features, t.in_features).values()
             )
