@@ -10,6 +10,7 @@
 #   3. the M sweep (1 .. 4096) of the GEMV/GEMM families over the layer's projections and
 #      8192 x 8192, five formats: us, GB/s, % of copy, TFLOP/s, x cuBLAS -> llama.sweep.json
 #   4. benchmarks/runtime.py: plain launches vs graph replay, CPU us per block -> $OUT/bench.log
+#      benchmarks/sampling.py: the sample kernel vs the logits copied to the host -> $OUT/bench.log
 #      benchmarks/layer_decode.py: a Llama-3-8B layer's decode step fused vs its sub-blocks,
 #      a 32-layer model's tokens/s and launches per token        -> $OUT/bench.log
 #   5. compute-sanitizer racecheck and memcheck over one fused block of each format family
@@ -25,6 +26,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T_TESTS="${T_TESTS:-180}" T_LLAMA="${T_LLAMA:-90}" T_SWEEP="${T_SWEEP:-120}"
 T_RUNTIME="${T_RUNTIME:-30}" T_LAYER="${T_LAYER:-45}" T_SANITIZER="${T_SANITIZER:-30}"
+T_SAMPLING="${T_SAMPLING:-20}"
 status=0
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -81,6 +83,9 @@ stage "runtime" "$T_RUNTIME" "$OUT/bench.log" python3 benchmarks/runtime.py --re
 
 stage "layer_decode" "$T_LAYER" "$OUT/bench.log" \
     python3 benchmarks/layer_decode.py --backend cuda --layers 32
+
+# The sample kernel against copying the logits to the host and drawing there (32k, 152k ids).
+stage "sampling" "$T_SAMPLING" "$OUT/bench.log" python3 benchmarks/sampling.py --backend cuda
 
 # One block of each kernel family: the sanitizers slow kernels by 10-100x. What they can see:
 # racecheck, shared memory (in these kernels: quantize_act's block reduction); memcheck, accesses

@@ -7,8 +7,9 @@
     model.chat([{"role": "user", "content": "Hi!"}])                      # the chat template
     gen = model.generate([3, 10, 17], max_new_tokens=8)                    # gen.tokens, gen.logits
 
-The model is one compiled `model` block (every layer; one KV cache per layer as the block's
-state, preallocated for `max_seq` rows) that ends in a `sample` op: each run also draws the
+The model is one compiled `model` block (every layer; one paged KV cache per layer as the
+block's state, by default one sequence's `max_seq` positions, which this class uses; a larger
+pool serves qir.serving's many sequences) that ends in a `sample` op: each run also draws the
 next id on the device, so a decode step hands back one int, not the logits. Generation runs the
 prompt once (prefill, positions 0..T-1), then one token per step (decode, M = 1) replaying a
 capture of the block where the backend has one: the token, its position, the sampling row and
