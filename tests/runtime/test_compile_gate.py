@@ -74,3 +74,40 @@ def test_kernels_at_checkpoint_shapes_build_without_spills(arch: str) -> None:
     assert {k.name.split("_")[0] for k in kernels} == {"qgemv", "quantize"}
     assert all(r.cubin[:4] == b"\x7fELF" for r in results)
     assert spilling == {}, f"spills on {arch}"
+
+
+# Mixture-of-experts kernels (qir/codegen/moe.py, moe_gemm.py) at a checkpoint's shapes: the
+# expert GEMVs (gate/up with silu(g) * u; down with the combine and the residual: K = 1408) of
+# one format per fragment kind (codes straddling words, E4M3 with a per-tensor scale per
+# expert, NVFP4), the grouped GEMMs of the 64-row bucket, and the route, group and combine
+# kernels.
+MOE_FORMATS: tuple[WeightFormat, ...] = (MlxAffine(3, 64, BF16), Fp8("tensor"), Nvfp4("mul", 16))
+
+
+def _moe_kernels() -> list[Kernel]:
+    from tests.moe_common import moe_graph
+
+    seen: dict[str, Kernel] = {}
+    rng = np.random.default_rng(0)
+    for i, fmt in enumerate(MOE_FORMATS):
+        graph, _ = moe_graph(rng, HIDDEN, INTER, 8, 2, fmt, BF16 if isinstance(fmt, Nvfp4) else F16)
+        for launch in lower(run_pipeline(graph, "default")[0]).launches:
+            name = launch.kernel.name
+            gemm = name.startswith("moe_qgemm")
+            if name.startswith("moe_") and (not gemm or (i != 1 and launch.when[1] <= 64)):
+                seen.setdefault(name, launch.kernel)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("arch", nvrtc.GATE_ARCHS)
+def test_moe_kernels_build_without_spills(arch: str) -> None:
+    kernels = _moe_kernels()
+    prepare_all(lambda k: nvrtc.compile_cubin(k, arch), kernels)
+    results = [nvrtc.compile_cubin(k, arch) for k in kernels]
+    kinds = {"_".join(k.name.split("_")[:2]) for k in kernels}
+    assert kinds == {"moe_route", "moe_gemv", "moe_group", "moe_qgemm", "moe_combine"}
+    assert len([k for k in kernels if k.name.startswith("moe_gemv")]) == 2 * len(MOE_FORMATS)
+    spilling = {
+        k.name: r.spill_bytes for k, r in zip(kernels, results, strict=True) if r.spill_bytes
+    }
+    assert spilling == {}, f"spills on {arch}"
