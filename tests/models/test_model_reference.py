@@ -24,7 +24,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 12
+    assert len(FIXTURES) == 14
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
