@@ -76,8 +76,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     moe = moe_of(ck)
     if moe is not None:
         print(
-            f"mixture of experts: {moe.experts} experts ({moe.family.count_key}), "
-            f"{moe.top_k} per token ({moe.family.rule})"
+            f"mixture of experts: {moe.experts} experts ({moe.count_key}), "
+            f"{moe.top_k} per token ({moe.rule})"
         )
     return 0
 

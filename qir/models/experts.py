@@ -35,24 +35,42 @@ PROJECTIONS = ("gate", "up", "down")
 class MoeFamily:
     """Where one family keeps its experts (paths below model.layers.<i>)."""
 
-    count_key: str  # config.json's number of experts
+    count_keys: tuple[str, ...]  # config.json's number of experts (the first present)
     router: str
     expert: str  # one expert's linear: {e} the expert, {w} its name in `names`
     names: tuple[str, str, str]  # gate, up, down as the Hub names them
     stacked: str  # mlx-lm's stacked experts: {w} is gate_proj, up_proj or down_proj
-    rule: str  # qir.moe.RULES
+    # qir.moe.RULES; with `norm_key` the config chooses: renormalised when it is true
+    rule: str
     intermediate_key: str = "intermediate_size"
+    norm_key: str = ""
+    # Qwen-MoE: layers with experts are those not in mlp_only_layers whose index + 1 is a
+    # multiple of decoder_sparse_step (the others a dense MLP); else every layer.
+    sparse_step: bool = False
 
 
 MOE_FAMILIES: dict[str, MoeFamily] = {
     "mixtral": MoeFamily(
-        "num_local_experts",
+        ("num_local_experts",),
         "block_sparse_moe.gate",
         "block_sparse_moe.experts.{e}.{w}",
         ("w1", "w3", "w2"),
         "block_sparse_moe.switch_mlp.{w}",
         # softmax over all experts, top k, renormalised (transformers' MixtralTopKRouter)
         "softmax_topk_norm",
+    ),
+    # transformers' Qwen3MoeTopKRouter: softmax over all, top k, renormalised if norm_topk_prob
+    # (its default false); mlx-lm keeps the router at 8 bits.
+    "qwen3_moe": MoeFamily(
+        ("num_experts", "num_local_experts"),  # the Hub's key; transformers 5 writes the other
+        "mlp.gate",
+        "mlp.experts.{e}.{w}",
+        ("gate_proj", "up_proj", "down_proj"),
+        "mlp.switch_mlp.{w}",
+        "softmax_topk",
+        intermediate_key="moe_intermediate_size",
+        norm_key="norm_topk_prob",
+        sparse_step=True,
     ),
 }
 
@@ -65,6 +83,8 @@ class Moe:
     experts: int
     top_k: int
     intermediate: int
+    rule: str
+    count_key: str  # the config field `experts` came from
 
 
 def moe_of(ck: Checkpoint) -> Moe | None:
@@ -74,21 +94,32 @@ def moe_of(ck: Checkpoint) -> Moe | None:
     if fam is None:
         return None
     where = f"{ck.path}/config.json"
-    experts, top_k = ck.field(fam.count_key), ck.field("num_experts_per_tok")
+    count_key = next((k for k in fam.count_keys if ck.field(k) is not None), fam.count_keys[0])
+    experts, top_k = ck.field(count_key), ck.field("num_experts_per_tok")
     if experts is None or top_k is None:
-        missing = fam.count_key if experts is None else "num_experts_per_tok"
+        missing = count_key if experts is None else "num_experts_per_tok"
         raise FormatError(f"{where}: lacks {missing} (a mixture-of-experts layer needs it)")
     if top_k > experts:
         raise FormatError(
-            f"{where}: num_experts_per_tok {top_k} is above {fam.count_key} {experts} (each "
+            f"{where}: num_experts_per_tok {top_k} is above {count_key} {experts} (each "
             "token chooses among the experts)"
         )
-    return Moe(fam, experts, top_k, ck.field(fam.intermediate_key))
+    intermediate = ck.field(fam.intermediate_key)
+    if intermediate is None:
+        raise FormatError(f"{where}: lacks {fam.intermediate_key} (the experts' size)")
+    rule = "softmax_topk_norm" if fam.norm_key and ck.field(fam.norm_key) else fam.rule
+    return Moe(fam, experts, top_k, intermediate, rule, count_key)
 
 
 def is_moe_layer(ck: Checkpoint, layer: int) -> bool:
-    """Whether decoder layer `layer` routes to experts (Mixtral: every layer)."""
-    return moe_of(ck) is not None
+    """Whether decoder layer `layer` routes to experts (see MoeFamily.sparse_step)."""
+    moe = moe_of(ck)
+    if moe is None:
+        return False
+    if not moe.family.sparse_step:
+        return True
+    dense = ck.field("mlp_only_layers") or []
+    return layer not in dense and (layer + 1) % ck.field("decoder_sparse_step") == 0
 
 
 class _ExpertSlice:
@@ -186,7 +217,7 @@ def router(ck: Checkpoint, moe: Moe, layer: int) -> Linear:
     if got != (moe.experts, ck.hidden_size):
         raise FormatError(
             f"{lin.module}.weight: holds a {list(got)} router, but config.json implies "
-            f"[{moe.experts}, {ck.hidden_size}] ({moe.family.count_key}, hidden_size)"
+            f"[{moe.experts}, {ck.hidden_size}] ({moe.count_key}, hidden_size)"
         )
     return lin
 
@@ -200,7 +231,7 @@ def moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "
     bb.weights[lin.module] = lin.buffers
     w_router = b.weight(lin.module, lin.weight, name=f"{prefix}w_router")
     logits = b.qlinear(x, w_router, name=f"{prefix}router")
-    ids, weights = b.route(logits, moe.top_k, moe.family.rule, name=f"{prefix}route")
+    ids, weights = b.route(logits, moe.top_k, moe.rule, name=f"{prefix}route")
     ws = {}
     for proj in PROJECTIONS:
         key, qe, bufs = read_experts(ck, moe, layer, proj)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -86,29 +85,16 @@ def test_host_f32_logits_and_greedy_ids_match_transformers(fixture: str) -> None
 
 @pytest.mark.parametrize("fixture", [MLX, AWQ])
 def test_host_16_bit_model_within_the_layer_bound(fixture: str) -> None:
-    """The checkpoint's own dtype (MLX bf16, AutoAWQ f16): each layer and the prefill logits
-    within the layer bound of transformers' float32; greedy ids equal up to the first step whose
-    margin 16-bit arithmetic may break (2 of 8 in bf16: at step 2 the margin is 0.047)."""
+    """The checkpoint's own dtype (MLX bf16, AutoAWQ f16): the prefill logits within the
+    layer bound of transformers' float32; greedy ids equal up to the first step whose margin
+    16-bit arithmetic may break (2 of 8 in bf16: at step 2 the margin is 0.047)."""
     golden = np.load(DATA / fixture / "golden_model.npz")
-    inputs = np.load(DATA / fixture / "golden.npz")
     model = Model.load(DATA / fixture, backend="host")
     assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= GOLDEN_TOL
     gen = model.generate(golden["tokens"], 8, do_sample=False)
     n = greedy_prefix(golden["step_logits"], gen.logits)
     assert n >= 2
     np.testing.assert_array_equal(gen.tokens[:n], golden["greedy"][:n])
-    ck = model.checkpoint
-    layer = qir.compile(*_layer(ck), backend="host")
-    for m in (1, 5, 40):
-        x = inputs[f"x.M{m}"].astype(ck.act_dtype.np)
-        layer.reset_state()
-        y = layer({"x": x, "pos": np.arange(m, dtype=np.int32)})["y"]
-        assert max_rel(y, golden[f"layer.1.M{m}"]) <= GOLDEN_TOL, m
-
-
-def _layer(ck: Any) -> tuple[Any, Any]:
-    b = build(ck, "layer", 1)
-    return b.graph, b.weights
 
 
 def _plan(tmp_path: Path, fixture: str, *extra: str) -> dict:
@@ -226,7 +212,7 @@ def test_stacked_experts_of_another_count_are_refused(
     with pytest.raises(
         FormatError, match=r"switch_mlp.gate_proj.biases: shape \[6, 128, 4\], expected 5"
     ):
-        read_experts(ck, Moe(spec.family, 5, 2, 128), 0, "gate")
+        read_experts(ck, Moe(spec.family, 5, 2, 128, spec.rule, spec.count_key), 0, "gate")
     _edit_config(path, num_local_experts=5)
     assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in _refused(path, capsys)
 
@@ -239,3 +225,44 @@ def test_route_rule_matches_torchs_topk_on_the_fixture_router() -> None:
             ids, w = moe.route(golden[f"router.{layer}.M{m}"], 2, "softmax_topk_norm")
             np.testing.assert_array_equal(ids, golden[f"route_ids.{layer}.M{m}"])
             np.testing.assert_allclose(w, golden[f"route_weights.{layer}.M{m}"], rtol=1e-6)
+
+
+QWEN = "qwen3moe_mlx4_g64"
+
+
+def test_qwen3_moe_layers_follow_mlp_only_layers_and_norm_topk_prob() -> None:
+    """Layer 0 is a dense MLP (mlp_only_layers), layer 1 routes 3 of 8 experts weighted by
+    their probabilities over all 8 (norm_topk_prob false) through an 8-bit router; both against
+    transformers' Qwen3MoeForCausalLM blocks in float32."""
+    ck, golden = load(DATA / QWEN), np.load(DATA / QWEN / "golden.npz")
+    spec = moe_of(ck)
+    assert spec is not None and (spec.experts, spec.top_k, spec.rule) == (8, 3, "softmax_topk")
+    assert spec.count_key == "num_experts"
+    dense, routed = build(ck, "mlp", 0, F32), build(ck, "mlp", 1, F32)
+    assert not dense.graph.of_op("expert_qlinear") and routed.graph.of_op("route")
+    for m in (1, 5, 40):
+        x = golden[f"x.M{m}"].astype(np.float32)
+        y = evaluate(dense.graph, {"x": x}, dense.weights)["y"]
+        assert max_rel(y, golden[f"mlp.0.M{m}"]) <= 1e-5
+        env = evaluate(routed.graph, {"x": x}, routed.weights)
+        np.testing.assert_array_equal(env["route.ids"], golden[f"route_ids.1.M{m}"])
+        np.testing.assert_allclose(env["route.weights"], golden[f"route_weights.1.M{m}"], rtol=1e-5)
+        assert max_rel(env["y"] - x, golden[f"moe.1.M{m}"]) <= 1e-5
+    key, experts, bufs = read_experts(ck, spec, 1, "down")
+    assert key == "model.layers.1.mlp.switch_mlp.down_proj" and experts.count == 8
+    for e in range(8):
+        w = experts.format.dequantize({b: a[e] for b, a in bufs.items()}, 256, 64)
+        np.testing.assert_array_equal(w, golden[f"W.1.experts.{e}.down_proj"])
+
+
+def test_qwen3_moe_block_on_the_host_backend() -> None:
+    """The routed block with its residual on the host backend: f32 within 1e-3 of
+    transformers, bf16 within the layer bound."""
+    ck, golden = load(DATA / QWEN), np.load(DATA / QWEN / "golden.npz")
+    for act, tol in ((F32, 1e-3), (ck.act_dtype, GOLDEN_TOL)):
+        b = build(ck, "mlp", 1, act)
+        c = qir.compile(b.graph, b.weights, backend="host")
+        for m in (1, 5):
+            x = golden[f"x.M{m}"].astype(act.np)
+            want = x.astype(np.float32) + golden[f"moe.1.M{m}"]  # y = x + the MoE block
+            assert max_rel(c({"x": x})["y"], want) <= tol, (act, m)

@@ -1,22 +1,25 @@
-"""The Mixtral fixtures (tests/data/mixtral_*): a tiny random Mixtral, quantized by the real
-tools, with goldens from transformers' own MixtralForCausalLM in float32 on the tool-decoded
-weights. Steps (each in the venv named; ORACLE.md in each case records the exact commands):
+"""The mixture-of-experts fixtures (tests/data/mixtral_*, qwen3moe_*): tiny random models of a
+family, quantized by the real tools, with goldens from transformers' own modelling code in
+float32 on the tool-decoded weights. Steps (each in the venv named; each case's ORACLE.md records
+the exact commands):
 
-  source OUT            (transformers 5.24 + torch) the source model, bf16, and OUT_fp16 for AutoAWQ
+  source FAMILY OUT     (transformers 5.24 + torch) the source model, bf16, and OUT_fp16 for AutoAWQ
   awq SRC_FP16 DST      (autoawq 0.2.9 + transformers 4.51.3) AutoAWQ GEMM int4 g64, per expert
   decode-mlx CASE       (mlx 0.32.4 + mlx-lm 0.32.2) CASE/golden.npz: mx.dequantize of each linear
   decode-awq CASE       (autoawq 0.2.9) CASE/golden.npz: awq's dequantize_gemm of each linear
   goldens CASE          (transformers 5.24 + torch) CASE/golden_model.npz and golden.npz's inputs
                         and layer outputs, from the decoded weights of golden.npz
 
-golden.npz: `W.<l>.<q|k|v|o>`, `W.<l>.router`, `W.<l>.experts.<e>.<w1|w2|w3>` (float32
+golden.npz: `W.<l>.<q|k|v|o>`, `W.<l>.router`, `W.<l>.experts.<e>.<name>` (the family's names:
+w1/w3/w2, gate_proj/up_proj/down_proj), `W.<l>.<gate|up|down>` of a dense MLP layer (float32
 [out, in], as the tool decodes them), `W.embed_tokens` / `W.lm_head` where the tool quantized
-them; `x.M1/M5/M40` (float16 [M, 256], the shared fixtures' inputs); `moe.<l>.M<m>` (float32:
-the layer's sparse MoE block alone on x, no norm, no residual), `router.<l>.M<m>` (its router
-logits), `route_ids.<l>.M<m>` / `route_weights.<l>.M<m>` (torch's softmax, topk and
-renormalisation); the shared fixtures' layer-0 block keys `q/k/v/o.0.M<m>` (x W^T) and
-`mlp.0.M<m>` (x + the MoE block), `mlpd.0.M<m>` (the MoE block). golden_model.npz: the shared fixtures' keys (tokens, embed, hidden.<l>, logits,
-layer.<l>.M<m>, greedy, step_logits).
+them; `x.M1/M5/M40` (float16 [M, 256], the shared fixtures' inputs); per MoE layer
+`moe.<l>.M<m>` (float32: the sparse MoE block alone on x, no norm, no residual),
+`router.<l>.M<m>` (its router logits), `route_ids.<l>.M<m>` / `route_weights.<l>.M<m>` (torch's
+softmax, topk and renormalisation); the shared fixtures' layer-0 block keys `q/k/v/o.0.M<m>`
+(x W^T), `mlp.0.M<m>` (x + layer 0's MLP, dense or MoE) and `mlpd.0.M<m>` (the MLP alone).
+golden_model.npz: the shared fixtures' keys (tokens, embed, hidden.<l>, logits, layer.<l>.M<m>,
+greedy, step_logits).
 """
 
 from __future__ import annotations
@@ -29,7 +32,58 @@ from pathlib import Path
 
 import numpy as np
 
-HIDDEN, INTER, LAYERS, EXPERTS, TOP, VOCAB = 256, 128, 2, 6, 2, 256
+HIDDEN, LAYERS, VOCAB = 256, 2, 256
+COMMON = {
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Per family: its config beyond COMMON, where its router and experts are, the layers with
+# experts (the others a dense MLP), mlx-lm's stacked module.
+FAMILIES = {
+    "mixtral": {
+        "config": {
+            "intermediate_size": 128,
+            "num_local_experts": 6,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+        },
+        "experts": "num_local_experts",
+        "router": "block_sparse_moe.gate",
+        "expert": "block_sparse_moe.experts.{e}.{w}",
+        "names": ("w1", "w3", "w2"),
+        "stacked": "block_sparse_moe.switch_mlp",
+        "moe_layers": (0, 1),
+    },
+    "qwen3_moe": {
+        "config": {
+            "intermediate_size": 256,  # layer 0's dense MLP (mlp_only_layers)
+            "moe_intermediate_size": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "use_sliding_window": False,
+        },
+        "experts": "num_experts",
+        "router": "mlp.gate",
+        "expert": "mlp.experts.{e}.{w}",
+        "names": ("gate_proj", "up_proj", "down_proj"),
+        "stacked": "mlp.switch_mlp",
+        "moe_layers": (1,),
+    },
+}
+DENSE = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 PROMPT, STEPS, MS = 12, 8, (1, 5, 40)
 PROJ = {
     "q": "self_attn.q_proj",
@@ -48,20 +102,29 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
             z.writestr(f"{key}.npy", buf.getvalue())
 
 
-def modules() -> dict[str, str]:
-    """golden key -> HF module path of every linear a layer has."""
+def family_of(case: Path) -> tuple[dict, dict]:
+    """The case's family row and its config.json."""
+    config = json.loads((case / "config.json").read_text())
+    return FAMILIES[config["model_type"]], config
+
+
+def modules(fam: dict, config: dict) -> dict[str, str]:
+    """golden key -> HF module path of every linear of every layer."""
     out = {}
     for layer in range(LAYERS):
         pre = f"model.layers.{layer}"
         out.update({f"W.{layer}.{p}": f"{pre}.{m}" for p, m in PROJ.items()})
-        out[f"W.{layer}.router"] = f"{pre}.block_sparse_moe.gate"
-        for e in range(EXPERTS):
-            for w in ("w1", "w2", "w3"):
-                out[f"W.{layer}.experts.{e}.{w}"] = f"{pre}.block_sparse_moe.experts.{e}.{w}"
+        if layer not in fam["moe_layers"]:
+            out.update({f"W.{layer}.{p}": f"{pre}.{m}" for p, m in DENSE.items()})
+            continue
+        out[f"W.{layer}.router"] = f"{pre}.{fam['router']}"
+        for e in range(config[fam["experts"]]):
+            for w in fam["names"]:
+                out[f"W.{layer}.experts.{e}.{w}"] = f"{pre}.{fam['expert'].format(e=e, w=w)}"
     return out
 
 
-def source(out: str) -> None:
+def source(family: str, out: str) -> None:
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -69,25 +132,7 @@ def source(out: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        "mixtral",
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        rope_theta=1000000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family]["config"])
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -107,6 +152,12 @@ def source(out: str) -> None:
     for dtype, where in ((torch.bfloat16, out), (torch.float16, f"{out}_fp16")):
         model.to(dtype).save_pretrained(where, safe_serialization=True)
         fast.save_pretrained(where)
+        if family == "qwen3_moe":  # the keys the Hub's Qwen3-MoE configs (and mlx-lm) use
+            path = Path(where) / "config.json"
+            config = json.loads(path.read_text())
+            config["num_experts"] = config.pop("num_local_experts")
+            config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+            path.write_text(json.dumps(config, indent=2))
 
 
 def awq(src: str, dst: str) -> None:
@@ -151,15 +202,15 @@ def decode_mlx(case: str) -> None:
         )
         return np.array(w)
 
-    for layer in range(LAYERS):
-        pre = f"model.layers.{layer}"
-        for p, m in PROJ.items():
-            golden[f"W.{layer}.{p}"] = dequant(flat[f"{pre}.{m}"])
-        golden[f"W.{layer}.router"] = dequant(flat[f"{pre}.block_sparse_moe.gate"])
-        for w, m in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
-            stacked = dequant(flat[f"{pre}.block_sparse_moe.switch_mlp.{m}"])
-            for e in range(EXPERTS):
-                golden[f"W.{layer}.experts.{e}.{w}"] = stacked[e]
+    fam, config = family_of(Path(case))
+    stacked = dict(zip(fam["names"], ("gate_proj", "up_proj", "down_proj"), strict=True))
+    for key, module in modules(fam, config).items():
+        if ".experts." not in key:
+            golden[key] = dequant(flat[module])
+            continue
+        layer, e, w = key.split(".")[1], int(key.split(".")[3]), key.split(".")[4]
+        name = f"model.layers.{layer}.{fam['stacked']}.{stacked[w]}"
+        golden[key] = dequant(flat[name])[e]  # one expert of the stacked module
     golden["W.embed_tokens"] = dequant(flat["model.embed_tokens"])
     golden["W.lm_head"] = dequant(flat["lm_head"])
     save_npz(Path(case) / "golden.npz", golden)
@@ -174,7 +225,7 @@ def decode_awq(case: str) -> None:
     for f in sorted(Path(case).glob("*.safetensors")):
         stored.update(load_file(str(f)))
     golden = {}
-    for key, module in modules().items():
+    for key, module in modules(*family_of(Path(case))).items():
         if f"{module}.qweight" not in stored:
             continue  # left unquantized (the router): read from the checkpoint by `goldens`
         w = dequantize_gemm(
@@ -205,7 +256,8 @@ def goldens(case_dir: str) -> None:
     for f in sorted(case.glob("*.safetensors")):
         stored.update(load_file(str(f)))
     dense: dict[str, np.ndarray] = {}
-    for key, module in modules().items():
+    fam, _ = family_of(case)
+    for key, module in modules(*family_of(case)).items():
         dense[f"{module}.weight"] = (
             golden[key] if key in golden else stored[f"{module}.weight"].float().numpy()
         )
@@ -236,17 +288,19 @@ def goldens(case_dir: str) -> None:
     out: dict[str, np.ndarray] = {}
     with torch.no_grad():
         for layer in range(LAYERS):
-            moe = model.model.layers[layer].mlp
+            mlp = model.model.layers[layer].mlp
             for m in MS:
                 x = torch.from_numpy(golden[f"x.M{m}"].astype(np.float32))
-                logits, scores, ids = moe.gate(x)  # torch's own softmax, topk, renormalisation
-                golden[f"router.{layer}.M{m}"] = logits.numpy()
-                golden[f"route_ids.{layer}.M{m}"] = ids.numpy().astype(np.int64)
-                golden[f"route_weights.{layer}.M{m}"] = scores.numpy()
-                golden[f"moe.{layer}.M{m}"] = moe(x[None])[0].numpy()
-                if layer == 0:  # the shared fixtures' block keys: mlp is x + the MoE block
-                    golden[f"mlpd.0.M{m}"] = golden[f"moe.0.M{m}"]
-                    golden[f"mlp.0.M{m}"] = x.numpy() + golden[f"moe.0.M{m}"]
+                y = mlp(x[None])[0].numpy()
+                if layer in fam["moe_layers"]:
+                    logits, scores, ids = mlp.gate(x)  # torch's own softmax, topk, renorm
+                    golden[f"router.{layer}.M{m}"] = logits.numpy()
+                    golden[f"route_ids.{layer}.M{m}"] = ids.numpy().astype(np.int64)
+                    golden[f"route_weights.{layer}.M{m}"] = scores.numpy()
+                    golden[f"moe.{layer}.M{m}"] = y
+                if layer == 0:  # the shared fixtures' block keys: mlp is x + layer 0's MLP
+                    golden[f"mlpd.0.M{m}"] = y
+                    golden[f"mlp.0.M{m}"] = x.numpy() + y
                     for p, module in PROJ.items():
                         w = model.get_submodule(f"model.layers.0.{module}").weight
                         golden[f"{p}.0.M{m}"] = (x @ w.T).numpy()
