@@ -26,6 +26,7 @@ from qir.formats.fp8 import Fp8
 from qir.formats.gptq import Gptq
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.runtime import nvrtc
 from qir.runtime.backend import get_backend
 from tests.conftest import FMT4, max_rel
 from tests.moe_common import random_experts
@@ -298,3 +299,30 @@ def test_plans_count_the_bytes_of_the_chosen_experts_only() -> None:
     assert {m: moved[m] - activations[m] for m in moved} == {
         m: min(6, 2 * m) * (one["gate"] + one["up"]) for m in moved
     }
+
+
+@pytest.mark.skipif(
+    not __import__("qir.runtime.nvrtc", fromlist=["x"]).available(), reason="needs NVRTC"
+)
+def test_expert_gemvs_of_every_format_build_with_nvrtc_without_spills() -> None:
+    """Every format's fragment runs in the expert GEMVs unchanged (the pointers move per expert):
+    both kinds of each format of the zoo build without spills, the formats taking the four
+    gate archs in turn (test_compile_gate.py builds all four at a checkpoint's shapes)."""
+    from qir.runtime.executor import prepare_all
+    from qir.types import QExperts, QWeight
+    from tests.conftest import FORMAT_ZOO
+
+    jobs = []
+    for i, fmt in enumerate(FORMAT_ZOO):
+        act = BF16 if isinstance(fmt, Nvfp4) else F16
+        gate, down = QExperts(QWeight(fmt, 128, 128), 5), QExperts(QWeight(fmt, 128, 128), 5)
+        arch = nvrtc.GATE_ARCHS[i % len(nvrtc.GATE_ARCHS)]
+        for spec in (
+            ExpertGemvSpec((gate, gate), act, 8, 2),
+            ExpertGemvSpec((down,), act, 8, 2, combine="combine_residual", per_slot=True),
+        ):
+            jobs.append((expert_gemv_kernel(spec), arch))
+    prepare_all(lambda job: nvrtc.compile_cubin(*job), jobs)
+    results = {k.name + "@" + arch: nvrtc.compile_cubin(k, arch) for k, arch in jobs}
+    assert len(results) == 2 * len(FORMAT_ZOO)
+    assert {n: r.spill_bytes for n, r in results.items() if r.spill_bytes} == {}
