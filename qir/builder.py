@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from qir.dtypes import DType
 from qir.graph import AttrValue, Graph, Node, check_name, make_attrs
 from qir.ops import IRTypeError, cache_problem, input_problem, param_problem, spec
-from qir.types import Dim, QWeight, TensorType, TupleType, ValueType
+from qir.types import Dim, QExperts, QWeight, TensorType, TupleType, ValueType
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,15 @@ class Builder:
     def weight(
         self,
         key: str,
-        weight: QWeight,
+        weight: QWeight | QExperts,
         name: str | None = None,
         act_rule: dict[str, float] | None = None,
     ) -> Value:
         """`act_rule`: the calibrated activation scale of a W4A4 weight
-        (WeightFormat.act_quant_rule), kept on the node for W4A4 routing."""
+        (WeightFormat.act_quant_rule), kept on the node for W4A4 routing. A QExperts weight is
+        a stack of experts (their buffers with a leading expert dim)."""
+        if isinstance(weight, QExperts) and weight.count < 1:
+            raise IRTypeError(f"weight {key!r}: {weight} needs at least one expert")
         weight.format.check_shape(weight.out_features, weight.in_features)
         rule = {k: float(v) for k, v in (act_rule or {}).items()}
         node = Node("weight", weight, make_attrs(key=key, **rule))
@@ -181,6 +184,35 @@ class Builder:
         """A token id per row of `logits`, drawn under the row's params (temperature, top_k,
         top_p, min_p) with its seed and position keying the draw (qir.sampling)."""
         return self._op("sample", (logits, params, seed, positions), name)
+
+    def route(
+        self, logits: Value, k: int, rule: str, name: str | None = None
+    ) -> tuple[Value, Value]:
+        """Each row's `k` experts and their weights from router logits [M, E] under `rule`
+        (qir.moe.RULES): (ids i32[M, k], weights f32[M, k])."""
+        both = self._op("route", (logits,), name, k=k, rule=rule)
+        return self.get(both, 0, f"{both.name}.ids"), self.get(both, 1, f"{both.name}.weights")
+
+    def expert_qlinear(
+        self,
+        x: Value,
+        experts: Value | tuple[Value, Value],
+        ids: Value,
+        weights: Value | None = None,
+        residual: Value | None = None,
+        name: str | None = None,
+    ) -> Value:
+        """Each row's slots through their chosen experts (qir.moe): one stacked weight gives
+        [M, k, N]; (gate, up) gives silu(g) * u [M, k, N]; with the router's `weights` the slots
+        are combined into [M, N] (plus `residual`)."""
+        ws = experts if isinstance(experts, tuple) else (experts,)
+        attrs: dict[str, AttrValue] = {}
+        if len(ws) == 2:
+            attrs["epilogue"] = "silu_mul"
+        if weights is not None:
+            attrs["epilogue"] = "combine" if residual is None else "combine_residual"
+        extra = tuple(v for v in (weights, residual) if v is not None)
+        return self._op("expert_qlinear", (x, *ws, ids, *extra), name, **attrs)
 
     def output(self, name: str, value: Value) -> None:
         check_name(name, "output")

@@ -20,7 +20,7 @@ import networkx as nx
 from qir.codegen.lower import ALL_M, Launch, Plan
 from qir.errors import UsageError
 from qir.graph import Graph
-from qir.types import QWeight
+from qir.types import QExperts, QWeight
 
 SUFFIXES = (".dot", ".svg", ".png")
 INSTALL = (
@@ -41,13 +41,13 @@ ELEMENTWISE = {"shape": "ellipse", "fillcolor": "#d1fae5"}
 def _format(graph: Graph, name: str) -> str:
     """The weight format a node reads or is (its tag), or ''."""
     t = graph.node(name).type
-    if isinstance(t, QWeight):
+    if isinstance(t, (QWeight, QExperts)):
         return t.format.tag()
-    if graph.node(name).op == "qlinear":
+    if graph.node(name).op in ("qlinear", "expert_qlinear"):
         tags = {
             w.format.tag()
             for o in graph.operands(name)
-            if isinstance(w := graph.node(o).type, QWeight)
+            if isinstance(w := graph.node(o).type, (QWeight, QExperts))
         }
         return ", ".join(sorted(tags))
     return ""
@@ -55,6 +55,8 @@ def _format(graph: Graph, name: str) -> str:
 
 def _shape(t: object) -> str:
     # a weight's format is on the line above
+    if isinstance(t, QExperts):
+        return f"{t.count} x [{t.out_features}, {t.in_features}]"
     return f"[{t.out_features}, {t.in_features}]" if isinstance(t, QWeight) else str(t)
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qir.codegen.lower import Plan, value_bytes
+from qir.codegen.lower import Launch, Plan, experts_per_row, value_bytes
 from qir.graph import Graph
 from qir.printer import print_graph
 from qir.runtime.executor import plan_memory
-from qir.types import QWeight
+from qir.types import QExperts, QWeight
 
 
 def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = None) -> list[Path]:
@@ -35,14 +35,38 @@ def dump(before: Graph, after: Graph, plan: Plan, out: Path, m: int | None = Non
 
 def weights_bytes(graph: Graph) -> int:
     """Bytes of every weight buffer the graph reads (each weight node once)."""
+    return sum(weights_bytes_of(graph.node(n).type) for n in graph.weights)
+
+
+def weights_bytes_of(t: object) -> int:
+    """Bytes of one weight node's buffers (every expert of stacked experts)."""
+    if isinstance(t, QExperts):
+        return sum(value_bytes(b, {}) for b in t.buffers().values())
+    if isinstance(t, QWeight):
+        return sum(value_bytes(b, {}) for b in t.buffers().values())
+    return value_bytes(t, {})
+
+
+def active_weights_bytes(graph: Graph) -> int:
+    """Bytes of the weights one token's step reads: every weight as weights_bytes counts it,
+    but of stacked experts only the k its row chooses."""
     total = 0
     for n in graph.weights:
         t = graph.node(n).type
-        if isinstance(t, QWeight):
-            total += sum(value_bytes(b, {}) for b in t.buffers().values())
+        if isinstance(t, QExperts):
+            one = sum(value_bytes(b, {}) for b in t.expert_buffers().values())
+            total += one * min(t.count, experts_per_row(graph, n))
         else:
-            total += value_bytes(t, {})
+            total += weights_bytes_of(t)
     return total
+
+
+def grid_y(launch: Launch) -> str:
+    """grid.y as a formula of M."""
+    rows = "M" if launch.rows_per_m == 1 else f"M*{launch.rows_per_m}"
+    tiles = f"ceil({rows}/{launch.m_tile})" if launch.rows_per_m else ""
+    extra = str(launch.extra_y) if launch.extra_y else ""
+    return " + ".join(p for p in (tiles, extra) if p) or "0"
 
 
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
@@ -53,7 +77,7 @@ def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
     else every launch with the range of M it serves."""
     kernels = []
     for launch in plan.launches:
-        grid: object = list(launch.grid(m)) if m else [launch.grid_x, f"ceil(M/{launch.m_tile})", 1]
+        grid: object = list(launch.grid(m)) if m else [launch.grid_x, grid_y(launch), 1]
         if m and not launch.runs_for(m):
             continue
         entry: dict[str, object] = {
@@ -73,6 +97,7 @@ def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
         mem = plan_memory(plan, m)
         out["memory"] = {
             "weights_bytes": weights_bytes(plan.graph),
+            "active_weights_bytes": active_weights_bytes(plan.graph),
             "kv_cache_bytes": sum(
                 value_bytes(plan.graph.node(n).type, {}) for n in plan.graph.of_op("state")
             ),

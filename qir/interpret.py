@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from qir import rope, sampling
+from qir import moe, rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
 from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, cache_operands, qlinear_layout
-from qir.types import QWeight, TensorType, TupleType
+from qir.types import QExperts, QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
 
@@ -85,6 +85,9 @@ def weight_buffers(node: Node, weights: Weights) -> Mapping[str, np.ndarray]:
             got = "nothing" if a is None else f"{a.dtype} {list(a.shape)}"
             raise BindError(f"weight {key!r}: buffer 'weight' is {got}, expected {w}")
         return bufs
+    if isinstance(w, QExperts):
+        check_expert_buffers(w, bufs, key)
+        return bufs
     assert isinstance(w, QWeight)
     w.format.check_buffers(bufs, w.out_features, w.in_features, where=key)
     if w.bias:
@@ -106,10 +109,33 @@ def bias(node: Node, weights: Weights) -> np.ndarray | None:
     return np.asarray(weights[node.attr("key")]["bias"], np.float32)
 
 
+def check_expert_buffers(w: QExperts, bufs: Mapping[str, np.ndarray], key: str) -> None:
+    """Stacked expert buffers: each of the expert format's buffers with a leading dim of
+    w.count, every expert's slice checked as one weight (naming `key`.<buffer>[e])."""
+    for name, t in w.buffers().items():
+        a = bufs.get(name)
+        if a is None or a.shape != t.shape or a.dtype != t.dtype.np:
+            got = "nothing" if a is None else f"{a.dtype} {list(a.shape)}"
+            raise BindError(f"weight {key!r}: buffer {name!r} is {got}, expected {t}")
+    for e in range(w.count):
+        one = {n: bufs[n][e] for n in w.buffers()}
+        w.format.check_buffers(one, w.out_features, w.in_features, where=f"{key}[{e}]")
+
+
 def dequantized(node: Node, weights: Weights) -> np.ndarray:
     w = node.type
     if isinstance(w, TensorType):
         return _f32(weight_buffers(node, weights)["weight"])
+    if isinstance(w, QExperts):
+        bufs = weight_buffers(node, weights)
+        return np.stack(
+            [
+                w.format.dequantize(
+                    {n: bufs[n][e] for n in w.buffers()}, w.out_features, w.in_features
+                )
+                for e in range(w.count)
+            ]
+        )
     assert isinstance(w, QWeight)
     return w.format.dequantize(weight_buffers(node, weights), w.out_features, w.in_features)
 
@@ -383,6 +409,10 @@ def evaluate(
                 if x.shape[0] <= W4A4_MAX_M
                 else _f32(x)
             )
+        elif node.op == "route":
+            env[name] = moe.route(args[0], node.attr("k"), node.attr("rule"))
+        elif node.op == "expert_qlinear":
+            env[name] = expert_qlinear(node, args)
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
         else:
@@ -392,6 +422,33 @@ def evaluate(
     if state is not None:
         state.update(written)
     return env
+
+
+def expert_qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """qir.moe's semantics: each slot's row through its expert, rounded to the activation type
+    as a qlinear's result (silu_mul: g, u, silu(g) and the product each rounded, as qlinear's
+    epilogue); combined in float32, rounded once, then the residual added and rounded again."""
+    epilogue = node.attr("epilogue")
+    t = node.type
+    assert isinstance(t, TensorType)
+    dt = t.dtype.np
+    n_w = 2 if epilogue == "silu_mul" else 1
+    x, ws, ids = args[0], args[1 : 1 + n_w], args[1 + n_w]
+    if ids.size and (ids.min() < 0 or ids.max() >= ws[0].shape[0]):
+        raise BindError(
+            f"expert_qlinear: expert ids {ids.min()}..{ids.max()} are outside the "
+            f"{ws[0].shape[0]} experts"
+        )
+    xs = moe.per_slot(x, ids.shape[1])
+    ys = [moe.expert_matmul(xs, w, ids).astype(dt) for w in ws]
+    if epilogue == "silu_mul":
+        return _silu_mul(ys[0], ys[1], dt)
+    if epilogue in ("combine", "combine_residual"):
+        out = moe.combine(ys[0], args[2 + n_w]).astype(dt)
+        if epilogue == "combine_residual":
+            out = (_f32(args[3 + n_w]) + _f32(out)).astype(dt)
+        return out
+    return ys[0]
 
 
 _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {

@@ -8,11 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qir import dtypes
+from qir import dtypes, moe
 from qir.errors import QirError
 from qir.rope import ATTRS as ROPE_ATTRS
 from qir.rope import rope_problem
-from qir.types import QActType, QWeight, TensorType, TupleType, ValueType
+from qir.types import QActType, QExperts, QWeight, TensorType, TupleType, ValueType
 
 
 class IRTypeError(QirError, TypeError):
@@ -621,6 +621,132 @@ def _infer_sample(
     return TensorType((BATCH,), INDEX_DTYPE)
 
 
+# ---- Mixtures of experts (qir.moe holds the maths) -------------------------------------------
+
+
+def slots_problem(t: ValueType, dtype: dtypes.DType) -> str | None:
+    """Why `t` is not a per-slot value dtype[M, k] (a router's ids or weights), or None."""
+    if not (
+        isinstance(t, TensorType)
+        and t.dtype == dtype
+        and t.rank == 2
+        and t.shape[0] == BATCH
+        and isinstance(t.shape[1], int)
+        and t.shape[1] >= 1
+    ):
+        return f"must be {dtype.name}[{BATCH}, k] (one per chosen expert of each row)"
+    return None
+
+
+def _infer_route(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(logits [M, E]) -> (ids i32[M, k], weights f32[M, k]): each row's k experts under `rule`
+    (qir.moe.RULES)."""
+    logits = _activation("route", names, types, 0)
+    experts, k, rule = logits.shape[1], attrs.get("k"), attrs.get("rule")
+    assert isinstance(experts, int)
+    if rule not in moe.RULES:
+        raise IRTypeError(f"route: unknown rule {rule!r}; known: {', '.join(moe.RULES)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        raise IRTypeError(
+            f"route: k={k!r} experts per row must be an int in 1..{experts} (the experts of "
+            f"{_desc(names[0], logits)})"
+        )
+    return TupleType((TensorType((BATCH, k), INDEX_DTYPE), TensorType((BATCH, k), dtypes.F32)))
+
+
+def expert_layout(types: Sequence[ValueType]) -> tuple[slice, int]:
+    """Where an expert qlinear's weights sit among its operands (after the input, before the
+    ids), and the ids' index."""
+    end = 1
+    while end < len(types) and isinstance(types[end], QExperts):
+        end += 1
+    return slice(1, end), end
+
+
+def _infer_expert_qlinear(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(x, W[, W_up], ids[, weights[, r]]): for each row m and slot j, x[m] (or x[m, j] for an
+    input of one row per slot, [M, k, K]) times expert ids[m, j] of the stacked weights. Result
+    [M, k, N], one row per slot; with epilogue silu_mul (gate and up) silu(g) * u; with
+    "combine" [M, N], the slots' rows summed weighted by `weights` f32[M, k] (qir.moe);
+    "combine_residual" adds r [M, N]."""
+    op = "expert_qlinear"
+    epilogue = attrs.get("epilogue")
+    if epilogue is not None and epilogue not in moe.EPILOGUES:
+        raise IRTypeError(f"{op}: unknown epilogue {epilogue!r}; known: {', '.join(moe.EPILOGUES)}")
+    x = types[0]
+    if not (
+        isinstance(x, TensorType)
+        and x.dtype in dtypes.ACTIVATION
+        and x.rank in (2, 3)
+        and x.shape[0] == BATCH
+        and all(isinstance(d, int) and d >= 1 for d in x.shape[1:])
+    ):
+        raise IRTypeError(
+            f"{op}: operand 0 ({_desc(names[0], x)}) must be an activation [{BATCH}, K], or "
+            f"[{BATCH}, k, K] with a row per slot"
+        )
+    _check_kernel_label(attrs, x.dtype)
+    ws, at = expert_layout(types)
+    want = 2 if epilogue == "silu_mul" else 1
+    if ws.stop - ws.start != want:
+        raise IRTypeError(
+            f"{op}: takes {want} stacked expert weight(s) after the input"
+            + (" (gate, up)" if want == 2 else "")
+            + f", got {ws.stop - ws.start}"
+        )
+    extras = {"combine": 1, "combine_residual": 2}.get(epilogue or "", 0)
+    if len(types) != at + 1 + extras:
+        raise IRTypeError(
+            f"{op}: epilogue {epilogue} takes {at + 1 + extras} operands (input, weights, ids"
+            + (", weights" if extras else "")
+            + (", residual" if extras == 2 else "")
+            + f"), got {len(types)}"
+        )
+    ids = _checked(op, names, types, at, lambda t: slots_problem(t, INDEX_DTYPE))
+    k = ids.shape[1]
+    first = types[ws.start]
+    assert isinstance(first, QExperts)
+    for i in range(ws.start, ws.stop):
+        w = types[i]
+        assert isinstance(w, QExperts)
+        if w != first:
+            raise IRTypeError(
+                f"{op}: experts {_desc(names[ws.start], first)} and {_desc(names[i], w)} differ "
+                "(one launch takes one format, shape and expert count)"
+            )
+    if x.shape[-1] != first.in_features:
+        raise IRTypeError(
+            f"{op}: input {_desc(names[0], x)} has {x.shape[-1]} features but experts "
+            f"{_desc(names[ws.start], first)} have in_features {first.in_features}"
+        )
+    if x.rank == 3 and x.shape[1] != k:
+        raise IRTypeError(
+            f"{op}: input {_desc(names[0], x)} has a row per slot but ids {_desc(names[at], ids)} "
+            f"choose {k} experts per row"
+        )
+    per_slot = TensorType((BATCH, k, first.out_features), x.dtype)
+    if not extras:
+        return per_slot
+    if types[at + 1] != TensorType((BATCH, k), dtypes.F32):
+        raise IRTypeError(
+            f"{op}: operand {at + 1} ({_desc(names[at + 1], types[at + 1])}) must be the "
+            f"router's weights f32[{BATCH}, {k}]"
+        )
+    out = TensorType((BATCH, first.out_features), x.dtype)
+    if extras == 2:
+        r = _activation(op, names, types, at + 2)
+        if r != out:
+            raise IRTypeError(
+                f"{op} epilogue combine_residual: {_desc(names[at + 2], r)} does not match the "
+                f"result {out}"
+            )
+    return out
+
+
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
@@ -664,6 +790,13 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
         OpSpec("sample", 4, _infer_sample),
+        OpSpec("route", 1, _infer_route, frozenset({"k", "rule"})),
+        OpSpec(
+            "expert_qlinear",
+            VARIADIC,
+            _infer_expert_qlinear,
+            frozenset({"epilogue", "kernel", "gemm_from_m"}),
+        ),
     )
 }
 

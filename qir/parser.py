@@ -9,7 +9,7 @@ from qir.dtypes import by_name
 from qir.errors import QirError
 from qir.formats import parse_format
 from qir.graph import AttrValue, Graph, Node
-from qir.types import Dim, QActType, QWeight, TensorType, TupleType, ValueType
+from qir.types import Dim, QActType, QExperts, QWeight, TensorType, TupleType, ValueType
 from qir.verify import verify
 
 _NAME = r"[\w.]+"
@@ -18,6 +18,7 @@ _NODE = re.compile(rf"^%({_NAME}) = (\w+)((?: %{_NAME}(?:, %{_NAME})*)?)(?: \{{(
 _OUTPUT = re.compile(rf"^output ({_NAME}) = %({_NAME})$")
 _TENSOR = re.compile(r"^(\w+)\[(.*)\]$")
 _QACT = re.compile(r"^qact<(\w+), (.+)>$")
+_QEXPERTS = re.compile(r"^experts<(\d+), (qweight<.+)>$")
 _QWEIGHT = re.compile(r"^qweight<(.+)>\[(\d+), (\d+)\](\+bias)?$")
 
 
@@ -37,6 +38,12 @@ def parse_type(text: str) -> ValueType:
         if not isinstance(source, TensorType):
             raise ParseError(f"bad qact source type {m.group(2)!r}")
         return QActType(m.group(1), source)
+    m = _QEXPERTS.match(text)
+    if m:
+        expert = parse_type(m.group(2))
+        if not isinstance(expert, QWeight):
+            raise ParseError(f"bad expert type {m.group(2)!r}")
+        return QExperts(expert, int(m.group(1)))
     m = _QWEIGHT.match(text)
     if m:
         fmt, out, in_ = parse_format(m.group(1)), int(m.group(2)), int(m.group(3))

@@ -67,6 +67,43 @@ class QWeight:
 
 
 @dataclass(frozen=True)
+class QExperts:
+    """Stacked expert weights [E, out, in]: `count` weights of one type (format, shape), as one
+    value. Each of the expert type's kernel-layout buffers gains a leading dim of `count`, so
+    expert e's buffers start e times one expert's elements in (per-expert scalars such as an
+    NVFP4 per-tensor scale become [E, 1]): a kernel reaches an expert by moving every buffer
+    pointer, and each format's fragment reads it unchanged."""
+
+    expert: QWeight
+    count: int
+
+    def __str__(self) -> str:
+        return f"experts<{self.count}, {self.expert}>"
+
+    @property
+    def format(self) -> WeightFormat:
+        return self.expert.format
+
+    @property
+    def out_features(self) -> int:
+        return self.expert.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.expert.in_features
+
+    def expert_buffers(self) -> dict[str, TensorType]:
+        """One expert's kernel-layout buffers."""
+        return dict(self.expert.buffers())
+
+    def buffers(self) -> dict[str, TensorType]:
+        """The stacked buffers: each expert buffer with a leading dim of `count`."""
+        return {
+            n: TensorType((self.count, *t.shape), t.dtype) for n, t in self.expert_buffers().items()
+        }
+
+
+@dataclass(frozen=True)
 class TupleType:
     """The results of a multi-output node (a merged gate/up or q/k/v qlinear); `get` projects."""
 
@@ -100,4 +137,4 @@ class QActType:
         return k // 2 + 4 * (k // 16)
 
 
-ValueType = TensorType | QWeight | TupleType | QActType
+ValueType = TensorType | QWeight | QExperts | TupleType | QActType

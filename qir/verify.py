@@ -10,7 +10,7 @@ from __future__ import annotations
 from qir.errors import QirError
 from qir.graph import CycleError, Graph, Node
 from qir.ops import VARIADIC, IRTypeError, cache_problem, input_problem, param_problem, spec
-from qir.types import QWeight, ValueType
+from qir.types import QExperts, QWeight, ValueType
 
 
 class VerifyError(QirError, ValueError):
@@ -75,9 +75,12 @@ def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueT
             raise VerifyError(f"%{name}: input {node.type} {problem}")
         return
     if node.op == "weight":
-        plain = not isinstance(node.type, QWeight) and param_problem(node.type) is None
-        if not (isinstance(node.type, QWeight) or plain) or not node.attr("key"):
-            raise VerifyError(f"%{name}: weight needs a key and a qweight or 1-D parameter type")
+        quantized = isinstance(node.type, (QWeight, QExperts))
+        plain = not quantized and param_problem(node.type) is None
+        if not (quantized or plain) or not node.attr("key"):
+            raise VerifyError(
+                f"%{name}: weight needs a key and a qweight, experts or 1-D parameter type"
+            )
         return
     if node.op == "state":
         problem = cache_problem(node.type)

@@ -13,6 +13,8 @@ import numpy as np
 
 from qir.formats.base import FormatError
 from qir.models import Checkpoint, load
+from qir.models.experts import moe_of, stack, stacked_experts
+from qir.types import QWeight
 
 _WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed")
 
@@ -30,8 +32,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             name[: -len(suffix)]
             for name in tensors
             for suffix in _WEIGHT_SUFFIXES
-            # 1-D .weight tensors are norms, not linears
-            if name.endswith(suffix) and (suffix != ".weight" or len(ck.store.shape(name)) == 2)
+            # 1-D .weight tensors are norms, not linears; 3-D ones stacked experts
+            if name.endswith(suffix)
+            and (suffix != ".weight" or len(ck.store.shape(name)) in (2, 3))
         },
         key=_natural,
     )
@@ -39,9 +42,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     start = shown = time.monotonic()
     rows, total = [], 0
     for i, module in enumerate(modules, 1):
-        lin = ck.linear(module)
-        w, facts = lin.weight, lin.weight.format.describe()
-        nbytes = sum(a.nbytes for a in lin.buffers.values())
+        w, buffers, experts = _read(ck, module)
+        facts = w.format.describe()
+        nbytes = sum(a.nbytes for a in buffers.values())
         total += nbytes
         rows.append(
             (
@@ -49,7 +52,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 w.format.spell(),
                 str(facts["bits"] or "-"),
                 str(facts["group"] or "-"),
-                f"[{w.out_features}, {w.in_features}]",
+                (f"{experts} x " if experts else "") + f"[{w.out_features}, {w.in_features}]",
                 str(nbytes),
                 "yes" if facts["w4a4"] else "no",
             )
@@ -72,6 +75,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{len(rows)} linears, {total} bytes")
     print()
     print("\n".join(_architecture(ck)))
+    moe = moe_of(ck)
+    if moe is not None:
+        print(
+            f"mixture of experts: {moe.experts} experts ({moe.count_key}), "
+            f"{moe.top_k} per token ({moe.rule})"
+        )
     return 0
 
 
@@ -97,14 +106,34 @@ def _architecture(ck: Checkpoint) -> list[str]:
     return lines
 
 
+def _read(ck: Checkpoint, module: str) -> tuple[QWeight, dict[str, np.ndarray], int]:
+    """A module's weight type and buffers, and its expert count (0: one linear; stacked experts
+    are read as one weight [E, out, in])."""
+    weight = f"{module}.weight"
+    if weight in ck.store and len(ck.store.shape(weight)) == 3:
+        qe, bufs = stack(stacked_experts(ck, module))
+        return qe.expert, bufs, qe.count
+    lin = ck.linear(module)
+    return lin.weight, lin.buffers, 0
+
+
 def cmd_dequant(args: argparse.Namespace) -> int:
     module = args.module
     for suffix in _WEIGHT_SUFFIXES:
         module = module.removesuffix(suffix)
-    lin = load(args.checkpoint).linear(module)
-    w = lin.weight.format.dequantize(lin.buffers, lin.weight.out_features, lin.weight.in_features)
+    weight, buffers, experts = _read(load(args.checkpoint), module)
+    fmt, out, in_ = weight.format, weight.out_features, weight.in_features
+    if experts:  # stacked experts: float32 [E, out, in]
+        w = np.stack(
+            [
+                fmt.dequantize({b: a[e] for b, a in buffers.items()}, out, in_)
+                for e in range(experts)
+            ]
+        )
+    else:
+        w = fmt.dequantize(buffers, out, in_)
     np.save(args.out, w)
-    print(f"wrote {args.out}: float32 {list(w.shape)} from {lin.weight.format.spell()}")
+    print(f"wrote {args.out}: float32 {list(w.shape)} from {fmt.spell()}")
     return 0
 
 

@@ -19,8 +19,10 @@ shared-memory budget, the loaders, the argument expressions); the template only 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.gemv import (
@@ -108,6 +110,17 @@ def bucket_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
             out.append((start, min(bound, hi)))
             start = bound + 1
     return out
+
+
+@dataclass(frozen=True)
+class GroupedGemm:
+    """How a grouped GEMM's kernel differs from its GemmSpec's: the template extending
+    qgemm.cu.j2, its name, parameters and the template's variables (overriding the GEMM's)."""
+
+    template: str
+    name: str
+    params: tuple[KernelParam, ...]
+    context: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -291,7 +304,9 @@ def _variant(f: GemmSpec) -> dict[str, str]:
     }
 
 
-def gemm_kernel(spec: GemmSpec) -> Kernel:
+def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
+    """The kernel of `spec`; `grouped`: rendered as a grouped GEMM instead (qir.codegen.moe_gemm:
+    its template extends this one, with its own name, parameters and variables)."""
     f, tile = spec, spec.tile
     w0 = f.weights[0]
     frag = fragment_for(w0.format, w0.out_features, w0.in_features)
@@ -366,9 +381,11 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
         finish = render(
             "gemm/finish_nvf4.cuh.j2", row_factor=row_factor, w_factors=w_factors, paired=f.paired
         )
-    source = render(
-        "qgemm.cu.j2",
-        name=spec.name,
+    name, template = spec.name, "qgemm.cu.j2"
+    if grouped is not None:
+        name, template, params = grouped.name, grouped.template, list(grouped.params)
+    context: dict[str, Any] = dict(
+        name=name,
         doc="\n".join(f"// {line}" for line in _doc(spec)),
         preamble="\n".join(preamble),
         a_loader=render(v["a_loader"], **parts).rstrip("\n"),
@@ -399,8 +416,11 @@ def gemm_kernel(spec: GemmSpec) -> Kernel:
         g_value=g_value,
         u_value=u_value,
     )
+    if grouped is not None:
+        context.update(grouped.context)
+    source = render(template, **context)
     return Kernel(
-        spec.name,
+        name,
         source,
         tuple(params),
         (tile.threads, 1, 1),

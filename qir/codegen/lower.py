@@ -26,9 +26,9 @@ from qir.codegen.kernel import Kernel
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
 from qir.errors import UsageError
 from qir.graph import AttrValue, Graph
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, expert_layout, qlinear_layout, spec
 from qir.target import DEFAULT, Target
-from qir.types import QActType, QWeight, TensorType, TupleType, ValueType
+from qir.types import QActType, QExperts, QWeight, TensorType, TupleType, ValueType
 
 # Rows of x one GEMV launch handles; grid.y covers the rest.
 DEFAULT_M_TILE = 8
@@ -82,13 +82,17 @@ class Launch:
     nodes: tuple[str, ...]  # IR nodes it covers
     when: tuple[int, int] = ALL_M  # the batch sizes M (inclusive) this launch runs for
     rows: str = ""  # the runs' rows it serves (ROWS), "" for any
+    # grid.y = ceil(M * rows_per_m / m_tile) + extra_y: a launch over each row's k expert slots
+    # (rows_per_m = k), plus blocks that exist whatever M is (an expert-major launch: 0, 1).
+    rows_per_m: int = 1
+    extra_y: int = 0
 
     def runs_for(self, m: int, rows: str | None = None) -> bool:
         """Whether a run of `m` rows (of the kind `rows`, see resolve_rows) launches it."""
         return self.when[0] <= m <= self.when[1] and self.rows in ("", resolve_rows(m, rows))
 
     def grid(self, m: int) -> tuple[int, int, int]:
-        y = -(-m // self.m_tile)
+        y = -(-m * self.rows_per_m // self.m_tile) + self.extra_y
         if y > MAX_GRID_Y:
             raise UsageError(
                 f"M={m} is too many rows for {self.kernel.name}: at most {MAX_GRID_Y * self.m_tile}"
@@ -122,12 +126,26 @@ class Plan:
                 if isinstance(w, TensorType):  # a parameter vector: one buffer
                     total += value_bytes(w, sizes)
                     continue
+                if isinstance(w, QExperts):  # at most the experts m rows can choose
+                    one = value_bytes(w.expert_buffers()[a.buffer], sizes)
+                    total += one * min(w.count, m * experts_per_row(self.graph, a.ref))
+                    continue
                 assert isinstance(w, QWeight)
                 t = w.buffers()[a.buffer]
                 total += value_bytes(t, sizes)
             elif a.kind == "const":
                 total += 4
         return total
+
+
+def experts_per_row(graph: Graph, weight: str) -> int:
+    """k: the experts each row chooses, for stacked experts `weight` (its readers' ids)."""
+    for user in graph.users(weight):
+        operands = graph.operands(user)
+        ids = graph.node(operands[expert_layout([graph.node(o).type for o in operands])[1]]).type
+        if isinstance(ids, TensorType) and isinstance(ids.shape[1], int):
+            return ids.shape[1]
+    return 1
 
 
 def value_bytes(t: object, sizes: dict[str, int]) -> int:
@@ -266,6 +284,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
     emulates the instructions they use)."""
     # The layer ops' lowerings build on Arg and Launch, defined here.
     from qir.codegen.lower_layer import LAYER_LOWERINGS
+    from qir.codegen.lower_moe import MOE_LOWERINGS
 
     launches = []
     temps: dict[str, TensorType] = {}
@@ -277,6 +296,11 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
             launches.extend(_lower_qlinear(graph, name, m_tile, target))
         elif node.op == "quantize_act":
             launches.append(_lower_quantize_act(graph, name))
+        elif node.op in MOE_LOWERINGS:
+            # Given the temps so far: launches of one router's ids share its grouping.
+            moe_launches, moe_temps = MOE_LOWERINGS[node.op](graph, name, temps)
+            launches.extend(moe_launches)
+            temps.update(moe_temps)
         elif node.op in LAYER_LOWERINGS:
             layer_launches, layer_temps = LAYER_LOWERINGS[node.op](graph, name)
             launches.extend(layer_launches)

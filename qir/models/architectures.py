@@ -65,6 +65,9 @@ class Architecture:
     # Checkpoint linears holding several of the above, stacked along out_features (Phi-3:
     # qkv_proj = q, k, v; gate_up_proj = gate, up): path -> the short names it holds, in order.
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Routed experts in place of the MLP: where they live is a row of qir.models.experts'
+    # MOE_FAMILIES; without it, a config that counts experts is refused.
+    experts: bool = False
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -72,6 +75,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("mistral", ("mistral",), ("MistralForCausalLM",), sliding="all"),
     Architecture("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), qkv_bias=True, sliding="qwen"),
     Architecture("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), qk_norm=True, sliding="qwen"),
+    Architecture("mixtral", ("mixtral",), ("MixtralForCausalLM",), sliding="all", experts=True),
+    Architecture(
+        "qwen3_moe",
+        ("qwen3_moe",),
+        ("Qwen3MoeForCausalLM",),
+        qk_norm=True,
+        sliding="qwen",
+        experts=True,
+    ),
     Architecture(
         "phi3",
         ("phi3",),
@@ -235,7 +247,7 @@ def features(ck: Checkpoint) -> Features:
     where = f"{ck.path}/config.json"
     arch = architecture_of(ck.config, where)
     for key in EXPERT_FIELDS:
-        if ck.field(key):
+        if ck.field(key) and not arch.experts:
             raise FormatError(
                 f"{where}: {key} {ck.field(key)!r}: mixture-of-experts layers are not supported"
             )

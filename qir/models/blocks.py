@@ -192,6 +192,11 @@ class _Builder:
         return q, k, v
 
     def mlp(self, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
+        from qir.models.experts import is_moe_layer, moe_mlp
+
+        if is_moe_layer(self.ck, layer):  # routed experts (qir.models.experts)
+            return moe_mlp(self, x, residual, layer, prefix)
+
         checked(self.ck, ("activation", "fused_linears"))
         b = self.b
         gate = b.qlinear(x, self.proj(layer, "gate", prefix), name=f"{prefix}gate")

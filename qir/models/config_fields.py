@@ -166,6 +166,12 @@ FIELDS: tuple[Field, ...] = (
     Field("hidden_act", str),
     Field("hidden_activation", str),
     *(_int(key, at_least=0) for key in ("num_experts", "num_local_experts", "n_routed_experts")),
+    # mixture-of-experts layers (qir.models.experts)
+    _int("num_experts_per_tok", at_least=1),
+    _int("moe_intermediate_size", at_least=1),
+    Field("norm_topk_prob", bool),
+    _int("decoder_sparse_step", at_least=1, default=1),
+    Field("mlp_only_layers", list, items=int),
     # where each producer writes its quantization (the families' matchers look at these)
     Field("quantization_config", dict),
     Field("quantization", dict),  # mlx-lm

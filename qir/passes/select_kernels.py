@@ -1,4 +1,4 @@
-"""Kernel selection: the last pass; labels each qlinear with the kernel families that run it and
+"""Kernel selection: the last pass; labels each qlinear (and expert_qlinear) with the kernel families that run it and
 the batch size at which the tensor-core GEMM takes over from the GEMV.
 
 A block is compiled once for a symbolic M, so the choice is made per run: the label is a range
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from qir.dtypes import F32
 from qir.graph import AttrValue, Graph, Node
 from qir.ops import qlinear_layout
-from qir.types import QActType, QWeight, TensorType, TupleType
+from qir.types import QActType, QExperts, QWeight, TensorType, TupleType
 
 FAMILIES = ("gemv", "gemv|gemm", "gemm")
 
@@ -50,6 +50,10 @@ def gemm_from_m(graph: Graph, name: str) -> int | None:
     if out.dtype == F32:
         return None
     operands = graph.operands(name)
+    if node.op == "expert_qlinear":  # the grouped GEMM from the same M as a plain one
+        w = graph.node(operands[1]).type
+        assert isinstance(w, QExperts)
+        return GEMM_FROM_M[w.format.fragment]
     _, ws, _ = qlinear_layout(len(operands), dict(node.attrs))
     w = graph.node(operands[ws][0]).type
     assert isinstance(w, QWeight)
@@ -75,7 +79,7 @@ class SelectKernels:
     def run(self, graph: Graph) -> int:
         fired = 0
         for name, node in graph.items():
-            if node.op == "qlinear" and node.attr("kernel") is None:
+            if node.op in ("qlinear", "expert_qlinear") and node.attr("kernel") is None:
                 first = gemm_from_m(graph, name)
                 if first is not None and self.gemm_from_m is not None:
                     first = self.gemm_from_m

@@ -47,7 +47,7 @@ from qir.errors import UsageError
 from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
 from qir.logs import Progress
 from qir.runtime.backend import Backend
-from qir.types import QActType, QWeight, TensorType
+from qir.types import QActType, QExperts, QWeight, TensorType
 
 log = logging.getLogger("qir.runtime")
 
@@ -184,6 +184,8 @@ def _give(holes: list[list[int]], offset: int, size: int) -> None:
 
 
 def _format_buffers(w: object) -> dict[str, TensorType]:
+    if isinstance(w, QExperts):
+        return w.buffers()
     assert isinstance(w, QWeight)
     return w.buffers()
 

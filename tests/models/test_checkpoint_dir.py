@@ -200,7 +200,7 @@ def _bad_values(f: Field) -> list[Any]:
     other = {int: [2.0, "2", True], float: ["1", [1]], str: [1, ["x"]], bool: [1, "true"]}
     values = [*other.get(f.kind, []), *([{}] if f.kind is list else [[]])]
     if f.kind is list and f.items is not None:
-        values.append([1])
+        values.append(["1"] if f.items is int else [1])
     if f.at_least is not None:
         values.append(int(f.at_least) - 1)
     return values

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qir.builder import Builder
@@ -54,6 +55,7 @@ from qir.codegen.layer_kernels import (
     sample_kernel,
 )
 from qir.codegen.lower import Launch, lower
+from qir.codegen.moe import ExpertGemvSpec, expert_gemv_kernel
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
@@ -71,8 +73,9 @@ from qir.ops import W4A4_MAX_M
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime import nvrtc
 from qir.target import Target
-from qir.types import QWeight
-from tests.conftest import DATA
+from qir.types import QExperts, QWeight
+from tests.conftest import DATA, FORMAT_ZOO
+from tests.moe_common import moe_graph
 
 pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
 
@@ -245,6 +248,35 @@ def sliding_window_attention() -> Callable[[str], list[Kernel]]:
             attention_split_kernel(a),
             attention_prefill_kernel(a),
         )
+    ]
+
+
+def moe(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
+    """A mixture-of-experts layer at a checkpoint's shapes (8 experts, 2 a token): route, the
+    grouping, the expert GEMVs (gate/up with silu(g) * u; down with the combine and the residual
+    at K = 1408), the grouped GEMMs of the 64-row bucket and the combine."""
+    act = BF16 if isinstance(fmt, Nvfp4) else F16
+
+    def make() -> Graph:
+        rng = np.random.default_rng(0)
+        return moe_graph(rng, CHECKPOINT.hidden, CHECKPOINT.inter, 8, 2, fmt, act)[0]
+
+    def keep(la: Launch) -> bool:
+        name = la.kernel.name
+        return name.startswith("moe_") and (not name.startswith("moe_qgemm") or la.when[1] <= 64)
+
+    return graph(make, keep)
+
+
+def expert_gemvs(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
+    """A format's fragment in both expert GEMVs (its pointers move per expert)."""
+    act = BF16 if isinstance(fmt, Nvfp4) else F16
+    w = QExperts(QWeight(fmt, 128, 128), 5)
+    return lambda arch: [
+        expert_gemv_kernel(ExpertGemvSpec((w, w), act, 8, 2)),
+        expert_gemv_kernel(
+            ExpertGemvSpec((w,), act, 8, 2, combine="combine_residual", per_slot=True)
+        ),
     ]
 
 
@@ -459,6 +491,29 @@ GATE: tuple[Entry, ...] = (
         paged_attention(),
         ("kv_append_bf16_c65536_p16x256", "attn_split_", "attn_prefill_"),
     ),
+    # Mixtures of experts, one format per fragment kind (codes straddling words, E4M3 with a
+    # per-tensor scale per expert, NVFP4); the grouped GEMMs of all but FP8.
+    Entry(
+        "moe-mlx3g64-checkpoint",
+        moe(MlxAffine(3, 64, BF16)),
+        ("moe_route_", "moe_group_", "moe_gemv_", "moe_qgemm_", "moe_combine_"),
+    ),
+    Entry(
+        "moe-fp8tensor-checkpoint",
+        lambda arch: [k for k in moe(Fp8("tensor"))(arch) if not k.name.startswith("moe_qgemm")],
+        ("moe_gemv_",),
+    ),
+    Entry("moe-nvfp4mul-checkpoint", moe(Nvfp4("mul", 16)), ("moe_gemv_", "moe_qgemm_")),
+    # Every format of the zoo in the expert GEMVs, the formats taking the gate archs in turn.
+    *(
+        Entry(
+            f"expert-gemvs-{i}-{type(fmt).__name__.lower()}",
+            expert_gemvs(fmt),
+            ("moe_gemv_",),
+            archs=(nvrtc.GATE_ARCHS[i % len(nvrtc.GATE_ARCHS)],),
+        )
+        for i, fmt in enumerate(FORMAT_ZOO)
+    ),
     # Qwen's vocabulary: the loops' trip counts do not change the code, the dtype does.
     Entry(
         "sample-qwen-vocab",
@@ -517,6 +572,11 @@ FAMILIES = {
     "attn_prefill_": "attention_prefill.cu.j2",
     "embedding_": "embedding.cu.j2",
     "sample_": "sample.cu.j2",
+    "moe_route_": "moe_route.cu.j2",
+    "moe_group_": "moe_group.cu.j2",
+    "moe_gemv_": "moe_gemv.cu.j2",
+    "moe_qgemm_": "moe_gemm.cu.j2",
+    "moe_combine_": "moe_combine.cu.j2",
 }
 
 

@@ -58,11 +58,13 @@ GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 
 
 def assert_gemm(c: Compiled, m: int) -> None:
-    """Every qlinear launch a run at M=m makes is a GEMM."""
+    """Every qlinear (and expert qlinear) launch a run at M=m makes is a GEMM (the grouped one
+    for experts, beside its route, grouping and combine)."""
     assert c.plan is not None
     active = [la for la in c.plan.launches if la.runs_for(m)]
-    kernels = [la.kernel.name for la in active if not la.kernel.name.startswith("quantize_act")]
-    assert kernels and all(k.startswith("qgemm_") for k in kernels), (m, kernels)
+    helpers = ("quantize_act", "moe_route", "moe_group", "moe_combine")
+    kernels = [la.kernel.name for la in active if not la.kernel.name.startswith(helpers)]
+    assert kernels and all(k.startswith(("qgemm_", "moe_qgemm_")) for k in kernels), (m, kernels)
 
 
 def same_bytes_reversed(

@@ -998,6 +998,10 @@ inline float __log2f(float x) { return log2f(x); }
 inline float __sinf(float x) { return sinf(x); }
 inline float __cosf(float x) { return cosf(x); }
 inline float __tanhf(float x) { return tanhf(x); }
+// Rounded float operations that the device compiler never fuses into an FMA: plain operations
+// here (host builds target baseline x86-64, which has no FMA to contract into).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __powf(float x, float y) { return powf(x, y); }
 inline float __fdividef(float x, float y) { return x / y; }
 inline float __frcp_rn(float x) { return 1.0f / x; }

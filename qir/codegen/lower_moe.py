@@ -1,0 +1,103 @@
+"""Lowering of the mixture-of-experts ops: route (one warp per row), and expert_qlinear by the
+node's kernel label (select_kernels): the expert GEMVs below gemm_from_m rows (qir.codegen.moe),
+the grouped path from there (qir.codegen.moe_gemm: the router's ids grouped by expert once,
+shared by every expert launch that reads those ids, then a grouped GEMM per expert qlinear and,
+for a combine, a combine launch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from qir.codegen import moe
+from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch
+from qir.graph import Graph
+from qir.ops import expert_layout
+from qir.types import QExperts, TensorType
+
+Lowered = tuple[list[Launch], dict[str, TensorType]]
+
+
+def _tensor(graph: Graph, name: str) -> TensorType:
+    t = graph.node(name).type
+    assert isinstance(t, TensorType)
+    return t
+
+
+def _results(graph: Graph, name: str, temps: dict[str, TensorType]) -> tuple[str, ...]:
+    """The values a multi-output node writes: its gets, or a temp where a result has none."""
+    node = graph.node(name)
+    by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
+    out = []
+    for i, t in enumerate(node.type.elements):  # type: ignore[union-attr]
+        if i not in by_index:
+            by_index[i] = graph.fresh(f"{name}.{i}")
+            temps[by_index[i]] = t
+        out.append(by_index[i])
+    return tuple(out)
+
+
+def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType]) -> Lowered:
+    (logits,) = graph.operands(name)
+    t = _tensor(graph, logits)
+    experts = t.shape[1]
+    assert isinstance(experts, int)
+    node = graph.node(name)
+    temps: dict[str, TensorType] = {}
+    ids, weights = _results(graph, name, temps)
+    kernel = moe.route_kernel(t.dtype, experts, node.attr("k"), node.attr("rule"))
+    args = (Arg("value", logits), Arg("value", ids), Arg("value", weights), Arg("M"))
+    return [Launch(kernel, 1, 1, args, (ids, weights), (name,))], temps
+
+
+def lower_expert_qlinear(graph: Graph, name: str, temps: Mapping[str, TensorType]) -> Lowered:
+    node = graph.node(name)
+    operands = graph.operands(name)
+    types = [graph.node(o).type for o in operands]
+    ws, at = expert_layout(types)
+    experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
+    ids = operands[at]
+    top = _tensor(graph, ids).shape[1]
+    assert isinstance(top, int)
+    x = _tensor(graph, operands[0])
+    combine = (
+        node.attr("epilogue") if node.attr("epilogue") in ("combine", "combine_residual") else ""
+    )
+    first_gemm = node.attr("gemm_from_m")
+    gemm_from = first_gemm if isinstance(first_gemm, int) else ALL_M[1] + 1
+    launches: list[Launch] = []
+    new_temps: dict[str, TensorType] = {}
+    if gemm_from > 1:
+        spec = moe.ExpertGemvSpec(
+            experts, _tensor(graph, name).dtype, DEFAULT_M_TILE, top, combine, x.rank == 3
+        )
+        frag = spec.fragment
+        args = (
+            Arg("value", operands[0]),
+            *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
+            *(Arg("value", v) for v in operands[at:]),
+            Arg("value", name),
+            Arg("M"),
+        )
+        when = (1, min(ALL_M[1], gemm_from - 1))
+        kernel = moe.expert_gemv_kernel(spec)
+        if combine:
+            launches.append(Launch(kernel, spec.grid_x, spec.m_tile, args, (name,), (name,), when))
+        else:
+            launches.append(
+                Launch(
+                    kernel, spec.grid_x, 1, args, (name,), (name,), when, rows_per_m=0, extra_y=1
+                )
+            )
+    if gemm_from <= ALL_M[1]:
+        from qir.codegen.moe_gemm import lower_grouped
+
+        more, more_temps = lower_grouped(graph, name, temps, (gemm_from, ALL_M[1]))
+        launches += more
+        new_temps.update(more_temps)
+    return launches, new_temps
+
+
+MOE_LOWERINGS: dict[str, Callable[[Graph, str, Mapping[str, TensorType]], Lowered]] = {
+    "route": lower_route,
+    "expert_qlinear": lower_expert_qlinear,
+}

@@ -1,0 +1,239 @@
+"""Mixture-of-experts kernels: the router's top-k, the expert GEMVs (decode, small M) and the
+grouped path (prefill, large M).
+
+Stacked experts keep each format's buffers with a leading expert dim (qir.types.QExperts), so a
+kernel reaches expert e by moving every buffer pointer by e experts' elements and then runs the
+format's own fragment unchanged: every format works without a fragment of its own.
+
+Decode (the GEMV family, qgemv.cu.j2 extended by moe_gemv.cu.j2):
+- "slots" (gate/up with silu(g) * u, or any expert qlinear without a combine): expert-major,
+  a block per (expert, row block). Each block reads the ids on the device, lists the (token,
+  slot) pairs that chose its expert and runs them in tiles of m_tile rows: a chosen expert's
+  weights are read once per m_tile pairs that chose it (once at decode), the others not at all,
+  and the ids never go to the host. Output [M, k, N], a row per slot.
+- "combine" (down with the router's weights and the residual): token-major, a block per (row
+  block, m_tile tokens) sorts its tokens' pairs by expert, runs each chosen expert once for the
+  tile, then sums each token's slots in slot order (no atomics: a token's bytes do not depend on
+  the batch's other tokens).
+
+Prefill (the grouped path) is in qir/codegen/moe_gemm.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qir.codegen.fragments import Fragment, fragment_for
+from qir.codegen.gemv import MIN_BLOCKS_PER_SM, WARPS_PER_BLOCK, GemvSpec
+from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.render import common_header, render
+from qir.dtypes import DType
+from qir.moe import RULES
+from qir.types import QExperts
+
+COMBINES = ("", "combine", "combine_residual")
+_M = KernelParam("M", "int", "int")
+
+
+def _buf(name: str, c_type: str, const: bool = True) -> KernelParam:
+    return KernelParam(name, f"{'const ' if const else ''}{c_type}* __restrict__", "buffer")
+
+
+def route_kernel(act: DType, experts: int, k: int, rule: str) -> Kernel:
+    """ids and weights of router logits [M, experts] under `rule` (qir.moe): a warp per row."""
+    if rule not in RULES or not 1 <= k <= experts:
+        raise ValueError(f"route: rule {rule!r}, k {k} of {experts} experts")
+    name = f"moe_route_{act.name}_e{experts}_top{k}_{rule}"
+    desc = {
+        "softmax_topk": "weights: their softmax probabilities over all experts.",
+        "softmax_topk_norm": "weights: their softmax probabilities renormalised over the k.",
+        "topk_softmax": "weights: the softmax of the k.",
+    }[rule]
+    source = render(
+        "moe_route.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        experts=experts,
+        top=k,
+        rule=rule,
+        rule_desc=desc,
+    )
+    params = (
+        _buf("logits", act.c_type),
+        _buf("ids", "int32_t", False),
+        _buf("weights", "float", False),
+        _M,
+    )
+    return Kernel(name, source, params, (32, 1, 1), (common_header(),))
+
+
+def expert_strides(e: QExperts) -> dict[str, int]:
+    """Elements of one expert in each stacked buffer: how far expert e's pointers move."""
+    out = {}
+    for name, t in e.expert_buffers().items():
+        n = 1
+        for d in t.shape:
+            assert isinstance(d, int)
+            n *= d
+        out[name] = n
+    return out
+
+
+def row_bytes(e: QExperts) -> int:
+    """Bytes of one output row of one expert: its buffers' per-row parts (a per-tensor scale,
+    read once per block, not counted)."""
+    total = 0
+    for t in e.expert_buffers().values():
+        if t.shape[0] == e.out_features:
+            n = t.dtype.itemsize
+            for d in t.shape[1:]:
+                assert isinstance(d, int)
+                n *= d
+            total += n
+    return total
+
+
+@dataclass(frozen=True)
+class ExpertGemvSpec:
+    """One expert GEMV: `experts` (one stacked weight, or gate and up: silu(g) * u), k experts
+    per token, and what it makes: a row per slot (combine "") or each token's combined row (with
+    the residual for "combine_residual"). `per_slot`: the input holds a row per slot [M, k, K]
+    (down reads gate/up's), else one per token. `count`: instrumented, for tests: each block
+    adds the weight bytes it reads to reads[expert]."""
+
+    experts: tuple[QExperts, ...]
+    act: DType
+    m_tile: int
+    top: int
+    combine: str = ""
+    per_slot: bool = False
+    count: bool = False
+
+    def __post_init__(self) -> None:
+        if self.combine not in COMBINES:
+            raise ValueError(f"unknown combine {self.combine!r}; known: {COMBINES}")
+        if len({(e.count, e.format, e.in_features) for e in self.experts}) != 1:
+            raise ValueError("one expert launch takes one expert count, format and in_features")
+        if self.combine and len(self.experts) != 1:
+            raise ValueError("the combine takes one stacked weight")
+        _ = self.gemv  # the GEMV spec checks the rest (a gate/up pair of one shape, m_tile)
+
+    @property
+    def gemv(self) -> GemvSpec:
+        epilogue = "silu_mul" if len(self.experts) == 2 else ""
+        return GemvSpec(
+            tuple(e.expert for e in self.experts), self.act, self.m_tile, epilogue=epilogue
+        )
+
+    @property
+    def kind(self) -> str:
+        return "combine" if self.combine else "slots"
+
+    @property
+    def fragment(self) -> Fragment:
+        w = self.experts[0].expert
+        return fragment_for(w.format, w.out_features, w.in_features)
+
+    @property
+    def block_rows(self) -> int:
+        return WARPS_PER_BLOCK * self.gemv.rows_per_warp
+
+    @property
+    def blocks_per_expert(self) -> int:
+        return -(-self.experts[0].out_features // self.block_rows)
+
+    @property
+    def grid_x(self) -> int:
+        per = self.blocks_per_expert
+        return per * self.experts[0].count if self.kind == "slots" else per
+
+    @property
+    def name(self) -> str:
+        e0 = self.experts[0]
+        fused = "_silumul" if len(self.experts) == 2 else ""
+        fused += {"": "", "combine": "_combine", "combine_residual": "_combine_res"}[self.combine]
+        fused += ("_slots_in" if self.per_slot else "") + ("_count" if self.count else "")
+        return (
+            f"moe_gemv_{e0.format.tag()}_{self.act.name}_e{e0.count}top{self.top}"
+            f"_n{e0.out_features}_k{e0.in_features}_m{self.m_tile}{fused}"
+        )
+
+    def params(self) -> list[KernelParam]:
+        act = self.act.c_type
+        weights = [
+            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
+            for j in range(len(self.experts))
+            for p in self.fragment.params
+        ]
+        router = [_buf("rw", "float")] if self.combine else []
+        residual = [_buf("r", act)] if self.combine == "combine_residual" else []
+        reads = [_buf("reads", "unsigned long long", False)] if self.count else []
+        return [
+            _buf("x", act),
+            *weights,
+            _buf("ids", "int32_t"),
+            *router,
+            *residual,
+            _buf("y", act, False),
+            *reads,
+            _M,
+        ]
+
+
+def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
+    g, frag = spec.gemv, spec.fragment
+    e0 = spec.experts[0]
+    strides = expert_strides(e0)
+    expert_weights = [
+        "qir_row(qir_weight{"
+        + ", ".join(f"w{j}_{b} + (size_t)e * {strides[b]}" for b in frag.buffers)
+        + "}, b.base)"
+        for j in range(len(spec.experts))
+    ]
+    params = spec.params()
+    x = "x[m, j]" if spec.per_slot else "x[m]"
+    what = (
+        (f"silu({x} G_e^T) * ({x} U_e^T)" if len(spec.experts) == 2 else f"{x} W_e^T")
+        + f", e = ids[m, j]; experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}"
+    )
+    header = [
+        f"y[m, j] = {what}"
+        if not spec.combine
+        else f"y[m] = {'r[m] + ' if spec.combine == 'combine_residual' else ''}sum_j rw[m, j] * ({what})",
+        f"{spec.kind}: {'a block per (expert, row block)' if spec.kind == 'slots' else 'a block per (row block, tile of tokens)'}",
+    ]
+    source = render(
+        "moe_gemv.cu.j2",
+        name=spec.name,
+        header=header,
+        fragment_template=frag.template,
+        signature=[f"{p.c_type} {p.name}" for p in params],
+        act_t=spec.act.c_type,
+        K=e0.in_features,
+        N=e0.out_features,
+        top=spec.top,
+        m_tile=spec.m_tile,
+        weights_per_warp=len(spec.experts),
+        rows_per_warp=g.rows_per_warp,
+        shift_back=e0.out_features >= g.rows_per_warp,
+        warps=WARPS_PER_BLOCK,
+        min_blocks=MIN_BLOCKS_PER_SM,
+        chunks_per_row=frag.chunks_per_row(e0.in_features),
+        path=("packed", "float", "a4").index(g.path(frag)),
+        epilogue=2 if len(spec.experts) == 2 else 0,
+        kind=spec.kind,
+        blocks_per_expert=spec.blocks_per_expert,
+        expert_weights=expert_weights,
+        per_slot=spec.per_slot,
+        residual=spec.combine == "combine_residual",
+        count=spec.count,
+        row_bytes=row_bytes(e0) * len(spec.experts),
+        # Experts carry no biases yet, and one kernel serves every target.
+        has_bias=False,
+        target="",
+        fp4_cvt=False,
+        **frag.context,
+    )
+    return Kernel(
+        spec.name, source, tuple(params), (32 * WARPS_PER_BLOCK, 1, 1), (common_header(),)
+    )

@@ -1,0 +1,207 @@
+"""The grouped path of the expert qlinear (prefill, large M), all on the device:
+
+1. moe_group (one block, once per router's ids): the (token, slot) pairs counted per expert,
+   the counts scanned into offsets, and each expert's pairs listed in pair order (no float
+   atomics, no host round trip: the lists are the same whatever order the threads ran in).
+2. a grouped GEMM per expert qlinear (qgemm.cu.j2 extended by moe_gemm.cu.j2): grid.y holds
+   every expert's tiles of BM pairs in turn (ceil(M k / BM) + E blocks: each expert wastes less
+   than a tile; blocks past the last tile return); a block finds its expert and pairs from the
+   offsets, gathers their rows of x by cp.async, moves the weight pointers to its expert and
+   runs the GEMM's own pipeline, storing row p = m k + j of the per-slot result.
+3. for a combine, moe_combine: each token's slots summed in slot order (qir.moe.combine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from qir.codegen.fragments import fragment_for
+from qir.codegen.gemm import GemmSpec, GroupedGemm, bucket_ranges, gemm_kernel
+from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.lower import Arg, Launch
+from qir.codegen.moe import expert_strides
+from qir.codegen.render import common_header, render
+from qir.dtypes import I32, DType
+from qir.graph import Graph
+from qir.ops import expert_layout
+from qir.types import QExperts, TensorType
+
+GROUP_THREADS = 256
+COMBINE_THREADS = 128
+_M = KernelParam("M", "int", "int")
+
+Lowered = tuple[list[Launch], dict[str, TensorType]]
+
+
+def _buf(name: str, c_type: str, const: bool = True) -> KernelParam:
+    return KernelParam(name, f"{'const ' if const else ''}{c_type}* __restrict__", "buffer")
+
+
+def group_kernel(experts: int, top: int) -> Kernel:
+    name = f"moe_group_e{experts}_top{top}"
+    source = render("moe_group.cu.j2", name=name, experts=experts, top=top, threads=GROUP_THREADS)
+    params = (
+        _buf("ids", "int32_t"),
+        _buf("order", "int32_t", False),
+        _buf("offsets", "int32_t", False),
+        _M,
+    )
+    return Kernel(name, source, params, (GROUP_THREADS, 1, 1), (common_header(),))
+
+
+def combine_kernel(act: DType, top: int, n: int, residual: bool) -> Kernel:
+    name = f"moe_combine_{act.name}_top{top}_n{n}" + ("_res" if residual else "")
+    source = render(
+        "moe_combine.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        top=top,
+        N=n,
+        residual=residual,
+        threads=COMBINE_THREADS,
+    )
+    params = (
+        _buf("ys", act.c_type),
+        _buf("rw", "float"),
+        *((_buf("r", act.c_type),) if residual else ()),
+        _buf("y", act.c_type, False),
+        _M,
+    )
+    return Kernel(name, source, params, (COMBINE_THREADS, 1, 1), (common_header(),))
+
+
+def grouped_gemm(
+    experts: tuple[QExperts, ...], act: DType, m_max: int, top: int, per_slot: bool
+) -> tuple[Kernel, GemmSpec]:
+    """The grouped GEMM of `experts` (one, or gate and up: silu(g) * u) for the tile bucket
+    ending at m_max rows, and the GemmSpec whose tile and pipeline it runs."""
+    e0 = experts[0]
+    spec = GemmSpec(
+        tuple(e.expert for e in experts),
+        act,
+        m_max,
+        epilogue="silu_mul" if len(experts) == 2 else "",
+    )
+    frag = fragment_for(e0.format, e0.out_features, e0.in_features)
+    suffixes = [p.name.removeprefix("w_") for p in frag.params]
+    strides = expert_strides(e0)
+    pointers = [
+        f"{p.c_type} ew{j}_{s} = w{j}_{s} + (size_t)e * {strides[s]};"
+        for j in range(len(experts))
+        for p, s in zip(frag.params, suffixes, strict=True)
+    ]
+    b_args = ", ".join(
+        f"(row & 8) ? ew1_{s} : ew0_{s}" if len(experts) == 2 else f"ew0_{s}" for s in suffixes
+    )
+    name = f"moe_{spec.name}_e{e0.count}top{top}" + ("_slots_in" if per_slot else "")
+    params = (
+        _buf("x", act.c_type),
+        *(
+            KernelParam(f"w{j}_{s}", p.c_type, "buffer")
+            for j in range(len(experts))
+            for p, s in zip(frag.params, suffixes, strict=True)
+        ),
+        _buf("order", "int32_t"),
+        _buf("offsets", "int32_t"),
+        _buf("y0", act.c_type, False),
+        _M,
+    )
+    what = "silu(x G_e^T) * (x U_e^T)" if len(experts) == 2 else "x W_e^T"
+    doc = [
+        f"Grouped: y[p] = {what} for each (token, slot) pair p of expert e (moe_group's lists);",
+        f"experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}, {top} per token.",
+    ]
+    grouped = GroupedGemm(
+        "moe_gemm.cu.j2",
+        name,
+        params,
+        {
+            "experts": e0.count,
+            "top": top,
+            "per_slot": per_slot,
+            "expert_pointers": pointers,
+            "select": [],
+            "b_args": b_args,
+            "a_loader": render("gemm/a_gather.cuh.j2").rstrip("\n"),
+            "doc": "\n".join(f"// {line}" for line in doc),
+        },
+    )
+    return gemm_kernel(spec, grouped), spec
+
+
+def lower_grouped(
+    graph: Graph, name: str, temps: Mapping[str, TensorType], when: tuple[int, int]
+) -> Lowered:
+    """The grouped path of expert_qlinear `name` for batch sizes `when`: the grouping of its
+    ids (unless an earlier expert launch of the same ids and range made it: see `temps`), a
+    grouped GEMM per tile bucket and, for a combine, the combine."""
+    node = graph.node(name)
+    operands = graph.operands(name)
+    types = [graph.node(o).type for o in operands]
+    ws, at = expert_layout(types)
+    experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
+    ids = operands[at]
+    ids_t, x_t, out_t = (graph.node(v).type for v in (ids, operands[0], name))
+    assert isinstance(ids_t, TensorType) and isinstance(x_t, TensorType)
+    assert isinstance(out_t, TensorType)
+    top = ids_t.shape[1]
+    assert isinstance(top, int)
+    count, n = experts[0].count, experts[0].out_features
+    launches: list[Launch] = []
+    new: dict[str, TensorType] = {}
+    order, offsets = f"{ids}.order_m{when[0]}", f"{ids}.offsets_m{when[0]}"
+    if order not in temps:
+        new[order] = TensorType(("M", top), I32)
+        new[offsets] = TensorType((count + 1,), I32)
+        launches.append(
+            Launch(
+                group_kernel(count, top),
+                1,
+                1,
+                (Arg("value", ids), Arg("value", order), Arg("value", offsets), Arg("M")),
+                (order, offsets),
+                (name,),
+                when,
+                rows_per_m=0,
+                extra_y=1,
+            )
+        )
+    combine = node.attr("epilogue") in ("combine", "combine_residual")
+    slots = graph.fresh(f"{name}.slots") if combine else name
+    if combine:
+        new[slots] = TensorType(("M", top, n), out_t.dtype)
+    frag_buffers = fragment_for(experts[0].format, n, experts[0].in_features).buffers
+    for bucket in bucket_ranges(*when):
+        kernel, spec = grouped_gemm(experts, out_t.dtype, bucket[1], top, x_t.rank == 3)
+        args = (
+            Arg("value", operands[0]),
+            *(Arg("weight", w, b) for w in operands[ws] for b in frag_buffers),
+            Arg("value", order),
+            Arg("value", offsets),
+            Arg("value", slots),
+            Arg("M"),
+        )
+        launches.append(
+            Launch(
+                kernel,
+                spec.grid_x,
+                spec.tile.bm,
+                args,
+                (slots,),
+                (name,),
+                bucket,
+                rows_per_m=top,
+                extra_y=count,
+            )
+        )
+    if combine:
+        residual = node.attr("epilogue") == "combine_residual"
+        args = (
+            Arg("value", slots),
+            *(Arg("value", v) for v in operands[at + 1 :]),
+            Arg("value", name),
+            Arg("M"),
+        )
+        kernel = combine_kernel(out_t.dtype, top, n, residual)
+        launches.append(Launch(kernel, 1, 1, args, (name,), (name,), when))
+    return launches, new

@@ -1,0 +1,241 @@
+"""Mixture-of-experts layers of a checkpoint: which decoder layers route to experts, by which
+rule (k of E), and where the router and the experts are stored; the block builder's MoE MLP.
+
+A row of MOE_FAMILIES says where a family keeps them: the router (a linear [E, hidden]) and
+each expert's gate/up/down linears as the Hub stores them (one module per expert, in any format
+qir reads), or stacked as mlx-lm's convert writes them (`switch_mlp.{gate,up,down}_proj`, every
+tensor with a leading expert dim). Either way the experts become one stacked weight per
+projection (qir.types.QExperts), each expert read by the checkpoint's own format family, so every
+format that reads a linear reads experts.
+
+The MoE MLP: logits = router(x); ids, weights = route(logits) by the family's rule; h = silu(x
+G_e^T) * (x U_e^T) per chosen expert; y = residual + sum_j weights_j * (h_j D_e^T).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from qir.formats.base import FormatError
+from qir.types import QExperts
+
+if TYPE_CHECKING:
+    from qir.builder import Value
+    from qir.models.blocks import _Builder
+    from qir.models.checkpoint import Checkpoint, Linear
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """Where one family keeps its experts (paths below model.layers.<i>)."""
+
+    count_keys: tuple[str, ...]  # config.json's number of experts (the first present)
+    router: str
+    expert: str  # one expert's linear: {e} the expert, {w} its name in `names`
+    names: tuple[str, str, str]  # gate, up, down as the Hub names them
+    stacked: str  # mlx-lm's stacked experts: {w} is gate_proj, up_proj or down_proj
+    # qir.moe.RULES; with `norm_key` the config chooses: renormalised when it is true
+    rule: str
+    intermediate_key: str = "intermediate_size"
+    norm_key: str = ""
+    # Qwen-MoE: layers with experts are those not in mlp_only_layers whose index + 1 is a
+    # multiple of decoder_sparse_step (the others a dense MLP); else every layer.
+    sparse_step: bool = False
+
+
+MOE_FAMILIES: dict[str, MoeFamily] = {
+    "mixtral": MoeFamily(
+        ("num_local_experts",),
+        "block_sparse_moe.gate",
+        "block_sparse_moe.experts.{e}.{w}",
+        ("w1", "w3", "w2"),
+        "block_sparse_moe.switch_mlp.{w}",
+        # softmax over all experts, top k, renormalised (transformers' MixtralTopKRouter)
+        "softmax_topk_norm",
+    ),
+    # transformers' Qwen3MoeTopKRouter: softmax over all, top k, renormalised if norm_topk_prob
+    # (its default false); mlx-lm keeps the router at 8 bits.
+    "qwen3_moe": MoeFamily(
+        ("num_experts", "num_local_experts"),  # the Hub's key; transformers 5 writes the other
+        "mlp.gate",
+        "mlp.experts.{e}.{w}",
+        ("gate_proj", "up_proj", "down_proj"),
+        "mlp.switch_mlp.{w}",
+        "softmax_topk",
+        intermediate_key="moe_intermediate_size",
+        norm_key="norm_topk_prob",
+        sparse_step=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A checkpoint's experts: E, k, the rule, their intermediate size and where they are."""
+
+    family: MoeFamily
+    experts: int
+    top_k: int
+    intermediate: int
+    rule: str
+    count_key: str  # the config field `experts` came from
+
+
+def moe_of(ck: Checkpoint) -> Moe | None:
+    """The checkpoint's MoE layers, or None for a dense model; refuses, naming the field, a
+    top-k above the experts."""
+    fam = MOE_FAMILIES.get(str(ck.config.get("model_type")))
+    if fam is None:
+        return None
+    where = f"{ck.path}/config.json"
+    count_key = next((k for k in fam.count_keys if ck.field(k) is not None), fam.count_keys[0])
+    experts, top_k = ck.field(count_key), ck.field("num_experts_per_tok")
+    if experts is None or top_k is None:
+        missing = count_key if experts is None else "num_experts_per_tok"
+        raise FormatError(f"{where}: lacks {missing} (a mixture-of-experts layer needs it)")
+    if top_k > experts:
+        raise FormatError(
+            f"{where}: num_experts_per_tok {top_k} is above {count_key} {experts} (each "
+            "token chooses among the experts)"
+        )
+    intermediate = ck.field(fam.intermediate_key)
+    if intermediate is None:
+        raise FormatError(f"{where}: lacks {fam.intermediate_key} (the experts' size)")
+    rule = "softmax_topk_norm" if fam.norm_key and ck.field(fam.norm_key) else fam.rule
+    return Moe(fam, experts, top_k, intermediate, rule, count_key)
+
+
+def is_moe_layer(ck: Checkpoint, layer: int) -> bool:
+    """Whether decoder layer `layer` routes to experts (see MoeFamily.sparse_step)."""
+    moe = moe_of(ck)
+    if moe is None:
+        return False
+    if not moe.family.sparse_step:
+        return True
+    dense = ck.field("mlp_only_layers") or []
+    return layer not in dense and (layer + 1) % ck.field("decoder_sparse_step") == 0
+
+
+class _ExpertSlice:
+    """A checkpoint's tensors with those of one stacked module read at one expert: `prefix.*`
+    tensors [E, ...] appear as their slice [e, ...] (views, no copy)."""
+
+    def __init__(self, store: Any, prefix: str, expert: int) -> None:
+        self._store, self._prefix, self._e = store, prefix, expert
+
+    def _sliced(self, name: str) -> bool:
+        return name.startswith(self._prefix)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._store
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self._store.dtype(name))
+
+    def get(self, name: str) -> np.ndarray:
+        a = self._store.get(name)
+        if not self._sliced(name):
+            return a
+        result: np.ndarray = a[self._e]
+        return result
+
+
+def _stacked_linear(ck: Checkpoint, module: str, expert: int) -> Linear:
+    """Expert `expert` of a stacked module, read by the checkpoint's own family."""
+    view = copy.copy(ck)
+    view.store = _ExpertSlice(ck.store, f"{module}.", expert)  # type: ignore[assignment]
+    return ck.family.linear(view, module)
+
+
+def stacked_experts(ck: Checkpoint, module: str, count: int | None = None) -> list[Linear]:
+    """Each expert of a stacked module (mlx-lm's switch_mlp): every `module.*` tensor holds
+    `count` experts first (default: as many as its weight)."""
+    tensors = [k for k in ck.store if k.startswith(f"{module}.")]
+    if not tensors:
+        raise FormatError(f"{module}.weight: missing (stacked experts)")
+    count = ck.store.shape(f"{module}.weight")[0] if count is None else count
+    for t in tensors:
+        if ck.store.shape(t)[:1] != (count,):
+            raise FormatError(
+                f"{t}: shape {list(ck.store.shape(t))}, expected {count} experts first "
+                "(stacked experts)"
+            )
+    return [_stacked_linear(ck, module, e) for e in range(count)]
+
+
+def stack(experts: list[Linear]) -> tuple[QExperts, dict[str, np.ndarray]]:
+    """One stacked weight of linears of one format and shape (checked by the caller)."""
+    bufs = {b: np.stack([lin.buffers[b] for lin in experts]) for b in experts[0].buffers}
+    return QExperts(experts[0].weight, len(experts)), bufs
+
+
+def read_experts(
+    ck: Checkpoint, moe: Moe, layer: int, proj: str
+) -> tuple[str, QExperts, dict[str, np.ndarray]]:
+    """The stacked experts of one projection ("gate", "up" or "down") of `layer`: their weight
+    key, type and buffers [E, ...]. Every expert must have the first one's format and shape, and
+    the shape config.json implies."""
+    fam = moe.family
+    base = f"model.layers.{layer}"
+    name = fam.names[PROJECTIONS.index(proj)]
+    stacked = f"{base}.{fam.stacked.format(w=f'{proj}_proj')}"
+    if any(k.startswith(f"{stacked}.") for k in ck.store):
+        key, experts = stacked, stacked_experts(ck, stacked, moe.experts)
+    else:
+        key = f"{base}.{fam.expert.format(e='*', w=name)}"
+        experts = [
+            ck.linear(f"{base}.{fam.expert.format(e=e, w=name)}") for e in range(moe.experts)
+        ]
+    hidden = ck.hidden_size
+    want = (hidden, moe.intermediate) if proj == "down" else (moe.intermediate, hidden)
+    first = experts[0].weight
+    for lin in experts:
+        w = lin.weight
+        if (w.out_features, w.in_features) != want:
+            raise FormatError(
+                f"{lin.module}.weight: holds a {[w.out_features, w.in_features]} expert, but "
+                f"config.json implies {list(want)} (hidden_size, {fam.intermediate_key})"
+            )
+        if w != first:
+            raise FormatError(
+                f"{lin.module}: {w.format.spell()} differs from {experts[0].module}'s "
+                f"{first.format.spell()} (one projection's experts share one format)"
+            )
+    return (key, *stack(experts))
+
+
+def router(ck: Checkpoint, moe: Moe, layer: int) -> Linear:
+    """The layer's router [E, hidden], checked against the expert count."""
+    lin = ck.linear(f"model.layers.{layer}.{moe.family.router}")
+    got = (lin.weight.out_features, lin.weight.in_features)
+    if got != (moe.experts, ck.hidden_size):
+        raise FormatError(
+            f"{lin.module}.weight: holds a {list(got)} router, but config.json implies "
+            f"[{moe.experts}, {ck.hidden_size}] ({moe.count_key}, hidden_size)"
+        )
+    return lin
+
+
+def moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
+    """residual + the layer's MoE MLP of x (the module docstring)."""
+    ck, b = bb.ck, bb.b
+    moe = moe_of(ck)
+    assert moe is not None
+    lin = router(ck, moe, layer)
+    bb.weights[lin.module] = lin.buffers
+    w_router = b.weight(lin.module, lin.weight, name=f"{prefix}w_router")
+    logits = b.qlinear(x, w_router, name=f"{prefix}router")
+    ids, weights = b.route(logits, moe.top_k, moe.rule, name=f"{prefix}route")
+    ws = {}
+    for proj in PROJECTIONS:
+        key, qe, bufs = read_experts(ck, moe, layer, proj)
+        bb.weights[key] = bufs
+        ws[proj] = b.weight(key, qe, name=f"{prefix}w_experts_{proj}")
+    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name=f"{prefix}experts_h")
+    return b.expert_qlinear(h, ws["down"], ids, weights, residual, name=f"{prefix}y")

@@ -1,0 +1,87 @@
+"""Mixture-of-experts maths: the routing rules and the expert qlinear's reference semantics, in
+float32 numpy (the interpreter calls these; qir.ops holds their type rules).
+
+A router's logits [M, E] become, per row, k expert ids and k weights by one of the rules the
+families use:
+
+- "softmax_topk": the softmax over all E experts, then the k largest probabilities (Qwen3-MoE
+  and Qwen2-MoE with `norm_topk_prob: false`);
+- "softmax_topk_norm": the same, renormalised to sum to 1 over the k (Mixtral always; Qwen3-MoE
+  with `norm_topk_prob: true`);
+- "topk_softmax": the k largest logits, then the softmax over those k (gpt-oss).
+
+The k are chosen on the logits themselves, largest first, ties to the lower expert id (what
+torch.topk returns for these inputs); the softmax is monotone, so this is the choice the
+probabilities give, except where two different logits round to one probability. Slot j of a row
+is its j-th choice. The weights are float32.
+
+An expert qlinear computes, for each (row m, slot j), y[m, j] = x[m] W[ids[m, j]]^T (x[m, j]
+where the input holds one row per slot), rounded to the activation type as a plain qlinear's
+result; with the silu_mul epilogue, silu(g) * u of a gate/up pair as qlinear's; with "combine",
+sum_j w[m, j] * y[m, j] in float32, slot 0 first, rounded once ("combine_residual": then r plus
+that, rounded again, as a separate add would)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+RULES = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
+EPILOGUES = ("silu_mul", "combine", "combine_residual")
+
+
+def select(logits: np.ndarray, k: int) -> np.ndarray:
+    """int32 [M, k]: each row's k largest logits' ids, largest first, ties to the lower id."""
+    order = np.argsort(-np.asarray(logits, np.float32), axis=-1, kind="stable")
+    ids: np.ndarray = order[:, :k].astype(np.int32)
+    return ids
+
+
+def route(logits: np.ndarray, k: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [M, k], weights float32 [M, k]) of router logits [M, E] under `rule`."""
+    if rule not in RULES:
+        raise ValueError(f"unknown routing rule {rule!r}; known: {', '.join(RULES)}")
+    x = np.asarray(logits, np.float32)
+    ids = select(x, k)
+    top = np.take_along_axis(x, ids, axis=-1)
+    if rule == "topk_softmax":
+        e = np.exp(top - top[:, :1])
+        return ids, (e / e.sum(axis=-1, keepdims=True, dtype=np.float32)).astype(np.float32)
+    e_all = np.exp(x - x.max(axis=-1, keepdims=True))
+    e = np.take_along_axis(e_all, ids, axis=-1)
+    total = e if rule == "softmax_topk_norm" else e_all
+    return ids, (e / total.sum(axis=-1, keepdims=True, dtype=np.float32)).astype(np.float32)
+
+
+def per_slot(x: np.ndarray, k: int) -> np.ndarray:
+    """float32 [M, k, K]: each slot's input row (a token's row repeated for [M, K] inputs)."""
+    x = np.asarray(x, np.float32)
+    return x if x.ndim == 3 else np.repeat(x[:, None, :], k, axis=1)
+
+
+def expert_matmul(
+    x: np.ndarray, w: np.ndarray, ids: np.ndarray, bias: np.ndarray | None = None
+) -> np.ndarray:
+    """float32 [M, k, N]: row (m, j) of x [M, k, K] times expert ids[m, j] of w [E, N, K]
+    (plus that expert's bias [E, N]), float32 sums."""
+    m, k, _ = x.shape
+    out = np.zeros((m, k, w.shape[1]), np.float32)
+    for e in np.unique(ids):
+        rows = ids == e
+        out[rows] = x[rows] @ w[e].T + (np.float32(0) if bias is None else bias[e])
+    return out
+
+
+def combine(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """float32 [M, N]: sum_j weights[m, j] * y[m, j], slot 0 first."""
+    y32, w32 = np.asarray(y, np.float32), np.asarray(weights, np.float32)
+    acc = np.zeros((y32.shape[0], y32.shape[2]), np.float32)
+    for j in range(y32.shape[1]):
+        acc = acc + w32[:, j, None] * y32[:, j]
+    return acc
+
+
+def active_experts(ids: Sequence[int] | np.ndarray) -> list[int]:
+    """The distinct experts a set of ids chose, ascending."""
+    return sorted({int(i) for i in np.asarray(ids).ravel()})

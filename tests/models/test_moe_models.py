@@ -1,0 +1,268 @@
+"""Mixtral checkpoints end to end: mlx-lm's stacked experts (switch_mlp) and AutoAWQ's one
+module per expert, against transformers' own MixtralForCausalLM in float32 on the tool-decoded
+weights (tests/data/mixtral_*/ORACLE.md): the routing, each expert's decode, layers, logits and
+greedy ids in the interpreter and on the host backend (f32 within 1e-3, 16-bit within the layer
+bound); the plan's bytes per token; bad checkpoints refused in one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qir
+from qir import moe
+from qir.cli import main
+from qir.dtypes import F32
+from qir.formats.base import FormatError
+from qir.interpret import evaluate
+from qir.models import Model, load
+from qir.models.blocks import build
+from qir.models.experts import Moe, moe_of, read_experts
+from tests.conftest import DATA, greedy_prefix, max_rel
+
+MLX, AWQ = "mixtral_mlx4_g64", "mixtral_awq_gemm_g64"
+GOLDEN_TOL = 2e-2  # 16-bit activations against transformers' float32 (the layer tests' bound)
+
+
+@pytest.mark.parametrize("fixture", [MLX, AWQ])
+def test_each_expert_decodes_as_the_tool_does(fixture: str) -> None:
+    ck, golden = load(DATA / fixture), np.load(DATA / fixture / "golden.npz")
+    spec = moe_of(ck)
+    assert spec is not None and (spec.experts, spec.top_k, spec.family.rule) == (
+        6,
+        2,
+        "softmax_topk_norm",
+    )
+    for proj, name in zip(("gate", "up", "down"), ("w1", "w3", "w2"), strict=True):
+        key, experts, bufs = read_experts(ck, spec, 0, proj)
+        assert key.endswith(
+            "switch_mlp." + proj + "_proj" if fixture == MLX else f"experts.*.{name}"
+        )
+        for e in range(6):
+            w = experts.format.dequantize(
+                {b: a[e] for b, a in bufs.items()}, experts.out_features, experts.in_features
+            )
+            np.testing.assert_array_equal(w, golden[f"W.0.experts.{e}.{name}"])
+
+
+@pytest.mark.parametrize("fixture", [MLX, AWQ])
+def test_interpreter_routes_and_runs_layers_as_transformers(fixture: str) -> None:
+    """Both layers alone (the routing, the experts and the combine inside), and the router's
+    choices against torch's own topk."""
+    ck, golden = load(DATA / fixture), np.load(DATA / fixture / "golden.npz")
+    model_golden = np.load(DATA / fixture / "golden_model.npz")
+    for layer in (0, 1):
+        b = build(ck, "layer", layer, F32)
+        for m in (1, 5, 40):
+            x = golden[f"x.M{m}"].astype(np.float32)
+            env = evaluate(b.graph, b.inputs(x), b.weights)
+            assert max_rel(env["y"], model_golden[f"layer.{layer}.M{m}"]) <= 1e-4, (layer, m)
+        mlp = build(ck, "mlp", layer, F32)  # the MoE block on x itself (no norm) + x
+        for m in (5, 40):
+            x = golden[f"x.M{m}"].astype(np.float32)
+            env = evaluate(mlp.graph, {"x": x}, mlp.weights)
+            np.testing.assert_array_equal(env["route.ids"], golden[f"route_ids.{layer}.M{m}"])
+            np.testing.assert_allclose(
+                env["route.weights"], golden[f"route_weights.{layer}.M{m}"], rtol=1e-5
+            )
+            assert max_rel(env["router"], golden[f"router.{layer}.M{m}"]) <= 1e-5
+            assert max_rel(env["y"] - x, golden[f"moe.{layer}.M{m}"]) <= 1e-5
+
+
+@pytest.mark.parametrize("fixture", [MLX, AWQ])
+def test_host_f32_logits_and_greedy_ids_match_transformers(fixture: str) -> None:
+    golden = np.load(DATA / fixture / "golden_model.npz")
+    model = Model.load(DATA / fixture, act=F32, backend="host")
+    assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= 1e-3
+    gen = model.generate(golden["tokens"], 8, do_sample=False)
+    assert max_rel(gen.logits, golden["step_logits"]) <= 1e-3
+    np.testing.assert_array_equal(gen.tokens, golden["greedy"])
+
+
+@pytest.mark.parametrize("fixture", [MLX, AWQ])
+def test_host_16_bit_model_within_the_layer_bound(fixture: str) -> None:
+    """The checkpoint's own dtype (MLX bf16, AutoAWQ f16): the prefill logits within the
+    layer bound of transformers' float32; greedy ids equal up to the first step whose margin
+    16-bit arithmetic may break (2 of 8 in bf16: at step 2 the margin is 0.047)."""
+    golden = np.load(DATA / fixture / "golden_model.npz")
+    model = Model.load(DATA / fixture, backend="host")
+    assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= GOLDEN_TOL
+    gen = model.generate(golden["tokens"], 8, do_sample=False)
+    n = greedy_prefix(golden["step_logits"], gen.logits)
+    assert n >= 2
+    np.testing.assert_array_equal(gen.tokens[:n], golden["greedy"][:n])
+
+
+def _plan(tmp_path: Path, fixture: str, *extra: str) -> dict:
+    out = tmp_path / "plan.json"
+    argv = ["-q", "compile", str(DATA / fixture), "--block", "model", "--max-seq", "16"]
+    assert main([*argv, *extra, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_compile_reports_total_and_active_weight_bytes_and_launches(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, MLX, "--m", "1")
+    mem = plan["memory"]
+    ck = load(DATA / MLX)
+    experts = sum(
+        a.nbytes
+        for layer in (0, 1)
+        for proj in ("gate", "up", "down")
+        for a in read_experts(ck, moe_of(ck), layer, proj)[2].values()
+    )
+    assert mem["weights_bytes"] - mem["active_weights_bytes"] == experts * 4 // 6  # 2 of 6 read
+    per_layer = [k["name"] for k in plan["kernels"] if k["nodes"][0].startswith("l0.")]
+    # attention: q/k/v (norm prologue), kv append, split attention, its combine, o + residual;
+    # MoE: the norm, the router, route, gate/up of the chosen experts, down + combine + residual
+    assert len(per_layer) == 10, per_layer
+    assert [n.split("_")[1] for n in per_layer[-3:]] == ["route", "gemv", "gemv"]
+
+
+def _copy(tmp_path: Path, fixture: str) -> Path:
+    dst = tmp_path / fixture
+    shutil.copytree(DATA / fixture, dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path: Path, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _refused(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    argv = ["-q", "run", str(path), "--block", "model", "--tokens", "3,10"]
+    assert main([*argv, "--out", str(path / "y.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_moe_checkpoints_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _copy(tmp_path, AWQ)
+    _edit_config(path, num_experts_per_tok=7)
+    assert "num_experts_per_tok 7 is above num_local_experts 6" in _refused(path, capsys)
+    _edit_config(path, num_experts_per_tok=2, num_local_experts=7)
+    assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in _refused(path, capsys)
+    _edit_config(path, num_local_experts=6)
+
+    def missing(t: dict) -> None:
+        del t["model.layers.0.block_sparse_moe.experts.4.w3.scales"]
+
+    _edit_tensors(path, missing)
+    assert "model.layers.0.block_sparse_moe.experts.4.w3.scales: missing" in _refused(path, capsys)
+
+    def swapped(t: dict) -> None:  # expert 3's gate holds its down projection (and 4's up is back)
+        pre = "model.layers.0.block_sparse_moe.experts"
+        for part in ("qweight", "qzeros", "scales"):
+            t[f"{pre}.3.w1.{part}"] = t[f"{pre}.3.w2.{part}"]
+        t[f"{pre}.4.w3.scales"] = t[f"{pre}.4.w1.scales"]
+
+    _edit_tensors(path, swapped)
+    err = _refused(path, capsys)
+    assert (
+        "experts.3.w1.weight: holds a [256, 128] expert, but config.json implies [128, 256]" in err
+    )
+
+    def dense(t: dict) -> None:  # layer 1's expert 2 up unquantized (and layer 0 whole again)
+        pre = "model.layers.1.block_sparse_moe.experts.2.w3"
+        for part in ("qweight", "qzeros", "scales"):
+            del t[f"{pre}.{part}"]
+        t[f"{pre}.weight"] = np.zeros((128, 256), np.float16)
+        pre0 = "model.layers.0.block_sparse_moe.experts"
+        for part in ("qweight", "qzeros", "scales"):
+            t[f"{pre0}.3.w1.{part}"] = t[f"{pre0}.2.w1.{part}"]
+
+    _edit_tensors(path, dense)
+    q = json.loads((path / "config.json").read_text())["quantization_config"]
+    _edit_config(
+        path,
+        quantization_config={
+            **q,
+            "modules_to_not_convert": ["gate", "layers.1.block_sparse_moe.experts.2.w3"],
+        },
+    )
+    err = _refused(path, capsys)
+    assert (
+        "experts.2.w3: dense<dtype=f16> differs from" in err and "awq<bits=4,group_size=64>" in err
+    )
+
+
+def test_stacked_experts_of_another_count_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _copy(tmp_path, MLX)
+    ck = load(path)
+    spec = moe_of(ck)
+    assert spec is not None
+    with pytest.raises(
+        FormatError, match=r"switch_mlp.gate_proj.biases: shape \[6, 128, 4\], expected 5"
+    ):
+        read_experts(ck, Moe(spec.family, 5, 2, 128, spec.rule, spec.count_key), 0, "gate")
+    _edit_config(path, num_local_experts=5)
+    assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in _refused(path, capsys)
+
+
+def test_route_rule_matches_torchs_topk_on_the_fixture_router() -> None:
+    """The rule on transformers' own router logits gives torch's ids and weights."""
+    golden = np.load(DATA / AWQ / "golden.npz")
+    for layer in (0, 1):
+        for m in (1, 5, 40):
+            ids, w = moe.route(golden[f"router.{layer}.M{m}"], 2, "softmax_topk_norm")
+            np.testing.assert_array_equal(ids, golden[f"route_ids.{layer}.M{m}"])
+            np.testing.assert_allclose(w, golden[f"route_weights.{layer}.M{m}"], rtol=1e-6)
+
+
+QWEN = "qwen3moe_mlx4_g64"
+
+
+def test_qwen3_moe_layers_follow_mlp_only_layers_and_norm_topk_prob() -> None:
+    """Layer 0 is a dense MLP (mlp_only_layers), layer 1 routes 3 of 8 experts weighted by
+    their probabilities over all 8 (norm_topk_prob false) through an 8-bit router; both against
+    transformers' Qwen3MoeForCausalLM blocks in float32."""
+    ck, golden = load(DATA / QWEN), np.load(DATA / QWEN / "golden.npz")
+    spec = moe_of(ck)
+    assert spec is not None and (spec.experts, spec.top_k, spec.rule) == (8, 3, "softmax_topk")
+    assert spec.count_key == "num_experts"
+    dense, routed = build(ck, "mlp", 0, F32), build(ck, "mlp", 1, F32)
+    assert not dense.graph.of_op("expert_qlinear") and routed.graph.of_op("route")
+    for m in (1, 5, 40):
+        x = golden[f"x.M{m}"].astype(np.float32)
+        y = evaluate(dense.graph, {"x": x}, dense.weights)["y"]
+        assert max_rel(y, golden[f"mlp.0.M{m}"]) <= 1e-5
+        env = evaluate(routed.graph, {"x": x}, routed.weights)
+        np.testing.assert_array_equal(env["route.ids"], golden[f"route_ids.1.M{m}"])
+        np.testing.assert_allclose(env["route.weights"], golden[f"route_weights.1.M{m}"], rtol=1e-5)
+        assert max_rel(env["y"] - x, golden[f"moe.1.M{m}"]) <= 1e-5
+    key, experts, bufs = read_experts(ck, spec, 1, "down")
+    assert key == "model.layers.1.mlp.switch_mlp.down_proj" and experts.count == 8
+    for e in range(8):
+        w = experts.format.dequantize({b: a[e] for b, a in bufs.items()}, 256, 64)
+        np.testing.assert_array_equal(w, golden[f"W.1.experts.{e}.down_proj"])
+
+
+def test_qwen3_moe_block_on_the_host_backend() -> None:
+    """The routed block with its residual on the host backend: f32 within 1e-3 of
+    transformers, bf16 within the layer bound."""
+    ck, golden = load(DATA / QWEN), np.load(DATA / QWEN / "golden.npz")
+    for act, tol in ((F32, 1e-3), (ck.act_dtype, GOLDEN_TOL)):
+        b = build(ck, "mlp", 1, act)
+        c = qir.compile(b.graph, b.weights, backend="host")
+        for m in (1, 5):
+            x = golden[f"x.M{m}"].astype(act.np)
+            want = x.astype(np.float32) + golden[f"moe.1.M{m}"]  # y = x + the MoE block
+            assert max_rel(c({"x": x})["y"], want) <= tol, (act, m)

@@ -1,0 +1,300 @@
+"""The mixture-of-experts kernels on the host backend against the interpreter: the router's top-k
+(every rule, ties, more experts than a warp has lanes), the expert GEMVs (decode: expert-major
+gate/up, token-major down with the combine and the residual) and the grouped path (prefill:
+grouping on the device, grouped GEMMs, the combine), on ragged shapes (5 experts, N = 37, k = 1
+and 2, experts chosen by many tokens and by none, M = 1 to 70); the reversed host schedule gives
+the same bytes; a token's bytes do not depend on the batch's other tokens; a captured decode step
+replays with new expert choices; an instrumented build counts the weight bytes each expert's
+blocks read: each chosen expert's once, the others' never (poisoned, they leave no trace)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+
+import qir
+from qir import moe
+from qir.api import Compiled
+from qir.builder import Builder
+from qir.codegen.moe import ExpertGemvSpec, expert_gemv_kernel, route_kernel
+from qir.dtypes import BF16, F16, F32, I32, DType
+from qir.formats.base import WeightFormat
+from qir.formats.fp8 import Fp8
+from qir.formats.gptq import Gptq
+from qir.formats.nvfp4 import Nvfp4
+from qir.graph import Graph
+from qir.runtime.backend import get_backend
+from tests.conftest import FMT4, max_rel
+from tests.moe_common import random_experts
+
+E, K_IN, N_OUT = 5, 64, 37  # N = 37: no multiple of a block's rows (nor of a warp's, 4)
+FORMATS = (
+    FMT4,  # integer codes, a scale and bias per group of each row
+    Nvfp4("div", 16),  # E2M1 codes, a per-tensor scale per expert ([E, 1])
+    Fp8("tensor"),  # E4M3, a per-tensor scale per expert
+    Gptq(4, 32, "gptq", 1, F16),  # act-order: g_idx per expert, one row per warp
+)
+
+
+def experts_graph(
+    fmt: WeightFormat, top: int, act: DType = F16, seed: int = 0
+) -> tuple[Graph, Any]:
+    """ids and router weights as inputs, so a test chooses the experts: gate/up (silu(g) * u,
+    [M, top, 64]) of x, down of those slots combined with the residual r ([M, 37]), and a
+    plain expert projection of x ([M, top, 37])."""
+    rng = np.random.default_rng(seed)
+    b = Builder("experts")
+    x = b.input("x", ("M", K_IN), act)
+    ids = b.input("ids", ("M", top), I32)
+    rw = b.input("rw", ("M", top), F32)
+    r = b.input("r", ("M", N_OUT), act)
+    ws, weights = {}, {}
+    for name, (o, i) in {
+        "gate": (64, K_IN),
+        "up": (64, K_IN),
+        "down": (N_OUT, 64),
+        "proj": (N_OUT, K_IN),
+    }.items():
+        qe, weights[name] = random_experts(rng, E, o, i, fmt)
+        ws[name] = b.weight(name, qe, name=f"w_{name}")
+    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h")
+    b.output("h", h)
+    b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, r, name="y"))
+    b.output("s", b.expert_qlinear(x, ws["proj"], ids, name="s"))
+    return b.graph, weights
+
+
+def choices(m: int, top: int, seed: int = 0) -> np.ndarray:
+    """Expert 0 chosen by every token (m pairs: past a tile of 8 at m = 9), 1..3 by some, 4 by
+    none."""
+    rng = np.random.default_rng(seed + 100 * m)
+    ids = np.zeros((m, top), np.int32)
+    for t in range(m):
+        others = rng.permutation([1, 2, 3])[: top - 1]
+        slots = [0, *others.tolist()]
+        ids[t] = rng.permutation(slots) if top > 1 else slots[:1]
+    return ids
+
+
+def feed(m: int, top: int, act: DType = F16, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed + m)
+    rw = rng.random((m, top), dtype=np.float32) + 0.1
+    return {
+        "x": rng.standard_normal((m, K_IN), dtype=np.float32).astype(act.np),
+        "ids": choices(m, top, seed),
+        "rw": (rw / rw.sum(axis=1, keepdims=True)).astype(np.float32),
+        "r": rng.standard_normal((m, N_OUT), dtype=np.float32).astype(act.np),
+    }
+
+
+@cache
+def compiled(
+    fmt: WeightFormat, top: int, gemm_from_m: int | None = None
+) -> tuple[Compiled, Compiled]:
+    graph, weights = experts_graph(fmt, top)
+    kernels = qir.compile(graph, weights, backend="host", gemm_from_m=gemm_from_m)
+    return kernels, qir.compile(graph, weights, backend="reference")
+
+
+def close(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> None:
+    """The GEMVs sum 16-bit pairs (about 1e-3 of a row's largest output, see the README's
+    static cost section); silu(g) * u multiplies two such sums."""
+    for name, want in ref.items():
+        got = np.asarray(ours[name])
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        tol = 4e-3 if name == "h" else 2e-3
+        assert max_rel(got, want) <= tol, (name, max_rel(got, want))
+
+
+def reversed_bytes(
+    c: Compiled, x: dict[str, np.ndarray], mp: pytest.MonkeyPatch
+) -> dict[str, bytes]:
+    mp.setenv("QIR_HOST_SCHEDULE", "reverse")
+    out = c(x)
+    mp.delenv("QIR_HOST_SCHEDULE")
+    return {k: np.asarray(v).tobytes() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.tag())
+def test_expert_gemvs_match_the_interpreter(
+    fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, ref = compiled(fmt, 2)
+    for m in (1, 9):  # the expert GEMVs serve decode batches
+        assert all(
+            la.kernel.name.startswith("moe_gemv_") for la in c.plan.launches if la.runs_for(m)
+        )
+    assert c.launches_for(1) == 3  # gate/up, down + combine + residual, the plain projection
+    for m in (1, 3, 9):
+        x = feed(m, 2)
+        ours = c(x)
+        close(ours, ref(x))
+        if m == 9:
+            assert reversed_bytes(c, x, monkeypatch) == {k: v.tobytes() for k, v in ours.items()}
+
+
+def test_one_expert_per_token() -> None:
+    c, ref = compiled(FMT4, 1)
+    for m in (1, 9):
+        close(c(feed(m, 1)), ref(feed(m, 1)))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "batches"), [(FMT4, (1, 17, 64)), (Nvfp4("div", 16), (70,))], ids=["mlx4", "nvfp4"]
+)
+def test_grouped_path_matches_the_interpreter(
+    fmt: WeightFormat, batches: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, ref = compiled(fmt, 2, gemm_from_m=1)
+    m = batches[-1]
+    active = [la.kernel.name for la in c.plan.launches if la.runs_for(m)]
+    kinds = sorted(n.split("_")[1] for n in active)  # one grouping shared by the three GEMMs
+    assert kinds == ["combine", "group", "qgemm", "qgemm", "qgemm"], active
+    for m in batches:
+        x = feed(m, 2)
+        ours = c(x)
+        close(ours, ref(x))
+    assert reversed_bytes(c, x, monkeypatch) == {k: v.tobytes() for k, v in ours.items()}
+
+
+@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "grouped"])
+def test_a_tokens_bytes_do_not_depend_on_the_other_tokens(gemm: bool) -> None:
+    c, _ = compiled(FMT4, 2, gemm_from_m=1 if gemm else None)
+    m = 20 if gemm else 5
+    a, b = feed(m, 2, seed=1), feed(m, 2, seed=2)
+    for k in ("x", "ids", "rw", "r"):
+        b[k][3] = a[k][3]  # token 3 the same, every other token (and its experts) different
+    ya, yb = c(a), c(b)
+    for name in ("h", "y", "s"):
+        assert ya[name][3].tobytes() == yb[name][3].tobytes(), name
+    if not gemm:  # and alone: the decode step of that token
+        alone = c({k: v[3:4] for k, v in a.items()})
+        for name in ("h", "y", "s"):
+            assert alone[name][0].tobytes() == ya[name][3].tobytes(), name
+
+
+def test_a_captured_decode_step_replays_with_new_expert_choices() -> None:
+    c, ref = compiled(FMT4, 2)
+    step = c.capture(2)
+    for seed in (3, 4, 5):
+        x = feed(2, 2, seed=seed)
+        x["ids"] = np.array([[seed % 4, 4], [4 - seed % 2, seed % 3]], np.int32)
+        replayed = {k: np.array(v) for k, v in step(x).items()}
+        assert {k: v.tobytes() for k, v in replayed.items()} == {
+            k: v.tobytes() for k, v in c(x).items()
+        }
+        close(replayed, ref(x))
+
+
+@pytest.mark.parametrize("rule", moe.RULES)
+def test_route_kernel_matches_the_interpreter(rule: str) -> None:
+    """37 experts (two logits per lane), top 4 and top 1, ties among the largest logits."""
+    be = get_backend("host")
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((6, 37)).astype(np.float16)
+    logits[1, [3, 9, 30]] = 4.0  # a three-way tie for the top, lower ids first
+    logits[2, :] = 1.0  # every expert tied
+    for top in (4, 1):
+        kernel = be.load(route_kernel(F16, 37, top, rule))
+        ids, weights = np.zeros((6, top), np.int32), np.zeros((6, top), np.float32)
+        be.launch(kernel, (1, 6, 1), [logits, ids, weights, 6])
+        want_ids, want_w = moe.route(logits, top, rule)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(weights, want_w, rtol=2e-6)
+    assert ids[1, 0] == 3 and ids[2, 0] == 0
+
+
+def _instrumented(spec: ExpertGemvSpec, args: list[Any], grid: tuple[int, int, int]) -> np.ndarray:
+    """reads[e]: the weight bytes the blocks of expert e read in one launch of `spec`."""
+    be = get_backend("host")
+    reads = np.zeros(E, np.uint64)
+    be.launch(be.load(expert_gemv_kernel(spec)), grid, [*args[:-1], reads, args[-1]])
+    return reads
+
+
+@pytest.mark.parametrize("kind", ["slots", "combine"])
+def test_each_chosen_expert_is_read_once_and_the_others_never(kind: str) -> None:
+    rng = np.random.default_rng(11)
+    m, top = 4, 2
+    ids = np.array([[0, 3], [3, 2], [0, 3], [2, 0]], np.int32)  # 0 and 3 by three tokens, 2 by two
+    chosen = [0, 2, 3]
+    x = rng.standard_normal((m, 64), dtype=np.float32).astype(np.float16)
+    if kind == "slots":
+        (g, gb), (u, ub) = (random_experts(rng, E, 64, 64, FMT4) for _ in range(2))
+        spec = ExpertGemvSpec((g, u), F16, 8, top, count=True)
+        bufs, rw = [gb, ub], []
+        out = np.zeros((m, top, 64), np.float16)
+    else:
+        d, db = random_experts(rng, E, 64, 64, FMT4)
+        spec = ExpertGemvSpec((d,), F16, 8, top, combine="combine", count=True)
+        bufs, rw = [db], [np.full((m, top), 0.5, np.float32)]
+        out = np.zeros((m, 64), np.float16)
+    per_expert = sum(a.nbytes for b in bufs for a in b.values()) // E  # each is per-row data
+    clean = [{k: v.copy() for k, v in b.items()} for b in bufs]
+    for b in bufs:  # the experts nobody chose: NaN scales, which any read would spread
+        for e in set(range(E)) - set(chosen):
+            b["scales"][e] = np.nan
+    weights = [a for b in bufs for a in b.values()]
+    reads = _instrumented(spec, [x, *weights, ids, *rw, out, m], (spec.grid_x, 1, 1))
+    assert reads.tolist() == [per_expert if e in chosen else 0 for e in range(E)]
+    assert np.isfinite(out.astype(np.float32)).all()
+    # The output is what the clean weights give (the interpreter on one expert_qlinear).
+    b = Builder("one")
+    xv = b.input("x", ("M", 64), F16)
+    iv = b.input("ids", ("M", top), I32)
+    ws = tuple(b.weight(f"w{i}", e) for i, e in enumerate(spec.experts))
+    feed_ = {"x": x, "ids": ids}
+    if kind == "combine":
+        rv = b.input("rw", ("M", top), F32)
+        feed_["rw"] = rw[0]
+        y = b.expert_qlinear(xv, ws[0], iv, rv)
+    else:
+        y = b.expert_qlinear(xv, ws if len(ws) == 2 else ws[0], iv)
+    b.output("y", y)
+    want = qir.interpret(b.graph, feed_, {f"w{i}": c for i, c in enumerate(clean)})["y"]
+    assert max_rel(out, want) <= 2e-3
+
+
+@pytest.mark.parametrize("act", [F32, BF16])
+def test_moe_mlp_with_its_router_matches_the_interpreter(act: DType) -> None:
+    """A whole MoE MLP (router, route, gate/up, down + combine + residual): f32 stays on the
+    expert GEMVs at every M (1e-5), bf16 takes the grouped path from 17 rows."""
+    from tests.moe_common import inputs, moe_graph
+
+    rng = np.random.default_rng(5)
+    graph, weights = moe_graph(rng, 64, 128, 6, 2, FMT4, act=act, router_scale=3.0)
+    c = qir.compile(graph, weights, backend="host")
+    ref = qir.compile(graph, weights, backend="reference")
+    for m in (1, 20):
+        x = inputs(rng, m, 64, act)
+        ours, want = c(x), ref(x)
+        np.testing.assert_array_equal(ours["ids"], want["ids"])
+        assert max_rel(ours["y"], want["y"]) <= (1e-5 if act == F32 else 1e-2)
+    assert c.launches_for(1) == 4  # router, route, gate/up, down + combine + residual
+    assert c.launches_for(20) == (4 if act == F32 else 6)  # + group, combine
+
+
+def test_plans_count_the_bytes_of_the_chosen_experts_only() -> None:
+    """A decode step's expert launches move k experts' weights (at most min(E, M k)); the plan's
+    memory report gives every weight's bytes and a token's active share."""
+    from qir.codegen.lower import lower
+    from qir.dump import plan_json
+    from qir.passes.manager import run_pipeline
+    from tests.moe_common import moe_graph
+
+    graph, weights = moe_graph(np.random.default_rng(0), 64, 128, 6, 2, FMT4)
+    plan = lower(run_pipeline(graph, "default")[0])
+    one = {n: sum(a.nbytes for a in weights[n].values()) // 6 for n in ("gate", "up", "down")}
+    report = plan_json(plan, 1)
+    router = sum(a.nbytes for a in weights["router"].values())
+    assert report["memory"]["weights_bytes"] == router + 6 * sum(one.values())
+    assert report["memory"]["active_weights_bytes"] == router + 2 * sum(one.values())
+    gate_up = next(la for la in plan.launches if "silumul" in la.kernel.name and la.runs_for(1))
+    moved = {m: plan.bytes_moved(gate_up, m) for m in (1, 2, 3, 4)}
+    activations = {m: m * 64 * 2 + m * 2 * 4 + m * 2 * 128 * 2 for m in moved}  # x, ids, h
+    assert {m: moved[m] - activations[m] for m in moved} == {
+        m: min(6, 2 * m) * (one["gate"] + one["up"]) for m in moved
+    }

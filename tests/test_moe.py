@@ -1,0 +1,236 @@
+"""Mixtures of experts in the IR: the routing rules, stacked expert weights, the expert qlinear's
+type rules and its interpreter semantics against a plain per-token reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from qir import interpret, moe, parse, print_graph
+from qir.builder import Builder
+from qir.dtypes import F16, F32, I32
+from qir.formats.mlx import MlxAffine
+from qir.formats.nvfp4 import Nvfp4
+from qir.interpret import BindError, evaluate
+from qir.ops import IRTypeError
+from qir.types import QExperts, QWeight
+from qir.verify import VerifyError
+from tests.conftest import FMT4
+from tests.moe_common import inputs, moe_graph, random_experts
+
+
+def _route_by_hand(row: list[float], k: int, rule: str) -> tuple[list[int], list[float]]:
+    """One row in float64, written out: the ids by (value descending, id ascending)."""
+    order = sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]
+    if rule == "topk_softmax":
+        top = [math.exp(row[e] - row[order[0]]) for e in order]
+        return order, [t / sum(top) for t in top]
+    probs = [math.exp(v - max(row)) for v in row]
+    total = sum(probs[e] for e in order) if rule == "softmax_topk_norm" else sum(probs)
+    return order, [probs[e] / total for e in order]
+
+
+@pytest.mark.parametrize("rule", moe.RULES)
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (5, 1), (6, 6), (12, 4)])
+def test_route_follows_each_rule(rng, rule, experts, k):
+    logits = rng.standard_normal((9, experts)).astype(np.float32) * 3
+    ids, weights = moe.route(logits, k, rule)
+    assert ids.dtype == np.int32 and weights.dtype == np.float32
+    for m, row in enumerate(logits.tolist()):
+        want_ids, want_w = _route_by_hand(row, k, rule)
+        assert ids[m].tolist() == want_ids
+        np.testing.assert_allclose(weights[m], want_w, rtol=2e-6)
+    if rule != "softmax_topk":
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
+def test_route_breaks_ties_to_the_lower_expert_id():
+    # torch.topk on these rows (softmax probabilities of equal logits are equal) returns the
+    # lower index first; so does the rule's selection on the logits.
+    logits = np.array([[1, 3, 3, 0, 3], [2, 2, 2, 2, 2], [-1, 5, 5, 4, 4]], np.float32)
+    ids, _ = moe.route(logits, 3, "softmax_topk_norm")
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2], [1, 2, 3]]
+
+
+def test_stacked_experts_print_parse_and_verify(rng):
+    g, _ = moe_graph(rng, 64, 128, 5, 2, FMT4)
+    text = print_graph(g)
+    assert "experts<5, qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>[128, 64]>" in text
+    assert '%route = route %logits {k=2, rule="softmax_topk_norm"} : (i32[M, 2], f32[M, 2])' in text
+    assert (
+        "%y = expert_qlinear %h, %w_down, %route.ids, %route.weights, %x "
+        '{epilogue="combine_residual"} : f16[M, 64]' in text
+    )
+    again = parse(text)
+    assert print_graph(again) == text
+    assert again.node("w_gate").type == QExperts(QWeight(FMT4, 128, 64), 5)
+    assert again.node("h").type.shape == ("M", 2, 128)
+
+
+def _graph_with(build) -> None:
+    b = Builder()
+    x = b.input("x", ("M", 64), F16)
+    logits = b.input("logits", ("M", 6), F16)
+    we = b.weight("e", QExperts(QWeight(FMT4, 32, 64), 6), name="w_e")
+    build(b, x, logits, we)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda b, x, lg, we: b.route(lg, 7, "softmax_topk"), r"k=7 .* in 1\.\.6"),
+        (lambda b, x, lg, we: b.route(lg, 0, "softmax_topk"), r"k=0 .* in 1\.\.6"),
+        (lambda b, x, lg, we: b.route(lg, 2, "sigmoid"), "unknown rule 'sigmoid'"),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(x, we, b.route(lg, 2, "softmax_topk")[1]),
+            r"operand 2 .*f32\[M, 2\]\) must be i32\[M, k\]",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x,
+                (we, b.weight("u", QExperts(QWeight(FMT4, 48, 64), 6))),
+                b.route(lg, 2, "softmax_topk")[0],
+            ),
+            r"experts %w_e: .*\[32, 64\]> and %w\d: .*\[48, 64\]> differ",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x,
+                (we, b.weight("u", QExperts(QWeight(MlxAffine(8, 64, F16), 32, 64), 6))),
+                b.route(lg, 2, "softmax_topk")[0],
+            ),
+            "one launch takes one format",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x,
+                (we, b.weight("u", QExperts(QWeight(FMT4, 32, 64), 4))),
+                b.route(lg, 2, "softmax_topk")[0],
+            ),
+            "differ",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                b.input("x2", ("M", 128), F16), we, b.route(lg, 2, "softmax_topk")[0]
+            ),
+            r"has 128 features but experts %w_e.* in_features 64",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x, we, b.route(lg, 2, "softmax_topk")[0], b.input("rw", ("M", 3), F32)
+            ),
+            r"must be the router's weights f32\[M, 2\]",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                b.input("h", ("M", 64), F16),
+                we,
+                b.route(lg, 2, "softmax_topk")[0],
+                b.route(lg, 2, "softmax_topk", name="r2")[1],
+                b.input("r", ("M", 64), F16),
+            ),
+            r"combine_residual: %r: f16\[M, 64\] does not match the result f16\[M, 32\]",
+        ),
+        (
+            lambda b, x, lg, we: b.qlinear(x, we),
+            r"operand 1 \(%w_e: experts<6, .*\) must be a weight",
+        ),
+    ],
+)
+def test_moe_ops_refuse_bad_operands_naming_them(build, message):
+    with pytest.raises(IRTypeError, match=message):
+        _graph_with(build)
+
+
+SLOTS = """
+graph t {
+  %x = input : f16[M, 64]
+  %lg = input : f16[M, 6]
+  %w = weight {key="e"} : experts<6, qweight<WFMT>[32, 64]>
+  %w2 = weight {key="d"} : experts<6, qweight<WFMT>[16, 32]>
+  %r = route %lg {k=2, rule="softmax_topk"} : (i32[M, 2], f32[M, 2])
+  %r3 = route %lg {k=3, rule="softmax_topk"} : (i32[M, 3], f32[M, 3])
+  %ids = get %r {index=0} : i32[M, 2]
+  %ids3 = get %r3 {index=0} : i32[M, 3]
+  %h = expert_qlinear %x, %w, %ids : f16[M, 2, 32]
+  %y = expert_qlinear %h, %w2, IDS : f16[M, 2, 16]
+  output y = %y
+}
+""".replace("WFMT", "mlx_affine<bits=4,group_size=64,scale_dtype=bf16>")
+
+
+def test_an_input_of_one_row_per_slot_needs_the_ids_k():
+    assert parse(SLOTS.replace("IDS", "%ids")).node("y").type.shape == ("M", 2, 16)
+    with pytest.raises(VerifyError, match=r"has a row per slot but ids %ids3: i32\[M, 3\]"):
+        parse(SLOTS.replace("IDS", "%ids3"))
+
+
+def _by_hand(x, dequant, ids, rw) -> np.ndarray:
+    """y = x + sum_j rw * down_e(silu(gate_e(x)) * up_e(x)) per token, float64."""
+    g, u, d = (dequant[n].astype(np.float64) for n in ("gate", "up", "down"))
+    out = x.astype(np.float64).copy()
+    for m in range(x.shape[0]):
+        for j, e in enumerate(ids[m]):
+            a = x[m].astype(np.float64) @ g[e].T
+            h = a / (1 + np.exp(-a)) * (x[m].astype(np.float64) @ u[e].T)
+            out[m] += rw[m, j] * (h @ d[e].T)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rule"), [(FMT4, "softmax_topk_norm"), (Nvfp4("div", 16), "topk_softmax")]
+)
+def test_interpreter_moe_matches_a_per_token_reference(rng, fmt, rule):
+    g, w = moe_graph(rng, 64, 128, 6, 2, fmt, act=F32, rule=rule, router_scale=4.0)
+    x = inputs(rng, 11, 64, F32)
+    env = evaluate(g, x, w)
+    ids, rw = moe.route(env["logits"], 2, rule)
+    np.testing.assert_array_equal(env["route.ids"], ids)
+    np.testing.assert_array_equal(env["route.weights"], rw)
+    assert len(np.unique(ids)) >= 4  # several experts chosen, so the gather is exercised
+    dequant = {n: env[f"w_{n}"] for n in ("gate", "up", "down")}
+    want = _by_hand(x["x"], dequant, ids, rw)
+    np.testing.assert_allclose(env["y"], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Each stacked expert dequantizes as that expert alone would.
+    one = {n: buf[3] for n, buf in w["gate"].items()}
+    np.testing.assert_array_equal(dequant["gate"][3], fmt.dequantize(one, 128, 64))
+
+
+def test_f16_rounds_each_slot_then_combines_in_float32(rng):
+    g, w = moe_graph(rng, 64, 128, 4, 3, FMT4, act=F16)
+    env = evaluate(g, inputs(rng, 5, 64), w)
+    ids, rw = env["route.ids"], env["route.weights"]
+    slots = moe.expert_matmul(moe.per_slot(env["h"], 3), env["w_down"], ids).astype(np.float16)
+    c = np.zeros((5, 64), np.float32)
+    for j in range(3):
+        c = c + rw[:, j, None] * slots[:, j].astype(np.float32)
+    want = (env["x"].astype(np.float32) + c.astype(np.float16).astype(np.float32)).astype(
+        np.float16
+    )
+    np.testing.assert_array_equal(env["y"], want)
+
+
+def test_bad_expert_buffers_and_ids_name_the_weight(rng):
+    g, w = moe_graph(rng, 64, 128, 4, 2, FMT4)
+    x = inputs(rng, 2, 64)
+    short = {**w, "down": {n: b[:3] for n, b in w["down"].items()}}
+    with pytest.raises(BindError, match=r"weight 'down': buffer 'weight' is uint32 \[3, 64, 16\]"):
+        interpret(g, x, short)
+    nan = {**w, "up": {**w["up"], "scales": w["up"]["scales"].copy()}}
+    nan["up"]["scales"][2, 5, 0] = np.nan
+    with pytest.raises(Exception, match=r"up\[2\]\.scales: contains NaN"):
+        interpret(g, x, nan)
+
+
+def test_expert_ids_outside_the_experts_are_refused(rng):
+    b = Builder()
+    x = b.input("x", ("M", 64), F16)
+    ids = b.input("ids", ("M", 2), I32)
+    qe, bufs = random_experts(rng, 3, 32, 64, FMT4)
+    y = b.expert_qlinear(x, b.weight("e", qe), ids)
+    b.output("y", y)
+    feed = {"x": np.zeros((1, 64), np.float16), "ids": np.array([[0, 3]], np.int32)}
+    with pytest.raises(BindError, match=r"expert ids 0\.\.3 are outside the 3 experts"):
+        interpret(b.graph, feed, {"e": bufs})
