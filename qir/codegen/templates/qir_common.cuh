@@ -358,11 +358,3 @@ __device__ __forceinline__ void qir_e2m1x8_s8(uint32_t w, uint32_t (&v)[2]) {
   for (int h = 0; h < 2; ++h) v[h] = ((pos[h] | 0x80808080u) - neg[h]) ^ 0x80808080u;
 }
 
-// The same as value * 2^-6 on every arch.
-__device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]) {
-  qir_e2m1x8_raw(w, p);
-  if constexpr (QIR_FP4_RAW_LOG2 != -6) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = qir_mul2<__half>(p[i], qir_splat(qir_pow2_bits<__half>(-6 - QIR_FP4_RAW_LOG2, false)));
-  }
-}
