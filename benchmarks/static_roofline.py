@@ -13,7 +13,9 @@ kernels do not depend on their values.
 Per kernel: registers, spill bytes, resident blocks per SM, warp instructions per 512 B of
 weights at M, bytes of weights in flight per SM, and per GPU of the arch the bound that implies:
 "issue-bound at N%" (instruction budget / cost) or "latency-bound at N%" (bytes in flight /
-Little's law), whichever is lower. Needs qir[compile] and, for the SASS columns, qir[sass].
+Little's law), whichever is lower. At an M the GEMMs serve (--m 1024), a GEMM's row gives its
+main loop's warp instructions per MMA and whether the GPU's tensor cores or the issue bound it.
+Needs qir[compile] and, for the SASS columns, qir[sass].
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def table(rows: Sequence[Row], arch: str) -> str:
         "regs",
         "spill",
         "blk/SM",
-        "instr/512B",
+        "instr/512B|MMA",
         "inflight/SM",
         *(f"bound {g.name}" for g in gpus),
     )
@@ -142,10 +144,13 @@ def table(rows: Sequence[Row], arch: str) -> str:
         c = r.cost
         if not c.streams_weights:
             continue
-        instr = (
-            "?" if c.instr_per_512 is None else f"{'>=' if c.at_least else ''}{c.instr_per_512:.0f}"
-        )
-        flight = "?" if c.in_flight_per_sm is None else f"{c.in_flight_per_sm / 1024:.1f} KB"
+        at_least = ">=" if c.at_least else ""
+        if c.name.startswith("qgemm_"):  # a GEMM's main loop, per MMA instruction
+            instr = "?" if c.instr_per_mma is None else f"{at_least}{c.instr_per_mma:.1f}/MMA"
+            flight = "-"
+        else:
+            instr = "?" if c.instr_per_512 is None else f"{at_least}{c.instr_per_512:.0f}"
+            flight = "?" if c.in_flight_per_sm is None else f"{c.in_flight_per_sm / 1024:.1f} KB"
         bounds = []
         for g in gpus:
             # The same kernel on another GPU of the arch: only the budget and Little's law move.

@@ -25,8 +25,8 @@ from qir.errors import UsageError
 
 _ARCH = re.compile(r"sm_(\d+)([af]?)")
 KB = 1024
-# Most shared memory one block may use (opting in beyond 48 KB), by compute capability (CUDA C++ Programming Guide,
-# "Technical Specifications per Compute Capability").
+# Most shared memory one block may use (opting in beyond 48 KB), by compute capability (CUDA
+# C++ Programming Guide, "Technical Specifications per Compute Capability").
 _SMEM_PER_BLOCK = {80: 163 * KB, 86: 99 * KB, 87: 163 * KB, 89: 99 * KB, 90: 227 * KB}
 _SMEM_PER_BLOCK |= {100: 227 * KB, 103: 227 * KB, 110: 227 * KB, 120: 99 * KB, 121: 99 * KB}
 # The GPU whose budget the cost table shows for a compute capability (its fastest memory).

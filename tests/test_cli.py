@@ -291,6 +291,21 @@ def test_compile_resources_prints_the_cost_table(capsys):
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+def test_compile_resources_costs_gemms_per_mma(capsys):
+    """At an M the GEMM serves, each GEMM's main loop in warp instructions per MMA and whether
+    the reference GPU's tensor cores or the issue bound it."""
+    argv = ["compile", str(DATA / "awq_gemm_g64_S"), "--block", "mlp", "--m", "1024"]
+    assert main([*argv, "--arch", "sm_80", "--resources"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("qgemm_")]
+    assert len(rows) == 2 and all("_128x64x32" in r for r in rows)
+    if sass_available():
+        assert all(re.search(r" \d+\.\d/MMA ", r) for r in rows)
+        assert all(r.endswith(("tensor-bound", "of tensor peak")) for r in rows)
+        assert "A100's tensor cores take 8 warp instructions per m16n8k16 MMA" in out
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
 def test_compile_resources_refuses_an_unknown_arch(capsys):
     argv = ["compile", str(CKPT), "--block", "qkv", "--arch", "sm_999", "--resources"]
     assert main(argv) == 2

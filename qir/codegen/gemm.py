@@ -4,14 +4,17 @@ One template (templates/qgemm.cu.j2) covers every format and fusion the GEMV doe
 computes a BM x BN tile of y = x W^T with `mma.sync` m16n8k16 (f16 or bf16 operands, fp32
 accumulation) on fragments loaded by `ldmatrix` from shared memory. The activation tile arrives
 by a multi-stage `cp.async` pipeline (or is computed while it is staged: the silu(g) * u
-prologue; decoded: W4A4's pre-quantized input); the weight tile is dequantized into shared
-memory by the format's own fragment (the GEMV's `qir_dequant_chunk`), so a format stays one
-module. Several weights sharing the input (q/k/v) take consecutive ranges of grid.x, each with
-its own scales; gate/up are interleaved by 8 rows in one tile so silu(g) * u is the epilogue.
+prologue; decoded: W4A4's pre-quantized input); the weight tile is decoded into shared memory
+by the format's own fragment (`qir_decode`: the k-order pairs of the activation type the GEMV's
+pair path builds on), so a format stays one module. Each thread handles a fixed set of tile
+rows, so the compiler keeps their addresses in registers across the K loop. Several weights
+sharing the input (q/k/v) take consecutive ranges of grid.x, each with its own scales; gate/up
+are interleaved by 8 rows in one tile so silu(g) * u is the epilogue.
 
-Numerics: the tensor cores multiply 16-bit operands, so each dequantized weight is rounded once to
-the activation type (f16 or bf16) where the GEMV multiplies it in fp32; products are exact and
-sums fp32. W4A4 loses nothing: E2M1 values are exact in both types.
+Numerics: the tensor cores multiply 16-bit operands. A weight's code becomes an exact integer
+(or small float) in the activation type, its scale (and MLX's bias) is rounded to that type,
+and the product rounds once; products in the MMA are exact and sums fp32. W4A4 loses nothing:
+E2M1 values are exact in both types.
 
 Python decides every constant here (the tile from `GEMM_TILES`, the pipeline depth from the
 shared-memory budget, the loaders, the argument expressions); the template only substitutes.
@@ -88,12 +91,14 @@ class Tile:
 # the bucket's largest M and whose N bound the weight's out_features reach is taken. Defaults
 # sized by reasoning, not yet by measurements (benchmarks/llama_shapes.py sweeps M on a GPU):
 # up to 64 rows the weights dominate, so tiles are narrow in N (more blocks to stream them); past
-# that, 128 x 128 tiles of 8 warps reuse each dequantized weight tile over 128 rows. W4A4 runs
-# only up to 64 rows (W4A4_MAX_M), inside the first bucket.
+# that, 128 x 128 tiles of 8 warps reuse each dequantized weight tile over 128 rows, two blocks
+# resident (128 registers a thread: the main loop keeps each thread's tile addresses, 124-128
+# registers for the formats' decodes, none spilled). W4A4 runs only up to 64 rows (W4A4_MAX_M),
+# inside the first bucket.
 GEMM_TILES: tuple[tuple[int, int, Tile], ...] = (
     (64, 4096, Tile(64, 64, 32, 2, 2, stages=3, min_blocks=2)),
     (64, 0, Tile(64, 32, 32, 4, 1, stages=3, min_blocks=2)),
-    (MAX_M, 4096, Tile(128, 128, 32, 2, 4, stages=3, min_blocks=1)),
+    (MAX_M, 4096, Tile(128, 128, 32, 2, 4, stages=3, min_blocks=2)),
     (MAX_M, 0, Tile(128, 64, 32, 2, 2, stages=3, min_blocks=1)),
 )
 # The M buckets the table distinguishes: a GEMM node gets one launch per bucket it serves.
@@ -192,8 +197,10 @@ class GemmSpec:
 
     @property
     def tile(self) -> Tile:
+        w = self.weights[0]
+        gathers = bool(fragment_for(w.format, w.out_features, w.in_features).context.get("gathers"))
         n = max(w.out_features for w in self.weights)
-        return choose_tile(self.m_max, n, self.chunk, self.a4, self.native)
+        return choose_tile(self.m_max, n, self.chunk, self.a4, self.native, gathers)
 
     @property
     def name(self) -> str:
@@ -236,16 +243,20 @@ def smem_bytes(tile: Tile, stages: int, a4: bool, native: bool = False) -> int:
 
 
 @cache
-def choose_tile(m_max: int, n: int, chunk: int, a4: bool, native: bool = False) -> Tile:
+def choose_tile(
+    m_max: int, n: int, chunk: int, a4: bool, native: bool = False, gathers: bool = False
+) -> Tile:
     """The table's tile for a bucket ending at `m_max` and `n` output rows. BK grows to the
     fragment's chunk (a chunk never straddles two K steps; the block-scaled FP4 MMA takes K in
     64s); then, until shared memory fits, the stages drop to 2, BN halves (keeping an even
-    number of n8 tiles per warp), then BM."""
+    number of n8 tiles per warp), then BM. A fragment that gathers per weight (GPTQ act-order)
+    asks for one resident block: its decode needs more registers than two blocks leave."""
     t = next(t for m, n_min, t in GEMM_TILES if m_max <= m and n >= n_min)
     bm, bn, bk, stages = t.bm, t.bn, max(t.bk, chunk, 64 if native else 16), t.stages
+    min_blocks = 1 if gathers else t.min_blocks
 
     def tile() -> Tile:
-        return Tile(bm, bn, bk, t.warps_m, t.warps_n, stages, t.min_blocks)
+        return Tile(bm, bn, bk, t.warps_m, t.warps_n, stages, min_blocks)
 
     while smem_bytes(tile(), stages, a4, native) > SMEM_BYTES:
         if stages > 2:
@@ -495,7 +506,7 @@ def _doc(spec: GemmSpec) -> list[str]:
         )
     else:
         lines.append(
-            "The weight tile is dequantized into shared memory by the format's fragment"
+            "The weight tile is decoded into shared memory by the format's fragment"
             + ("." if f.prologue or f.norm else "; the activation tile arrives by cp.async.")
         )
     return lines

@@ -15,7 +15,13 @@ at):
 - GeForce RTX 5090: NVIDIA product page (170 SMs, 2407 MHz boost, 1792 GB/s GDDR7 = 28 Gbps x
   512 bit); compute capability 12.0: 1536 threads (48 warps) and 100 KB shared memory per SM,
   99 KB per block.
-Shared memory per block is the target's (qir.target). Per-SM limits of compute capabilities
+Tensor cores (dense multiply-adds per SM per clock, from the quoted peak at the clock it is quoted
+at): A100 312 TFLOPS FP16 with FP32 accumulation = 108 SMs x 1.41 GHz x 2 x 1024; H100/H200
+989.4 TFLOPS = 132 x 1.83 GHz x 2 x 2048 (Hopper whitepaper; reached by wgmma, which qir does not
+issue: mma.sync's own rate is not published); B200 2.25 PFLOPS dense FP16 (half the HGX B200
+sheet's sparse 4.5) = 148 x ~1.86 GHz x 2 x 4096 (tcgen05's, likewise); RTX 5090 209.5 TFLOPS
+FP16 with FP32 accumulation and 1676 TFLOPS dense FP4 = 170 x 2.407 GHz x 2 x 256 and x 2048
+(GeForce Blackwell whitepaper). Shared memory per block is the target's (qir.target). Per-SM limits of compute capabilities
 8.0, 9.0, 10.0 and 12.0 (CUDA C++ Programming Guide, "Technical Specifications per Compute
 Capability"): 64K 32-bit registers, 4 warp schedulers,
 at most 32 resident blocks, 255 registers per thread; registers are allocated per warp in units
@@ -47,6 +53,10 @@ class Gpu:
     blocks_per_sm: int
     registers_per_sm: int  # 32-bit
     smem_per_sm: int  # bytes usable by blocks
+    # Dense tensor-core multiply-adds per SM per clock: f16/bf16 operands with fp32
+    # accumulation, and block-scaled FP4 (0: the GPU has none, or qir has no figure).
+    f16_fma_per_clock: int = 0
+    e2m1_fma_per_clock: int = 0
     smem_reserved_per_block: int = 1024
     register_unit: int = 256  # registers per warp are allocated in these units
     smem_unit: int = 128
@@ -88,6 +98,7 @@ GPUS: dict[str, Gpu] = {
             bandwidth=2.039e12,
             threads_per_sm=2048,
             smem_per_sm=164 * KB,
+            f16_fma_per_clock=1024,
             **_DATACENTER,
         ),
         Gpu(
@@ -99,6 +110,7 @@ GPUS: dict[str, Gpu] = {
             bandwidth=3.35e12,
             threads_per_sm=2048,
             smem_per_sm=228 * KB,
+            f16_fma_per_clock=2048,
             **_DATACENTER,
         ),
         Gpu(
@@ -110,6 +122,7 @@ GPUS: dict[str, Gpu] = {
             bandwidth=4.8e12,
             threads_per_sm=2048,
             smem_per_sm=228 * KB,
+            f16_fma_per_clock=2048,
             **_DATACENTER,
         ),
         Gpu(
@@ -121,6 +134,7 @@ GPUS: dict[str, Gpu] = {
             bandwidth=8.0e12,
             threads_per_sm=2048,
             smem_per_sm=228 * KB,
+            f16_fma_per_clock=4096,
             **_DATACENTER,
         ),
         Gpu(
@@ -132,6 +146,8 @@ GPUS: dict[str, Gpu] = {
             bandwidth=1.792e12,
             threads_per_sm=1536,
             smem_per_sm=100 * KB,
+            f16_fma_per_clock=256,
+            e2m1_fma_per_clock=2048,
             **_DATACENTER,
         ),
     )

@@ -40,6 +40,7 @@ whichever is lower.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,32 @@ class KernelCost:
     in_flight_per_sm: int | None = None  # bytes of weights
     at_least: bool = False  # a nested loop with an unknown trip count was counted once
     notes: tuple[str, ...] = ()
+    # Tensor-core kernels (GEMMs): the main loop's warp instructions per MMA instruction, its
+    # mix per MMA, and the multiply-adds one MMA does and of which kind (f16, e2m1).
+    instr_per_mma: float | None = None
+    mma_mix: dict[str, float] = field(default_factory=dict)
+    mma_fma: int = 0
+    mma_kind: str = ""
+
+    @property
+    def mma_budget(self) -> float | None:
+        """Warp instructions the SM can issue per MMA while its tensor cores run at their peak
+        (schedulers x the clocks one MMA takes), None without the GPU's tensor rate."""
+        rate = (
+            self.gpu.e2m1_fma_per_clock if self.mma_kind == "e2m1" else self.gpu.f16_fma_per_clock
+        )
+        return self.gpu.schedulers_per_sm * self.mma_fma / rate if rate and self.mma_fma else None
+
+    @property
+    def mma_bound(self) -> str:
+        """ "tensor-bound" when the main loop issues within the budget, else "issue-bound at N%"
+        of the tensor cores' peak."""
+        budget, ipm = self.mma_budget, self.instr_per_mma
+        if budget is None or ipm is None:
+            return "?"
+        if ipm <= budget:
+            return "tensor-bound"
+        return f"issue-bound at {100 * budget / ipm:.0f}% of tensor peak"
 
     @property
     def budget(self) -> float:
@@ -110,7 +137,10 @@ class KernelCost:
 
     @property
     def bound(self) -> str:
-        """ "issue-bound at N%" or "latency-bound at N%", whichever caps bandwidth lower."""
+        """ "issue-bound at N%" or "latency-bound at N%", whichever caps bandwidth lower; for a
+        tensor-core kernel, its mma_bound (of the tensor cores' peak)."""
+        if self.mma_fma:
+            return self.mma_bound
         issue, latency = self.issue_pct, self.latency_pct
         if issue is None or latency is None:
             return "n/a" if not self.streams_weights else "?"
@@ -231,7 +261,50 @@ def _cost(plan: Plan, launch: Launch, arch: str, m: int, gpu: Gpu) -> KernelCost
     if not sass.available():
         return _replace(base, notes=("SASS columns need nvdisasm: pip install 'qir[sass]'",))
     instrs = sass.disassemble(result.cubin, launch.kernel.name)
+    if launch.kernel.name.startswith("qgemm_"):
+        return _mma_cost(base, launch, instrs, m)
     return _stream_cost(base, launch, stream, instrs, m)
+
+
+MMA_OPS = ("HMMA", "OMMA")
+_MMA_SHAPE = re.compile(r"(16)(8)(8|16|32|64)")
+
+
+def _mma_cost(base: KernelCost, launch: Launch, instrs: Sequence[sass.Instr], m: int) -> KernelCost:
+    """A GEMM's main loop: the outermost loop holding its MMA instructions, every instruction
+    once per pass (nested loops times their trip counts), per MMA instruction of the pass."""
+    slots = param_slots(launch, base.arch)
+    flow = sass.labels(instrs, slots)
+    decided = sass.decide(instrs, flow, slots, m, 0)
+    live = sass.reachable(instrs, decided)
+    mmas = [i for i in live if instrs[i].op in MMA_OPS]
+    if not mmas:
+        return _replace(base, notes=("no MMA instruction in the SASS",))
+    loops = sass.loops(instrs)
+    holding = [lp for lp in loops if any(i in lp for i in mmas)]
+    outer = [lp for lp in holding if not any(lp.inside(o) for o in holding)]
+    if not outer:
+        return _replace(base, notes=("no loop holds the MMA instructions",))
+    span = max(outer, key=lambda lp: sum(i in lp for i in mmas))
+    r = sass.region(instrs, span, flow, loops, "M", decided)
+    mix = sass.cost(instrs, r, 1.0, live=live)
+    count = sum(mix.get(op, 0.0) for op in MMA_OPS)
+    shape = next(
+        (s for i in mmas if i in span for p in instrs[i].parts if (s := _MMA_SHAPE.fullmatch(p))),
+        None,
+    )
+    if shape is None:
+        return _replace(base, notes=("the MMA's shape is not in its opcode",))
+    kind = "e2m1" if any(instrs[i].op == "OMMA" for i in mmas) else "f16"
+    return _replace(
+        base,
+        region=f"main loop {span.head * 16:#x}-{span.tail * 16:#x}",
+        instr_per_mma=sum(mix.values()) / count,
+        mma_mix={op: n / count for op, n in sorted(mix.items(), key=lambda kv: -kv[1])},
+        mma_fma=math.prod(int(g) for g in shape.groups()),
+        mma_kind=kind,
+        at_least=bool(r.unknown_loops),
+    )
 
 
 def _replace(c: KernelCost, **changes: Any) -> KernelCost:
@@ -330,7 +403,7 @@ COLUMNS = (
     "stack",
     "smem",
     "blocks/SM",
-    "instr/512B",
+    "instr/512B|MMA",
     "in flight/SM",
     "bound",
 )
@@ -344,6 +417,7 @@ def format_table(costs: Sequence[KernelCost], mix_top: int = 6) -> str:
     rows = [COLUMNS]
     for c in costs:
         r = c.ptxas
+        gemm = c.name.startswith("qgemm_")  # its loop reuses a weight tile: costed per MMA
         rows.append(
             (
                 c.name,
@@ -352,8 +426,12 @@ def format_table(costs: Sequence[KernelCost], mix_top: int = 6) -> str:
                 str(r.stack_bytes),
                 str(r.smem_bytes),
                 f"{c.blocks_per_sm} ({c.limiter})",
-                _num(c, c.instr_per_512, ">={:.0f}" if c.at_least else "{:.0f}"),
-                _num(
+                _num(c, c.instr_per_mma, ">={:.1f}/MMA" if c.at_least else "{:.1f}/MMA")
+                if gemm
+                else _num(c, c.instr_per_512, ">={:.0f}" if c.at_least else "{:.0f}"),
+                "-"
+                if gemm
+                else _num(
                     c,
                     None if c.in_flight_per_sm is None else c.in_flight_per_sm / 1024,
                     "{:.1f} KB",
@@ -380,6 +458,14 @@ def format_table(costs: Sequence[KernelCost], mix_top: int = 6) -> str:
         if c.mix_per_512:
             top = list(c.mix_per_512.items())[:mix_top]
             detail.append("per 512 B: " + " ".join(f"{op} {n:.0f}" for op, n in top))
+        if c.mma_mix:
+            top = list(c.mma_mix.items())[:mix_top]
+            detail.append("per MMA: " + " ".join(f"{op} {n:.1f}" for op, n in top))
+            if c.mma_budget is not None:
+                detail.append(
+                    f"{c.gpu.name}'s tensor cores take {c.mma_budget:g} warp instructions per "
+                    f"m16n8k{c.mma_fma // 128} MMA at their peak"
+                )
         if detail:
             lines.append("    " + "; ".join(detail))
         lines += [f"    note: {n}" for n in c.notes]
@@ -392,7 +478,7 @@ def format_table(costs: Sequence[KernelCost], mix_top: int = 6) -> str:
     )
     if not sass.available() and any(c.streams_weights for c in costs):
         lines.append(
-            "instr/512B, in flight/SM, bound: not filled, no nvdisasm (pip install 'qir[sass]')"
+            "instr/512B|MMA, in flight/SM, bound: not filled, no nvdisasm (pip install 'qir[sass]')"
         )
     return "\n".join(lines) + "\n"
 

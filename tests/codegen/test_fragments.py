@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 # One thread per (row, chunk): every interface of the fragment, written out side by side.
 _KERNEL = """\
+{target}
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -64,9 +65,10 @@ extern "C" __global__ void {name}({params}, float* out_f32, uint32_t* out_h, uin
 """
 
 
-def fragment_kernel(fmt: WeightFormat, rows: int, k: int) -> Kernel:
+def fragment_kernel(fmt: WeightFormat, rows: int, k: int, fp4_cvt: bool = False) -> Kernel:
+    """fp4_cvt: E2M1 decoded as on a target with the FP4 conversion (sm_100a, sm_120a)."""
     frag = fragment_for(fmt, rows, k)
-    name = f"frag_{fmt.tag()}_k{k}"
+    name = f"frag_{fmt.tag()}_k{k}{'_cvt' if fp4_cvt else ''}"
     out = ("float*", "uint32_t*", "uint32_t*", "float*")
     params = (
         *frag.params,
@@ -75,6 +77,7 @@ def fragment_kernel(fmt: WeightFormat, rows: int, k: int) -> Kernel:
         KernelParam("chunks", "int", "int"),
     )
     source = _KERNEL.format(
+        target="#define QIR_FP4_CVT 1" if fp4_cvt else "",
         fragment=render(frag.template, **frag.context),
         name=name,
         params=", ".join(f"{p.c_type} {p.name}" for p in frag.params),
@@ -110,15 +113,24 @@ FORMATS = (
 )
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.tag())
-def test_fragment_decodes_equal_the_numpy_dequant(fmt: WeightFormat, be: HostBackend) -> None:
+CASES = [
+    *(pytest.param(f, False, id=f.tag()) for f in FORMATS),
+    # E2M1 through the FP4 conversion's decode (k-order pairs; its host emulation).
+    *(pytest.param(f, True, id=f"{f.tag()}-fp4cvt") for f in FORMATS if fragment_for(f, 5, K).e2m1),
+]
+
+
+@pytest.mark.parametrize(("fmt", "fp4_cvt"), CASES)
+def test_fragment_decodes_equal_the_numpy_dequant(
+    fmt: WeightFormat, fp4_cvt: bool, be: HostBackend
+) -> None:
     rows = 5
     rng = np.random.default_rng(7)
     _, bufs = random_weight(rng, rows, K, fmt)
     ref = fmt.dequantize(bufs, rows, K)
     frag = fragment_for(fmt, rows, K)
     chunks = frag.chunks_per_row(K)
-    kern = be.load(fragment_kernel(fmt, rows, K))
+    kern = be.load(fragment_kernel(fmt, rows, K, fp4_cvt))
     f32 = np.zeros((rows, K), np.float32)
     h = np.zeros((rows, K // 2), np.uint32)
     b = np.zeros((rows, K // 2), np.uint32)

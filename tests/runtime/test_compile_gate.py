@@ -169,15 +169,16 @@ def decode_and_res_prefill(la: Launch) -> bool:
 
 
 def model(fixture: str) -> Callable[[str], list[Kernel]]:
-    """A fixture's whole model (every layer kernel, embedding, final norm, lm_head), except
-    what other entries build at larger shapes: GEMVs and GEMMs without a norm prologue,
-    attention with its small head."""
+    """A fixture's whole model (every layer kernel, embedding, final norm, lm_head, sampler),
+    except what other entries build at larger shapes: GEMVs and GEMMs without a norm prologue,
+    attention with its small head, the sampler."""
 
     def keep(la: Launch) -> bool:
         name = la.kernel.name
         if name.startswith(("qgemv_", "qgemm_")):
             return "_rmsnorm_" in name
-        return not (name.startswith("attn_") and "_d64_" in name)
+        # The sampler's code does not depend on the vocabulary: sample-qwen-vocab's.
+        return not name.startswith("sample_") and not (name.startswith("attn_") and "_d64_" in name)
 
     return graph(lambda: build(load(DATA / fixture), "model", 0).graph, keep)
 
@@ -386,17 +387,17 @@ GATE: tuple[Entry, ...] = (
         ),
         ("qgemv_fp8ch_f16_n512_k1408_m8_silu", "_64x32x32s3w4x1_silu", "_128x64x32s3w2x2_silu"),
     ),
+    # W4A4's GEMMs only: its GEMV takes 40-50 s per arch to build (silu(g) * u quantized in
+    # every warp) for a form the default passes do not produce from W4A4 checkpoints (their
+    # gate and up share one format and pair); the host runs it (test_kernels_nvfp4's
+    # mlp-prologue).
     Entry(
         "prologue-w4a4-checkpoint",
         graph(
             lambda: prologue_mlp(Nvfp4("mul", 4), Nvfp4("div", 4), Nvfp4("div", 4), CHECKPOINT),
-            lambda la: "_silu" in la.kernel.name,
+            lambda la: gemm(la) and "_silu" in la.kernel.name,
         ),
-        (
-            "qgemv_nvfp4diva4_f16_n512_k1408_m8_silu_a4dynamic",
-            "_silu_a4dynamic",
-            "_128x64x32s3w2x2_silu",
-        ),
+        ("qgemm_nvfp4diva4_f16_n512_k1408_64x32x32s3w4x1_silu_a4dynamic", "_128x64x32s3w2x2_silu"),
     ),
     # f32 activations: the GEMV's float path (no GEMM takes f32), one row a warp.
     Entry(

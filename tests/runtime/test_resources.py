@@ -12,6 +12,10 @@ from qir.builder import Builder
 from qir.codegen.lower import Plan, lower
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
+from qir.formats.ct_int import CtInt
+from qir.formats.gptq import Gptq
+from qir.formats.mlx import MlxAffine
+from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.passes.manager import run_pipeline
 from qir.runtime import nvrtc, sass
@@ -326,3 +330,44 @@ def test_a_norm_prologue_weight_is_not_part_of_the_weight_stream() -> None:
     stream = weight_stream(plan, gemv)
     assert stream is not None and stream.codes == {"w0_weight", "w1_weight", "w2_weight"}
     assert stream.buffers == {f"w{j}_{s}" for j in range(3) for s in ("weight", "zeros", "scales")}
+
+
+def _llama_gemm(fmt, act=F16, arch: str = "sm_90") -> Plan:
+    """down_proj + residual at Llama-3-8B (N 4096, K 14336): the 128 x 128 tile from M = 65."""
+    b = Builder("down")
+    x = b.input("x", ("M", 14336), act)
+    r = b.input("r", ("M", 4096), act)
+    w = b.weight("d", QWeight(fmt, 4096, 14336), name="w_d")
+    b.output("y", b.add(r, b.qlinear(x, w, name="d")))
+    return lower(run_pipeline(b.graph, "default")[0], target=Target(arch))
+
+
+@needs_nvrtc
+@needs_sass
+def test_gemm_main_loop_costs_at_most_11_instructions_per_mma_for_4_bit_formats() -> None:
+    """The 128 x 128 tile's main loop on sm_90, read off the SASS: the weight tile comes from
+    the fragments' k-order pair decode (codes as exact integers in T, one rounding of the
+    scale's product), and each thread's tile addresses stay in registers across K. Marlin's
+    loop issues ~11 warp instructions per mma.sync m16n8k16; the figure counts every
+    instruction of the loop once per k-tile (as a warp that decodes weights runs it)."""
+    for fmt, act in (
+        (Awq(4, 128), F16),
+        (Gptq(4, 128, "gptq", 0, F16), F16),
+        (MlxAffine(4, 64, BF16), F16),
+        (CtInt(4, 32, BF16), F16),
+        (Mxfp4(), F16),
+        (Nvfp4("mul", 16), BF16),
+    ):
+        (cost,) = kernel_costs(_llama_gemm(fmt, act), "sm_90", 1024)
+        assert "_128x128x32" in cost.name and cost.ptxas.spill_stores == 0, cost.name
+        assert cost.instr_per_mma is not None and cost.instr_per_mma <= 11, (cost.name, cost)
+        assert cost.mma_mix["HMMA"] == 1.0 and cost.mma_fma == 16 * 8 * 16
+        assert sum(cost.mma_mix.values()) == pytest.approx(cost.instr_per_mma)
+        # An H200's tensor cores take an m16n8k16 in one clock of 4 schedulers: issue bounds.
+        assert cost.mma_budget == 4 and cost.bound.startswith("issue-bound at")
+    # An RTX 5090 does a quarter of that per clock (FP32 accumulation on GeForce): tensor-bound.
+    (cost,) = kernel_costs(_llama_gemm(Awq(4, 128), arch="sm_120a"), "sm_120a", 1024)
+    assert cost.mma_budget == 32 and cost.bound == "tensor-bound"
+    table = format_table([cost])
+    assert f"{cost.instr_per_mma:.1f}/MMA" in table and "per MMA: HMMA 1.0" in table
+    assert "RTX 5090's tensor cores take 32 warp instructions per m16n8k16 MMA" in table

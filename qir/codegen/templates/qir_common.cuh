@@ -249,23 +249,27 @@ __device__ __forceinline__ void qir_act_pairs(const T* __restrict__ x, uint32_t 
 
 // ---- Small float codes as packed pairs -------------------------------------------------------
 
-// Two E4M3FN codes (bytes 2h and 2h+1 of w) as their exact values in an f16 pair. sm_89 and later
-// convert in hardware; the portable body moves the byte into the f16's high byte (sign at bit
-// 15, exponent and mantissa one bit right of where f16 keeps them, which is e4m3 * 2^-8 for
-// normal and subnormal codes alike) and scales by 2^8, exactly (f16 keeps its subnormals).
-template <int H>
+// Two E4M3FN codes (bytes 2h and 2h+1 of w) as their exact values times 2^LOG2 in an f16 pair.
+// sm_89 and later convert in hardware (then multiply by 2^LOG2 if it is not 0); the portable
+// body moves the byte into the f16's high byte (sign at bit 15, exponent and mantissa one bit
+// right of where f16 keeps them, which is e4m3 * 2^-8 for normal and subnormal codes alike) and
+// scales by 2^(8 + LOG2) in one multiply, exactly (f16 keeps its subnormals) while the result
+// stays in f16's range.
+template <int H, int LOG2 = 0>
 __device__ __forceinline__ uint32_t qir_e4m3x2_to_f16x2(uint32_t w) {
+  static_assert(8 + LOG2 >= -14 && 8 + LOG2 <= 15, "2^(8 + LOG2) must be a normal f16");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint32_t d;
   if constexpr (H == 1)
     asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;}" : "=r"(d) : "r"(w));
   else
     asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(d) : "r"(w));
+  if constexpr (LOG2 != 0) d = qir_mul2<__half>(d, qir_splat(qir_pow2_bits<__half>(LOG2, false)));
   return d;
 #else
   const uint32_t v = qir_prmt(w, 0u, H ? 0x3424u : 0x1404u);  // bytes {0, b[2H], 0, b[2H+1]}
   const uint32_t f = (v & 0x80008000u) | ((v >> 1) & 0x3F803F80u);
-  return qir_mul2<__half>(f, 0x5C005C00u);  // * 256
+  return qir_mul2<__half>(f, qir_splat(qir_pow2_bits<__half>(8 + LOG2, false)));
 #endif
 }
 
@@ -285,16 +289,20 @@ constexpr int QIR_FP4_STRIDE = 2;
 #endif
 
 // The 8 E2M1 codes of w (element j in nibble j, element 2k low in byte k) as 4 f16 pairs of
-// value * 2^QIR_FP4_RAW_LOG2 (exact), pair e of each unit of 2 * QIR_FP4_STRIDE codes holding
-// codes (e, e + QIR_FP4_STRIDE).
-constexpr int QIR_FP4_RAW_LOG2 = QIR_FP4_CVT ? 0 : -6;
-__device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
+// value * 2^LOG2 (exact), pair e of each unit of 2 * QIR_FP4_STRIDE codes holding codes
+// (e, e + QIR_FP4_STRIDE). Through E4M3 the 2^-6 and LOG2 are one multiply.
+template <int LOG2 = 0>
+__device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]) {
 #if QIR_FP4_CVT && defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && \
     __CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000 && __CUDA_ARCH_FAMILY_SPECIFIC__ < 1300
   asm("{.reg .b8 b0, b1, b2, b3;\n mov.b32 {b0, b1, b2, b3}, %4;\n"
       " cvt.rn.f16x2.e2m1x2 %0, b0;\n cvt.rn.f16x2.e2m1x2 %1, b1;\n"
       " cvt.rn.f16x2.e2m1x2 %2, b2;\n cvt.rn.f16x2.e2m1x2 %3, b3;}"
       : "=r"(p[0]), "=r"(p[1]), "=r"(p[2]), "=r"(p[3]) : "r"(w));
+  if constexpr (LOG2 != 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = qir_mul2<__half>(p[i], qir_splat(qir_pow2_bits<__half>(LOG2, false)));
+  }
 #elif QIR_FP4_CVT
   // The conversion's result: each code's f16 bits (0, 0.5, 1, 1.5, 2, 3, 4, 6, signed), the
   // low nibble in the low half.
@@ -303,6 +311,7 @@ __device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
   for (int i = 0; i < 4; ++i) {
     const uint32_t lo = (w >> (8 * i)) & 0xFu, hi = (w >> (8 * i + 4)) & 0xFu;
     p[i] = ((uint32_t)f16[lo & 7] | (lo & 8u) << 12) | ((uint32_t)f16[hi & 7] | (hi & 8u) << 12) << 16;
+    if constexpr (LOG2 != 0) p[i] = qir_mul2<__half>(p[i], qir_splat(qir_pow2_bits<__half>(LOG2, false)));
   }
 #else
   // Odd codes sit in the high nibbles: sign already at bit 7, magnitude two bits too high. The
@@ -310,10 +319,10 @@ __device__ __forceinline__ void qir_e2m1x8_raw(uint32_t w, uint32_t (&p)[4]) {
   const uint32_t odd = (w & 0x70707070u) >> 2 | (w & 0x80808080u);
   const uint32_t w4 = w << 4;
   const uint32_t even = (w4 & 0x70707070u) >> 2 | (w4 & 0x80808080u);
-  p[0] = qir_e4m3x2_to_f16x2<0>(even);  // codes (0, 2)
-  p[1] = qir_e4m3x2_to_f16x2<0>(odd);   // (1, 3)
-  p[2] = qir_e4m3x2_to_f16x2<1>(even);  // (4, 6)
-  p[3] = qir_e4m3x2_to_f16x2<1>(odd);   // (5, 7)
+  p[0] = qir_e4m3x2_to_f16x2<0, LOG2 + 6>(even);  // codes (0, 2)
+  p[1] = qir_e4m3x2_to_f16x2<0, LOG2 + 6>(odd);   // (1, 3)
+  p[2] = qir_e4m3x2_to_f16x2<1, LOG2 + 6>(even);  // (4, 6)
+  p[3] = qir_e4m3x2_to_f16x2<1, LOG2 + 6>(odd);   // (5, 7)
 #endif
 }
 
@@ -358,11 +367,3 @@ __device__ __forceinline__ void qir_e2m1x8_s8(uint32_t w, uint32_t (&v)[2]) {
   for (int h = 0; h < 2; ++h) v[h] = ((pos[h] | 0x80808080u) - neg[h]) ^ 0x80808080u;
 }
 
-// The same as value * 2^-6 on every arch.
-__device__ __forceinline__ void qir_e2m1x8_to_f16x2(uint32_t w, uint32_t (&p)[4]) {
-  qir_e2m1x8_raw(w, p);
-  if constexpr (QIR_FP4_RAW_LOG2 != -6) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = qir_mul2<__half>(p[i], qir_splat(qir_pow2_bits<__half>(-6 - QIR_FP4_RAW_LOG2, false)));
-  }
-}
