@@ -41,12 +41,23 @@ FAMILIES = {
         "pad_token_id": 0,
         "original_max_position_embeddings": 128,
     },
+    # Qwen3 with linears that are not whole 128 x 128 blocks (hidden 320, intermediate 416):
+    # the block FP8 fixtures' ragged scale blocks
+    "qwen3_ragged": {
+        "model_type": "qwen3",
+        "hidden_size": 320,
+        "intermediate_size": 416,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+    },
 }
 
 
 def make(family: str, out: str, dtype: str) -> None:
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    spec = {**COMMON, **FAMILIES[family]}
+    cfg = AutoConfig.for_model(spec.pop("model_type", family), **spec)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
