@@ -45,7 +45,7 @@ FAMILIES = {
     # Gemma 3's text model: norms x * (1 + w) with post-attention / post-feed-forward norms,
     # q/k norms, gelu_pytorch_tanh, embeddings scaled by sqrt(hidden), query_pre_attn_scalar
     # apart from head_dim, a sliding layer (window 8, its own RoPE base) before a full one, and
-    # both soft-caps set (Gemma 3 releases leave them null; small enough here to move the logits)
+    # the final soft-cap set (Gemma 3 releases leave it null; here it moves the logits 6%)
     "gemma3_text": {
         "tie_word_embeddings": False,  # tied random embeddings make every step repeat its input
         "rope_theta": 1000000.0,
@@ -53,7 +53,9 @@ FAMILIES = {
         "sliding_window": 8,
         "layer_types": ["sliding_attention", "full_attention"],
         "query_pre_attn_scalar": 48,
-        "attn_logit_softcapping": 3.0,
+        # transformers 5.24's Gemma3Attention never passes attn_logit_softcapping to its
+        # attention function (nor does mlx-lm apply it): set, it would move nothing
+        "attn_logit_softcapping": None,
         "final_logit_softcapping": 30.0,
         "hidden_activation": "gelu_pytorch_tanh",
         "pad_token_id": 0,
