@@ -14,6 +14,7 @@ from qir.formats.base import WeightFormat
 from qir.formats.ct_int import CtInt
 from qir.formats.dense import Dense
 from qir.formats.fp8 import Fp8
+from qir.formats.fp8_block import Fp8Block
 from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4, Mxfp8
@@ -94,6 +95,7 @@ FORMAT_ZOO: tuple[WeightFormat, ...] = (
     CtInt(8, 128, F16),
     Fp8("channel"),
     Fp8("tensor"),
+    Fp8Block(),
     Mxfp4(),
     Mxfp8(),
     Nvfp4("mul", 16),

@@ -22,7 +22,7 @@ def _x(golden: np.lib.npyio.NpzFile, m: int) -> tuple[np.ndarray, str]:
 
 
 def test_every_fixture_is_covered():
-    assert len(FIXTURES) == 16
+    assert len(FIXTURES) == 18
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -38,6 +38,7 @@ GEMM_FROM_M: dict[str, int] = {
     "mxfp4": 17,
     "mxfp8": 17,
     "fp8": 17,
+    "fp8_block": 17,
     "dense": 17,
 }
 

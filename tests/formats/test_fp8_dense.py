@@ -194,8 +194,8 @@ def test_fp8_scale_of_the_wrong_shape(tmp_path: Path) -> None:
     ("qcfg", "message"),
     [
         (
-            _ct_config("block", block_structure=[128, 128]),
-            "not supported: compressed-tensors FP8 block-wise weight scales",
+            _ct_config("block", block_structure=[64, 64]),
+            r"not supported: FP8 block size \[64, 64\] \(quantization_config\.config_groups\.gr",
         ),
         (_ct_config("group", group_size=128), "not supported: float-quantized .* strategy 'group'"),
         (_ct_config(symmetric=False), "not supported: float-quantized"),

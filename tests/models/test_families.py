@@ -30,6 +30,8 @@ CASES = {
     "ct_w4a16_mistral": (7, 6),
     "mlx_affine4_phi3": (7, 6),  # fused qkv_proj / gate_up_proj; a window of 16
     "ct_w4a16_phi3": (7, 6),
+    "fp8block_qwen3": (7, 6),  # FP8 with a float32 scale per 128 x 128 block (HF quant_method fp8)
+    "ct_fp8block_qwen3": (7, 6),  # compressed-tensors FP8_BLOCK, ragged blocks (hidden 320)
 }
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
 SIXTEEN_BIT = (
@@ -38,6 +40,7 @@ SIXTEEN_BIT = (
     "ct_w4a16_qwen3",
     "ct_w4a16_mistral",
     "mlx_affine4_phi3",
+    "ct_fp8block_qwen3",
 )
 
 

@@ -7,8 +7,8 @@ dumped .cu (tests/runtime/test_nvrtc.py compares them).
 What makes two kernels distinct here is what can change ptxas' register allocation:
 - the family and its template (GEMV, each GEMM tile, quantize_act, the layer kernels, ...);
 - the format's dequant fragment and the code path it takes (MLX codes straddling words or not,
-  2-bit rows per warp, AWQ's nibble order, GPTQ act-order's float path, FP8, MX, NVFP4 W4A16
-  and W4A4, dense weights);
+  2-bit rows per warp, AWQ's nibble order, GPTQ act-order's float path, FP8 per row or tensor
+  and per 128 x 128 block, MX, NVFP4 W4A16 and W4A4, dense weights);
 - the fusion (gate/up pair with silu(g) * u, residual, merged outputs, silu and RMSNorm
   prologues, W4A4's activation modes, unfused) and the activation dtype (f32 takes the GEMV's
   float path, bf16 its own pair type);
@@ -62,6 +62,7 @@ from qir.formats.base import WeightFormat
 from qir.formats.ct_int import CtInt
 from qir.formats.dense import Dense
 from qir.formats.fp8 import Fp8
+from qir.formats.fp8_block import Fp8Block
 from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4, Mxfp8
@@ -311,6 +312,7 @@ FRAGMENTS: tuple[tuple[str, WeightFormat, DType], ...] = (
     ("gptq3g128act", Gptq(3, 128, "gptq", 1, F16), F16),  # act-order: the float path
     ("ct4g32", CtInt(4, 32, BF16), F16),
     ("fp8ch", Fp8("channel"), F16),
+    ("fp8b128", Fp8Block(), BF16),  # a float32 scale per 128 x 128 block (Qwen3-FP8, DeepSeek)
     ("mxfp8", Mxfp8(), F16),
     ("mxfp4", Mxfp4(), F16),
     ("nvfp4mul", Nvfp4("mul", 16), BF16),  # W4A16

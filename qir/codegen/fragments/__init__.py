@@ -117,29 +117,37 @@ def register_fragment(name: str) -> Callable[[MakeFragment], MakeFragment]:
     return deco
 
 
+# A buffer of a fragment: (C element type, elements per row; 0 for a buffer all rows share),
+# optionally with a third entry, the rows that share one such stride (block-wise scales).
+FragmentBuffer = tuple[str, int] | tuple[str, int, int]
+
+
+def _moved(name: str, buffer: FragmentBuffer) -> str:
+    stride, per = buffer[1], (buffer[2] if len(buffer) == 3 else 1)
+    if not stride:
+        return f"w.{name}"
+    return f"w.{name} + (size_t){'row' if per == 1 else f'(row / {per})'} * {stride}"
+
+
 def make_fragment(
     template: str,
-    buffers: Mapping[str, tuple[str, int]],
+    buffers: Mapping[str, FragmentBuffer],
     chunk_elems: int,
     context: dict[str, Any],
 ) -> Fragment:
     """A fragment whose kernel parameters are `const T* __restrict__ w_<buffer>`, one per entry
-    of `buffers` (buffer name -> (C element type T, elements per row; 0 for a buffer all rows
-    share)), in the order of the format's buffers(). `context` must say whether the fragment is
-    `packed`; the head and tail includes get the weight struct and the compat entry point's
-    signature from here."""
+    of `buffers` (buffer name -> FragmentBuffer), in the order of the format's buffers().
+    `context` must say whether the fragment is `packed`; the head and tail includes get the
+    weight struct and the compat entry point's signature from here."""
     params = tuple(
-        KernelParam(f"w_{name}", f"const {c_type}* __restrict__", "buffer")
-        for name, (c_type, _) in buffers.items()
+        KernelParam(f"w_{name}", f"const {b[0]}* __restrict__", "buffer")
+        for name, b in buffers.items()
     )
-    moved = (
-        f"w.{n} + (size_t)row * {stride}" if stride else f"w.{n}"
-        for n, (_, stride) in buffers.items()
-    )
+    moved = (_moved(n, b) for n, b in buffers.items())
     head = {
         "split_scale": False,
         "chunk_elems": chunk_elems,
-        "weight_fields": [f"const {t}* __restrict__ {n};" for n, (t, _) in buffers.items()],
+        "weight_fields": [f"const {b[0]}* __restrict__ {n};" for n, b in buffers.items()],
         "weight_row": "qir_weight{" + ", ".join(moved) + "}",
         "weight_params": ", ".join(f"{p.c_type} {p.name}" for p in params),
         "weight_args": ", ".join(p.name for p in params),
@@ -152,7 +160,7 @@ def byte_codes(
     elem_bits: int,
     in_features: int,
     chunk_elems: int,
-    scales: Mapping[str, tuple[str, int]],
+    scales: Mapping[str, FragmentBuffer],
     **context: Any,
 ) -> Fragment:
     """A fragment of `elem_bits`-wide float codes (4 or 8) packed into the bytes of each row,
@@ -165,7 +173,7 @@ def byte_codes(
         "chunk_words": chunk_bytes // 4,
         "bytes_per_row": in_features * elem_bits // 8,
     }
-    buffers = {"weight": ("uint8_t", sizes["bytes_per_row"]), **scales}
+    buffers: dict[str, FragmentBuffer] = {"weight": ("uint8_t", sizes["bytes_per_row"]), **scales}
     return make_fragment(template, buffers, chunk_elems, {**sizes, **context})
 
 

@@ -1,5 +1,5 @@
 """Fragment constants for the small-float weight formats (templates/formats/float_codes.cuh.j2):
-FP8 E4M3 with a float32 scale per row or tensor, MXFP8 and MXFP4 (E4M3 / E2M1 with an E8M0
+FP8 E4M3 with a float32 scale per row or tensor or per 128 x 128 block, MXFP8 and MXFP4 (E4M3 / E2M1 with an E8M0
 scale per block of 32) and NVFP4 (E2M1 with an E4M3 scale per block of 16 and a float32 one per
 tensor).
 
@@ -17,12 +17,14 @@ from __future__ import annotations
 from qir.codegen.fragments import (
     MAX_RUN_PAIRS,
     Fragment,
+    FragmentBuffer,
     byte_codes,
     overflow_shift,
     register_fragment,
 )
 from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
+from qir.formats.fp8_block import Fp8Block, blocks
 from qir.formats.mx import GROUP_SIZE as MX_BLOCK
 from qir.formats.mx import Mxfp4, Mxfp8
 from qir.formats.nvfp4 import GROUP_SIZE as NVFP4_BLOCK
@@ -40,7 +42,7 @@ def _fragment(
     in_features: int,
     chunk_elems: int,
     run_elems: int,
-    scales: dict[str, tuple[str, int]],
+    scales: dict[str, FragmentBuffer],
     **context: object,
 ) -> Fragment:
     run_pairs = run_elems // 2
@@ -84,6 +86,29 @@ def _fp8(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         scale="row" if per_row else "tensor",
         split_scale=True,
         scale_doc=f"w = e4m3 * scale, one float32 scale per {'row' if per_row else 'tensor'}",
+    )
+
+
+@register_fragment("fp8_block")
+def _fp8_block(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
+    """A chunk (32, 16 or 8 codes) never straddles a 128-wide scale block: the block's scale is
+    loaded with the chunk's codes and applied to each run's sum, like MXFP8's."""
+    assert isinstance(fmt, Fp8Block)
+    chunk = next(c for c in _FP8_CHUNKS if in_features % c == 0)
+    assert fmt.block_in % chunk == 0
+    return _fragment(
+        8,
+        in_features,
+        chunk,
+        min(chunk, 2 * _E4M3_RUN_PAIRS),
+        {"scale": ("float", blocks(in_features, fmt.block_in), fmt.block_out)},
+        title="block FP8",
+        scale="block",
+        chunks_per_block=fmt.block_in // chunk,
+        scale_doc=(
+            f"rows of {fmt.block_out} share a row of float32 scales, one per {fmt.block_in} "
+            f"inputs: w = e4m3 * scale[row / {fmt.block_out}][k / {fmt.block_in}]"
+        ),
     )
 
 

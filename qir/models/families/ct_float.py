@@ -1,5 +1,6 @@
 """compressed-tensors float formats: `mxfp4-pack-quantized` (MXFP4: `weight_packed` u8 [O, I/2],
-`weight_scale` E8M0 u8 [O, I/32]) and `float-quantized` (FP8 E4M3 per channel or per tensor).
+`weight_scale` E8M0 u8 [O, I/32]) and `float-quantized` (FP8 E4M3 per channel or per tensor, or
+per 128 x 128 block: FP8_BLOCK, `weight_scale` [ceil(O/128), ceil(I/128)]).
 
 The matcher claims a config only when every config group has one of these formats (the other
 compressed-tensors formats have their own families). Schemes of these formats that qir cannot
@@ -29,6 +30,7 @@ from qir.models.families.compressed_tensors import (
 )
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.models.families.fp8 import read_fp8
+from qir.models.families.fp8_block import block_size, read_fp8_block
 from qir.types import QWeight
 
 MXFP4 = "mxfp4-pack-quantized"
@@ -64,11 +66,8 @@ def _check_scheme(q: Mapping[str, Any]) -> None:
                     f"not supported: {MXFP4} weights {w.get('type')} {w.get('num_bits')}-bit "
                     f"group_size {w.get('group_size')} ({where}; MXFP4 is float 4-bit, 32)"
                 )
-        elif strategy == "block":
-            raise FormatError(
-                f"not supported: compressed-tensors FP8 block-wise weight scales (FP8_BLOCK, "
-                f"block_structure {w.get('block_structure')}; {where}.strategy)"
-            )
+        elif strategy == "block" and kind == ("float", 8, True):
+            block_size(w.get("block_structure"), f"{where}.block_structure")
         elif kind != ("float", 8, True) or strategy not in FP8_STRATEGIES:
             raise FormatError(
                 f"not supported: {FP8} weights {w.get('type')} {w.get('num_bits')}-bit "
@@ -124,7 +123,10 @@ def _linear(ck: Checkpoint, module: str) -> Linear:
     _, group = found
     if group_format(q, group) == MXFP4:
         return _mxfp4(ck, module)
-    return read_fp8(ck, module, group["weights"]["strategy"])
+    w = group["weights"]
+    if w["strategy"] == "block":
+        return read_fp8_block(ck, module, block_size(w["block_structure"], ""), "weight_scale")
+    return read_fp8(ck, module, w["strategy"])
 
 
 register_family(Family("ct_float", matches_config, _linear))

@@ -2,7 +2,8 @@
 from_config, no downloads): `python source.py FAMILY OUT DTYPE`.
 
 Linears are sized like a trained model's (std in_features^-1/2), so activations stay O(1)
-through the layers; embeddings and lm_head have std 0.2 (logits of std ~3, tied or not); norms,
+through the layers; embeddings and lm_head have std 0.2 (logits of std ~3, tied or not; Gemma's
+embeddings 0.05, which it scales by sqrt(hidden)); norms,
 q/k norms and biases are randomised so that each feature moves the logits. A word-level
 tokenizer of 256 ids is saved beside the model (mlx-lm's convert loads one; the fixtures drop
 it). Runs with transformers 4.51 (auto-gptq's venv) and 5.x alike.
@@ -41,21 +42,57 @@ FAMILIES = {
         "pad_token_id": 0,
         "original_max_position_embeddings": 128,
     },
+    # Gemma 3's text model: norms x * (1 + w) with post-attention / post-feed-forward norms,
+    # q/k norms, gelu_pytorch_tanh, embeddings scaled by sqrt(hidden), query_pre_attn_scalar
+    # apart from head_dim, a sliding layer (window 8, its own RoPE base) before a full one, and
+    # the final soft-cap set (Gemma 3 releases leave it null; here it moves the logits 6%)
+    "gemma3_text": {
+        "tie_word_embeddings": False,  # tied random embeddings make every step repeat its input
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 48,
+        # transformers 5.24's Gemma3Attention never passes attn_logit_softcapping to its
+        # attention function (nor does mlx-lm apply it): set, it would move nothing
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "pad_token_id": 0,
+        # scaled by sqrt(256) = 16 on the way in: std 0.8 there, like the layers' outputs
+        "embed_std": 0.05,
+    },
+    # Qwen3 with linears that are not whole 128 x 128 blocks (hidden 320, intermediate 416):
+    # the block FP8 fixtures' ragged scale blocks
+    "qwen3_ragged": {
+        "model_type": "qwen3",
+        "hidden_size": 320,
+        "intermediate_size": 416,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+    },
 }
 
 
 def make(family: str, out: str, dtype: str) -> None:
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    spec = {**COMMON, **FAMILIES[family]}
+    embed_std = spec.pop("embed_std", 0.2)
+    cfg = AutoConfig.for_model(spec.pop("model_type", family), **spec)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # RMSNorm weights (q_norm/k_norm too)
                 spread = 0.3 if ("q_norm" in name or "k_norm" in name) else 0.2
-                p.copy_(1.0 + spread * torch.randn_like(p))
+                # Gemma's norms scale by 1 + w (their weights start at 0), the others' by w
+                one = 0.0 if cfg.model_type.startswith("gemma") else 1.0
+                p.copy_(one + spread * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            elif name == "model.embed_tokens.weight":
+                p.copy_(embed_std * torch.randn_like(p))
+            elif name == "lm_head.weight":
                 p.copy_(0.2 * torch.randn_like(p))
             elif p.ndim == 2:
                 p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
