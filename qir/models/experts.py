@@ -202,6 +202,10 @@ def read_experts(
                 f"{lin.module}.weight: holds a {[w.out_features, w.in_features]} expert, but "
                 f"config.json implies {list(want)} (hidden_size, {fam.intermediate_key})"
             )
+        if w.bias:  # the expert kernels add none: refuse rather than answer without it
+            raise FormatError(
+                f"{lin.module}.bias: expert biases are not supported yet (gpt-oss's, issue 22)"
+            )
         if w != first:
             raise FormatError(
                 f"{lin.module}: {w.format.spell()} differs from {experts[0].module}'s "

@@ -202,6 +202,19 @@ def test_bad_moe_checkpoints_are_refused_in_one_line(
     )
 
 
+def test_expert_biases_are_refused_until_the_kernels_add_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _copy(tmp_path, AWQ)
+
+    def biased(t: dict) -> None:
+        t["model.layers.0.block_sparse_moe.experts.1.w2.bias"] = np.zeros(256, np.float16)
+
+    _edit_tensors(path, biased)
+    err = _refused(path, capsys)
+    assert "block_sparse_moe.experts.1.w2.bias: expert biases are not supported yet" in err
+
+
 def test_stacked_experts_of_another_count_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
