@@ -6,6 +6,7 @@ just as the kernels store f16 between launches)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -163,8 +164,18 @@ def silu(a: np.ndarray) -> np.ndarray:
     return a / (np.float32(1) + np.exp(-a))
 
 
+def gelu_tanh(a: np.ndarray) -> np.ndarray:
+    """gelu's tanh approximation (torch's approximate="tanh"), float32."""
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    inner = c * (a + np.float32(0.044715) * a * a * a)
+    return np.float32(0.5) * a * (np.float32(1) + np.tanh(inner))
+
+
+# The gate activations a qlinear's gate/up epilogue or prologue may apply (its `act` attribute).
+GATE_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}
+
 _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
-    "silu": silu,
+    **GATE_ACTS,
     "mul": np.multiply,
     "add": np.add,
 }
@@ -354,6 +365,10 @@ def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:
             f"{table.shape[0]}"
         )
     rows: np.ndarray = table[ids]
+    scale = node.attr("scale")
+    if scale is not None:  # the gathered row rounds, then the product (as transformers' Gemma)
+        dt = node.type.dtype.np if isinstance(node.type, TensorType) else np.float32
+        rows = (_f32(rows.astype(dt)) * np.float32(scale)).astype(dt)
     return rows
 
 
@@ -415,6 +430,10 @@ def evaluate(
             env[name] = expert_qlinear(node, args)
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
+        elif node.op == "softcap":
+            assert isinstance(node.type, TensorType)
+            cap = np.float32(node.attr("cap"))
+            env[name] = (np.tanh(_f32(args[0]) / cap) * cap).astype(node.type.dtype.np)
         else:
             assert isinstance(node.type, TensorType)
             result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))

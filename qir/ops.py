@@ -333,6 +333,15 @@ def _infer_unary(op: str) -> Infer:
     return infer
 
 
+def _infer_softcap(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    cap = attrs.get("cap")
+    if not isinstance(cap, float) or not cap > 0:
+        raise IRTypeError(f"softcap: cap must be a positive float, got {cap!r}")
+    return _activation("softcap", names, types, 0)
+
+
 def _infer_binary(op: str) -> Infer:
     def infer(
         types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
@@ -571,7 +580,9 @@ def _infer_attention(
 def _infer_embedding(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`."""
+    """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`; with
+    `scale` (Gemma: sqrt(hidden), already rounded to `dtype`) each rounded row times it, rounded
+    again."""
     _checked("embedding", names, types, 0, index_problem)
     table = types[1]
     if not isinstance(table, QWeight) or table.bias:
@@ -584,6 +595,9 @@ def _infer_embedding(
             f"embedding: dtype must be one of {', '.join(d.name for d in dtypes.ACTIVATION)}, "
             f"got {dt!r}"
         )
+    scale = attrs.get("scale")
+    if scale is not None and (not isinstance(scale, float) or not scale > 0):
+        raise IRTypeError(f"embedding: scale must be a positive float, got {scale!r}")
     return TensorType((BATCH, table.in_features), dtypes.by_name(dt))
 
 
@@ -770,6 +784,10 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec("get", 1, _infer_get, frozenset({"index"})),
         OpSpec("silu", 1, _infer_unary("silu"), elementwise=True),
+        # gelu with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP)
+        OpSpec("gelu_tanh", 1, _infer_unary("gelu_tanh"), elementwise=True),
+        # tanh(x / cap) * cap (Gemma's final logit soft-capping)
+        OpSpec("softcap", 1, _infer_softcap, frozenset({"cap"}), elementwise=True),
         OpSpec("mul", 2, _infer_binary("mul"), elementwise=True),
         OpSpec("add", 2, _infer_binary("add"), elementwise=True),
         # A KV cache: persistent state named by `key`, written only by one kv_append.
@@ -788,7 +806,7 @@ OPS: dict[str, OpSpec] = {
             _infer_attention,
             frozenset({"scale", "page_size", "norm_eps", "window"}) | ROPE_ATTRS,
         ),
-        OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
+        OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
         OpSpec("sample", 4, _infer_sample),
         OpSpec("route", 1, _infer_route, frozenset({"k", "rule"})),
         OpSpec(

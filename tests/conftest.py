@@ -42,6 +42,7 @@ FAMILY_FIXTURES = frozenset(
         "ct_w4a16_mistral",
         "mlx_affine4_phi3",
         "ct_w4a16_phi3",
+        "mlx_affine4_gemma3",
     }
 )
 

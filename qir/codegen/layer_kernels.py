@@ -347,14 +347,20 @@ def sample_kernel(act: DType, vocab: int) -> Kernel:
     return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())
 
 
-def embedding_kernel(table: QWeight, act: DType) -> tuple[Kernel, int, tuple[str, ...]]:
-    """The gather kernel, its grid.x and the format's buffers in parameter order."""
+def embedding_kernel(
+    table: QWeight, act: DType, scale: float | None = None
+) -> tuple[Kernel, int, tuple[str, ...]]:
+    """The gather kernel, its grid.x and the format's buffers in parameter order; with `scale`
+    each row, rounded to `act`, times it (Gemma)."""
     frag = fragment_for(table.format, table.out_features, table.in_features)
     frag_params = [{"c_type": p.c_type, "suffix": p.name.removeprefix("w_")} for p in frag.params]
     chunks = frag.chunks_per_row(table.in_features)
     name = f"embedding_{table.format.tag()}_{act.name}_v{table.out_features}_k{table.in_features}"
+    if scale is not None:
+        name += f"_x{scale:g}".replace(".", "p").replace("+", "")
     source = render(
         "embedding.cu.j2",
+        scale=None if scale is None else f"{float(scale)!r}f",
         name=name,
         format_spelling=table.format.spell(),
         fragment_template=frag.template,

@@ -311,7 +311,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
             n = out.shape[1]
             assert isinstance(n, int)
             args = (*(Arg("value", o) for o in operands), Arg("value", name), Arg("M"))
-            kernel = elementwise_kernel(node.op, out.dtype, n)
+            kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
             launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
         else:
             raise NotImplementedError(f"no kernel for %{name} = {node.op}")

@@ -161,7 +161,8 @@ def lower_embedding(graph: Graph, name: str) -> Lowered:
     ids, table = graph.operands(name)
     w = graph.node(table).type
     assert isinstance(w, QWeight)
-    kernel, grid_x, buffers = embedding_kernel(w, _tensor(graph, name).dtype)
+    scale = graph.node(name).attr("scale")
+    kernel, grid_x, buffers = embedding_kernel(w, _tensor(graph, name).dtype, scale)
     args = (
         Arg("value", ids),
         *(Arg("weight", table, b) for b in buffers),

@@ -477,6 +477,13 @@ GATE: tuple[Entry, ...] = (
         model("ct_nvfp4_w4a4_S"),
         ("rms_norm_", "quantize_act_nvfp4_bf16_k256_div_rmsnorm"),
     ),
+    # Gemma 3: embeddings scaled by 16, RMSNorm weights folded to float32 (1 + w) alone and in
+    # the prologues, gelu-tanh, the final soft-cap.
+    Entry(
+        "model-gemma3-mlx4",
+        model("mlx_affine4_gemma3"),
+        ("embedding_mlx4", "_x16", "rms_norm_bf16_n256_wf32", "ew_gelu_tanh_", "ew_softcap_c30_"),
+    ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),
     Entry(
