@@ -200,9 +200,10 @@ def _qlinear(
     t = node.type.elements[0] if isinstance(node.type, TupleType) else node.type
     assert isinstance(t, TensorType)
     dt = t.dtype.np
+    gate = GATE_ACTS[str(attrs.get("act", "silu"))]
     if attrs.get("prologue") == "silu_mul":
         g, u = args[ins]
-        x = _silu_mul(g, u, dt)
+        x = _silu_mul(g, u, dt, gate)
         scheme = attrs.get("act_quant")
         if isinstance(scheme, str) and m <= W4A4_MAX_M:
             x = quantize_act(scheme, x, attrs)
@@ -221,14 +222,16 @@ def _qlinear(
         (r,) = args[extras]
         outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
     elif attrs.get("epilogue") == "silu_mul":
-        outs = [_silu_mul(outs[0], outs[1], dt)]
+        outs = [_silu_mul(outs[0], outs[1], dt, gate)]
     return tuple(outs) if isinstance(node.type, TupleType) else outs[0]
 
 
-def _silu_mul(g: np.ndarray, u: np.ndarray, dt: Any) -> np.ndarray:
-    """silu(g) * u rounded to the act dtype after the silu and after the product, as the
-    separate silu and mul ops round."""
-    return (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+def _silu_mul(
+    g: np.ndarray, u: np.ndarray, dt: Any, gate: Callable[[np.ndarray], np.ndarray] = silu
+) -> np.ndarray:
+    """gate(g) * u (silu, or the node's act) rounded to the act dtype after the activation and
+    after the product, as the separate activation and mul ops round."""
+    return (gate(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -141,12 +141,16 @@ def _infer_leaf(
 
 PROLOGUES = ("silu_mul", "rms_norm")
 EPILOGUES = ("residual", "silu_mul")
+# The activation a silu_mul prologue or epilogue applies to the gate (a qlinear's `act`; absent:
+# silu): the elementwise op it stands for.
+GATE_ACTS = ("silu", "gelu_tanh")
 
 
 def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, slice, slice]:
     """Where a qlinear's inputs, weights and epilogue operands sit among its operands.
 
-    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input), or
+    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input, or
+    act(g) * u with the node's `act`: GATE_ACTS), or
     (x, w) with prologue rms_norm (it reads rms_norm(x, w) with the node's eps);
     weights: one or more (several = one multi-output node reading its input once; with
     epilogue silu_mul exactly two, gate and up, and one result silu(x Wg^T) * (x Wu^T));
@@ -169,6 +173,12 @@ def _infer_qlinear(
         raise IRTypeError(f"qlinear: unknown prologue {prologue!r}; known: {', '.join(PROLOGUES)}")
     if epilogue is not None and epilogue not in EPILOGUES:
         raise IRTypeError(f"qlinear: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
+    act = attrs.get("act")
+    if act is not None:
+        if act not in GATE_ACTS:
+            raise IRTypeError(f"qlinear: unknown act {act!r}; known: {', '.join(GATE_ACTS)}")
+        if "silu_mul" not in (prologue, epilogue):
+            raise IRTypeError(f"qlinear: act {act!r} needs a silu_mul prologue or epilogue")
     _, ws, extras = qlinear_layout(len(types), attrs)
     if ws.stop - ws.start < 1:
         raise IRTypeError(f"qlinear: {len(types)} operands leave no weight")
@@ -772,7 +782,16 @@ OPS: dict[str, OpSpec] = {
             VARIADIC,
             _infer_qlinear,
             frozenset(
-                {"prologue", "epilogue", "kernel", "gemm_from_m", "fused", "act_quant", "eps"}
+                {
+                    "prologue",
+                    "epilogue",
+                    "act",
+                    "kernel",
+                    "gemm_from_m",
+                    "fused",
+                    "act_quant",
+                    "eps",
+                }
             )
             | ACT_SCALE_ATTRS,
         ),

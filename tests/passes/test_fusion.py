@@ -15,6 +15,7 @@ from qir.formats.mlx import MlxAffine
 from qir.passes.manager import PASSES, PassOptions, run_pipeline
 from qir.passes.rewrite import Pat, match
 from qir.types import QWeight
+from qir.verify import VerifyError
 from tests.conftest import random_weight, with_bias
 
 W4 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
@@ -334,14 +335,14 @@ def test_patterns_capture_and_require_one_use():
 
 @st.composite
 def random_graphs(draw):
-    """Random blocks of qlinear/silu/mul/add over random formats and act dtypes."""
+    """Random blocks of qlinear/silu/gelu_tanh/mul/add over random formats and act dtypes."""
     act = draw(st.sampled_from([F16, BF16, F32]))
     width = draw(st.sampled_from([64, 128]))
     b = Builder("rand")
     values: list[Value] = [b.input("x", ("M", width), act)]
     n_w = 0
     for _ in range(draw(st.integers(1, 7))):
-        op = draw(st.sampled_from(["qlinear", "qlinear", "silu", "mul", "add"]))
+        op = draw(st.sampled_from(["qlinear", "qlinear", "silu", "gelu_tanh", "mul", "add"]))
         a = values[draw(st.integers(0, len(values) - 1))]
         if op == "qlinear":
             fmt = MlxAffine(draw(st.sampled_from([3, 4, 8])), 64, BF16)
@@ -350,6 +351,8 @@ def random_graphs(draw):
             values.append(b.qlinear(a, w))
         elif op == "silu":
             values.append(b.silu(a))
+        elif op == "gelu_tanh":
+            values.append(b.gelu_tanh(a))
         else:
             c = values[draw(st.integers(0, len(values) - 1))]
             values.append(b.mul(a, c) if op == "mul" else b.add(a, c))
@@ -367,3 +370,49 @@ def test_pipeline_preserves_the_interpreter_on_random_graphs(graph, seed, m):
     after, _ = run_pipeline(graph)
     assert print_graph(graph) == text, "the caller's graph is untouched"
     assert_same_numbers(text, print_graph(after), rng, m)
+
+
+def test_gelu_tanh_fuses_where_silu_does_with_the_nodes_act(rng):
+    """Gemma's gelu_tanh in the silu's place: the gate/up epilogue and down_proj's prologue
+    take it, the qlinear's `act` naming it; the interpreter's numbers are unchanged (and are
+    not silu's)."""
+    merged = MERGED.replace("%act = silu %gate", "%act = gelu_tanh %gate")
+    after, fired = run_pass(merged, "silu_epilogue")
+    assert fired == 1
+    assert (
+        '%h = qlinear %x, %w_gate, %w_up {act="gelu_tanh", epilogue="silu_mul", '
+        'fused=["gate", "up", "gate_up", "act"]} : f16[M, 256]' in after
+    )
+    assert_same_numbers(merged, after, rng)
+    unmerged = MLP.replace("%act = silu %gate", "%act = gelu_tanh %gate")
+    after, fired = run_pass(unmerged, "silu_prologue")
+    assert fired == 1
+    assert (
+        '%down = qlinear %gate, %up, %w_down {act="gelu_tanh", fused=["act", "h"], '
+        'prologue="silu_mul"} : f16[M, 128]' in after
+    )
+    assert_same_numbers(unmerged, after, rng)
+    # The act is what the kernel applies: silu's numbers differ.
+    w = weights_for(unmerged, rng)
+    x = {"x": rng.standard_normal((3, 128)).astype(np.float16)}
+    silu = interpret(parse(after.replace('act="gelu_tanh", ', "")), x, w)["y"]
+    assert not np.array_equal(silu, interpret(parse(after), x, w)["y"])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (('act="gelu_tanh", ', 'act="relu", '), r"qlinear: unknown act 'relu'"),
+        (('act="gelu_tanh", fused=["act", "h"], prologue="silu_mul"', 'act="gelu_tanh"'), None),
+    ],
+)
+def test_a_qlinears_act_is_checked(edit, message):
+    unmerged = MLP.replace("%act = silu %gate", "%act = gelu_tanh %gate")
+    after, _ = run_pass(unmerged, "silu_prologue")
+    text = after.replace(*edit)
+    if message is None:  # an act without a gate to apply it to
+        text = text.replace("%down = qlinear %gate, %up, %w_down", "%down = qlinear %h0, %w_down")
+        text = text.replace("  %down =", "  %h0 = mul %gate, %up : f16[M, 256]\n  %down =")
+        message = r"qlinear: act 'gelu_tanh' needs a silu_mul prologue or epilogue"
+    with pytest.raises(VerifyError, match=message):
+        parse(text)
