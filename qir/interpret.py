@@ -475,6 +475,9 @@ def expert_qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray:
 
 _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "rms_norm": lambda node, args: rms_norm(args[0], args[1], node.attr("eps")),
+    "norm_residual": lambda node, args: (
+        _f32(args[2]) + _f32(rms_norm(args[0], args[1], node.attr("eps")).astype(args[2].dtype))
+    ),
     "rope": lambda node, args: rope.rotate(args[0], args[1], dict(node.attrs)),
     "attention": attention,
     "embedding": embedding,

@@ -388,6 +388,20 @@ def _infer_rms_norm(
     return x
 
 
+def _infer_norm_residual(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(x, w, r) -> r + rms_norm(x, w), the norm rounded before the add (Gemma's post-norms)."""
+    x = _infer_rms_norm(types[:2], names[:2], attrs)
+    r = _activation("norm_residual", names, types, 2)
+    if r != x:
+        raise IRTypeError(
+            f"norm_residual: {_desc(names[2], r)} and {_desc(names[0], x)} differ "
+            "(shapes and dtypes must match)"
+        )
+    return x
+
+
 def _infer_row_norm(
     op: str, types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> TensorType:
@@ -812,6 +826,8 @@ OPS: dict[str, OpSpec] = {
         # A KV cache: persistent state named by `key`, written only by one kv_append.
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
+        # r + rms_norm(x, w): a norm before a residual add, one kernel (passes/norm_residual)
+        OpSpec("norm_residual", 3, _infer_norm_residual, frozenset({"eps", "fused"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
         OpSpec(
             "kv_append",

@@ -15,6 +15,7 @@ from qir.interpret import BindError, gelu_tanh
 from qir.models import load
 from qir.models.blocks import build
 from qir.ops import IRTypeError
+from qir.types import TensorType
 from tests.conftest import BACKENDS, DATA, FMT4, MLX_FIXTURES, mlp_graph, rel_err
 
 GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
@@ -101,3 +102,24 @@ def test_softcap_and_embedding_scale_refuse_bad_attributes():
     x = b.input("x", ("M", 8), F16)
     with pytest.raises(IRTypeError, match=r"softcap: cap must be a positive float, got -1.0"):
         b.softcap(x, -1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_norm_before_a_residual_add_is_one_kernel(backend, rng):
+    """norm_residual (Gemma's post-norms): r + rms_norm(x, w) with float32 weights, N = 300,
+    one launch, the reference's numbers."""
+    for act in (BF16, F32):
+        b = Builder(f"post_norm_{act.name}")
+        x, r = b.input("x", ("M", 300), act), b.input("r", ("M", 300), act)
+        w = b.param("post", TensorType((300,), F32), name="w")
+        b.output("y", b.add(r, b.rms_norm(x, w, 1e-6, name="n"), name="y"))
+        weights = {"post": {"weight": (1 + 0.2 * rng.standard_normal(300)).astype(np.float32)}}
+        ours = qir.compile(b.graph, weights, backend=backend)
+        ref = qir.compile(b.graph, weights, backend="reference", passes="none")
+        assert ours.launches_for(3) == 1
+        xs = {k: rng.standard_normal((3, 300)).astype(act.np) for k in ("x", "r")}
+        y, want = ours(xs)["y"], ref(xs)["y"]
+        tol = 1e-2 if act is BF16 else 1e-5
+        np.testing.assert_allclose(
+            y.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol
+        )

@@ -310,6 +310,7 @@ def test_default_pipeline_counts_and_ir():
         "silu_epilogue": 1,
         "silu_prologue": 0,
         "residual_epilogue": 1,
+        "norm_residual": 0,
         "fold_rope": 0,
         "fold_head_norm": 0,
         "route_w4a4": 0,
@@ -416,3 +417,53 @@ def test_a_qlinears_act_is_checked(edit, message):
         message = r"qlinear: act 'gelu_tanh' needs a silu_mul prologue or epilogue"
     with pytest.raises(VerifyError, match=message):
         parse(text)
+
+
+POST_NORM = f"""
+graph post_norm {{
+  %x = input : bf16[M, 128]
+  %a = input : bf16[M, 128]
+  %w_o = weight {{key="o"}} : {W4}[128, 128]
+  %nw = weight {{key="post"}} : f32[128]
+  %o = qlinear %a, %w_o : bf16[M, 128]
+  %n = rms_norm %o, %nw {{eps=1e-06}} : bf16[M, 128]
+  %y = add %x, %n : bf16[M, 128]
+  output y = %y
+}}
+"""
+
+
+def test_norm_residual_takes_a_norm_before_a_residual_add(rng):
+    """Gemma's post-norms: add(r, rms_norm(x, w)) in either order is one norm_residual; the
+    qlinear keeps no residual epilogue (its result is normed first)."""
+    for text in (POST_NORM, POST_NORM.replace("add %x, %n", "add %n, %x")):
+        after, fired = run_pass(text, "norm_residual")
+        assert fired == 1
+        assert '%y = norm_residual %o, %nw, %x {eps=1e-06, fused=["n"]} : bf16[M, 128]' in after
+        assert "%n =" not in after
+        _same_post_norm_numbers(text, after, rng)
+        _, records = run_pipeline(parse(text))
+        fired_all = {r.name: r.matches for r in records}
+        assert (fired_all["residual_epilogue"], fired_all["norm_residual"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (("output y = %y", "output y = %y\n  output n = %n"), "norm used twice"),
+        (("%y = add %x, %n", "%y = mul %x, %n"), "not an add"),
+    ],
+)
+def test_norm_residual_does_not_fire(edit, why):
+    _, fired = run_pass(POST_NORM.replace(*edit), "norm_residual")
+    assert fired == 0, why
+
+
+def _same_post_norm_numbers(before: str, after: str, rng: np.random.Generator) -> None:
+    _, bufs = random_weight(rng, 128, 128, MlxAffine(4, 64, BF16))
+    w = {"o": bufs, "post": {"weight": (1 + 0.2 * rng.standard_normal(128)).astype(np.float32)}}
+    x = {k: rng.standard_normal((5, 128)).astype(BF16.np) for k in ("x", "a")}
+    want = interpret(parse(before), x, w)["y"]
+    np.testing.assert_array_equal(interpret(parse(after), x, w)["y"], want)
+    # not the add without the norm's rounding, nor the norm without the add
+    assert not np.array_equal(want, x["x"])

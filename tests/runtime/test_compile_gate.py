@@ -519,7 +519,13 @@ GATE: tuple[Entry, ...] = (
     Entry(
         "model-gemma3-mlx4",
         model("mlx_affine4_gemma3"),
-        ("embedding_mlx4", "_x16", "rms_norm_bf16_n256_wf32", "_wf32_gelumul", "ew_softcap_c30_"),
+        (
+            "embedding_mlx4",
+            "_x16",
+            "rms_norm_bf16_n256_wf32_res",
+            "_wf32_gelumul",
+            "ew_softcap_c30_",
+        ),
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),
