@@ -171,6 +171,12 @@ def gelu_tanh(a: np.ndarray) -> np.ndarray:
     return np.float32(0.5) * a * (np.float32(1) + np.tanh(inner))
 
 
+def softcap(a: np.ndarray, cap: float) -> np.ndarray:
+    """tanh(a / cap) * cap in float32 (Gemma's logit soft-capping)."""
+    c = np.float32(cap)
+    return np.tanh(_f32(a) / c) * c
+
+
 # The gate activations a qlinear's gate/up epilogue or prologue may apply (its `act` attribute).
 GATE_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}
 
@@ -223,6 +229,10 @@ def _qlinear(
         outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
     elif attrs.get("epilogue") == "silu_mul":
         outs = [_silu_mul(outs[0], outs[1], dt, gate)]
+    elif attrs.get("epilogue") == "softcap":
+        cap = attrs["cap"]
+        assert isinstance(cap, float)
+        outs = [softcap(outs[0], cap).astype(dt)]
     return tuple(outs) if isinstance(node.type, TupleType) else outs[0]
 
 
@@ -435,8 +445,7 @@ def evaluate(
             env[name] = args[0][node.attr("index")]
         elif node.op == "softcap":
             assert isinstance(node.type, TensorType)
-            cap = np.float32(node.attr("cap"))
-            env[name] = (np.tanh(_f32(args[0]) / cap) * cap).astype(node.type.dtype.np)
+            env[name] = softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
         else:
             assert isinstance(node.type, TensorType)
             result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))

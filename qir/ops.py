@@ -140,7 +140,7 @@ def _infer_leaf(
 
 
 PROLOGUES = ("silu_mul", "rms_norm")
-EPILOGUES = ("residual", "silu_mul")
+EPILOGUES = ("residual", "silu_mul", "softcap")
 # The activation a silu_mul prologue or epilogue applies to the gate (a qlinear's `act`; absent:
 # silu): the elementwise op it stands for.
 GATE_ACTS = ("silu", "gelu_tanh")
@@ -154,7 +154,8 @@ def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, sl
     (x, w) with prologue rms_norm (it reads rms_norm(x, w) with the node's eps);
     weights: one or more (several = one multi-output node reading its input once; with
     epilogue silu_mul exactly two, gate and up, and one result silu(x Wg^T) * (x Wu^T));
-    then the residual r with epilogue residual (y = r + x W^T).
+    then the residual r with epilogue residual (y = r + x W^T). Epilogue softcap (one weight,
+    attribute cap): y = tanh(x W^T / cap) * cap, the projection rounded first.
     """
     n_in = 2 if attrs.get("prologue") in PROLOGUES else 1
     n_extra = 1 if attrs.get("epilogue") == "residual" else 0
@@ -243,6 +244,17 @@ def _infer_qlinear(
                 f"qlinear epilogue silu_mul: needs two weights (gate, up) of one shape, got {shapes}"
             )
         return results[0]
+    if epilogue == "softcap":
+        cap = attrs.get("cap")
+        if len(results) != 1 or prologue == "silu_mul":
+            raise IRTypeError("qlinear epilogue softcap: needs exactly one weight, no silu_mul")
+        if not isinstance(cap, float) or not cap > 0:
+            raise IRTypeError(
+                f"qlinear epilogue softcap: cap must be a positive float, got {cap!r}"
+            )
+        return results[0]
+    if attrs.get("cap") is not None:
+        raise IRTypeError("qlinear: cap is the softcap epilogue's")
     if epilogue == "residual":
         if len(results) != 1:
             raise IRTypeError("qlinear epilogue residual: needs exactly one weight")
@@ -800,6 +812,7 @@ OPS: dict[str, OpSpec] = {
                     "prologue",
                     "epilogue",
                     "act",
+                    "cap",
                     "kernel",
                     "gemm_from_m",
                     "fused",

@@ -33,6 +33,8 @@ from qir.codegen.gemv import (
     GATE_ACTS,
     GemvSpec,
     bias_of,
+    c_cap,
+    cap_suffix,
     gate_spelled,
     norm_param,
     norm_suffix,
@@ -150,6 +152,7 @@ class GemmSpec:
     # As GemvSpec.target; a native GEMM is specialised for its target (sm_120a/sm_121a).
     target: Target | None = None
     gate_act: str = "silu"  # as GemvSpec.gate_act
+    cap: float | None = None  # as GemvSpec.cap
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:
@@ -174,6 +177,7 @@ class GemmSpec:
             norm=fused.norm,
             target=fused.target,
             gate_act=fused.gate_act,
+            cap=fused.cap,
         )
 
     @property
@@ -189,6 +193,7 @@ class GemmSpec:
             self.norm,
             self.target,
             self.gate_act,
+            self.cap,
         )
 
     @property
@@ -213,6 +218,7 @@ class GemmSpec:
         w0 = f.weights[0]
         outs = segments(f.weights)
         fused = ("_silu" if f.prologue else "") + norm_suffix(f.norm) + EPILOGUES[f.epilogue]
+        fused += cap_suffix(f.cap)
         if f.a4:
             fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
         if f.native:
@@ -430,6 +436,7 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         paired=f.paired,
         epilogue=f.epilogue,
         gate_fn=GATE_ACTS[f.gate_act],
+        cap=c_cap(f.cap),
         target=f.target.arch if f.target else "",
         fp4_cvt=bool(f.target and f.target.fp4_cvt and frag.e2m1),
         bias_decl=bias_decl,
@@ -489,6 +496,11 @@ def _doc(spec: GemmSpec) -> list[str]:
     if f.paired:
         lines.append(
             f"y0 = {f.gate_act}({x} W0^T{b[0]}) * ({x} W1^T{b[1]}); W0, W1 are "
+            f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
+        )
+    elif f.cap is not None:
+        lines.append(
+            f"y0 = tanh({x} W0^T{b[0]} / {f.cap:g}) * {f.cap:g}; W0 is "
             f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
         )
     else:

@@ -246,6 +246,7 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         norm=norm,
         target=specialised,
         gate_act=gate_act,
+        cap=node.attr("cap"),
     )
     if not a4:
         return launches(plain, x16, [], ALL_M)
@@ -260,6 +261,7 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         a4_mode=mode,
         target=specialised,
         gate_act=gate_act,
+        cap=node.attr("cap"),
     )
     scale = _scale_args(attrs) if prologue else []
     return [

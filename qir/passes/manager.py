@@ -23,6 +23,7 @@ from qir.passes.select_kernels import SelectKernels
 from qir.passes.share_act_quant import ShareActQuant
 from qir.passes.silu_epilogue import SiluEpilogue
 from qir.passes.silu_prologue import SiluPrologue
+from qir.passes.softcap_epilogue import SoftcapEpilogue
 from qir.verify import verify
 
 
@@ -41,6 +42,7 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "silu_prologue": lambda o: SiluPrologue(),
     "residual_epilogue": lambda o: ResidualEpilogue(),
     "norm_residual": lambda o: NormResidual(),
+    "softcap_epilogue": lambda o: SoftcapEpilogue(),
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
     "share_act_quant": lambda o: ShareActQuant(),
     "norm_act_quant": lambda o: NormActQuant(),
@@ -59,6 +61,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         "silu_prologue",
         "residual_epilogue",
         "norm_residual",
+        "softcap_epilogue",
         "fold_rope",
         "fold_head_norm",
         "route_w4a4",

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from qir.cli import main
+from qir.dtypes import F32
 from qir.formats.base import FormatError
 from qir.models import load
 from qir.models.architectures import ARCHITECTURES, architecture_of
+from qir.models.blocks import build
 from tests.conftest import DATA
 from tests.models.synthetic_llama import write_llama
 
@@ -173,3 +176,19 @@ def test_inspect_lists_gemma3s_features(capsys):
         "  RoPE theta 1e+06, rope_type default",
     ):
         assert line in arch
+
+
+def test_gemma3_norm_weights_are_folded_to_one_plus_w_in_float32():
+    """transformers' Gemma3RMSNorm scales by (1 + w.float()) in float32: the loader's folded
+    float32 weight is that factor bit for bit, so the plain x * w norm computes Gemma's."""
+    ck = load(DATA / "mlx_affine4_gemma3")
+    block = build(ck, "norm_qkv", 0, F32)
+    stored = ck.tensor("model.layers.0.input_layernorm.weight")
+    folded = block.weights["model.layers.0.input_layernorm"]["weight"]
+    assert stored.dtype != np.float32 and folded.dtype == np.float32
+    np.testing.assert_array_equal(folded, np.float32(1) + stored.astype(np.float32))
+    assert not np.array_equal(folded, stored.astype(np.float32))
+    model = build(ck, "model", 0, F32)
+    norms = [n for n in model.weights if n.endswith("norm")]
+    assert len(norms) == 2 * 6 + 1  # input, post-attention, pre-/post-feedforward, q, k; final
+    assert all(model.weights[n]["weight"].dtype == np.float32 for n in norms)

@@ -311,6 +311,7 @@ def test_default_pipeline_counts_and_ir():
         "silu_prologue": 0,
         "residual_epilogue": 1,
         "norm_residual": 0,
+        "softcap_epilogue": 0,
         "fold_rope": 0,
         "fold_head_norm": 0,
         "route_w4a4": 0,
@@ -467,3 +468,44 @@ def _same_post_norm_numbers(before: str, after: str, rng: np.random.Generator) -
     np.testing.assert_array_equal(interpret(parse(after), x, w)["y"], want)
     # not the add without the norm's rounding, nor the norm without the add
     assert not np.array_equal(want, x["x"])
+
+
+LOGITS = f"""
+graph logits {{
+  %h = input : f32[M, 128]
+  %w_head = weight {{key="head"}} : {W4}[96, 128]
+  %logits = qlinear %h, %w_head : f32[M, 96]
+  %capped = softcap %logits {{cap=2.0}} : f32[M, 96]
+  output logits = %capped
+}}
+"""
+
+
+def test_softcap_epilogue_is_the_lm_heads_store(rng):
+    after, fired = run_pass(LOGITS, "softcap_epilogue")
+    assert fired == 1
+    assert (
+        '%capped = qlinear %h, %w_head {cap=2.0, epilogue="softcap", fused=["logits"]} : '
+        "f32[M, 96]" in after
+    )
+    assert "softcap %" not in after
+    assert_same_numbers(LOGITS, after, rng)
+    g = parse(after)
+    x = {"h": (4 * rng.standard_normal((3, 128))).astype(np.float32)}
+    y = interpret(g, x, weights_for(LOGITS, rng))["logits"]
+    assert 1.9 < np.abs(y).max() <= 2.0  # capped (the projection alone reaches past 2)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (
+            ("output logits = %capped", "output logits = %capped\n  output raw = %logits"),
+            "used twice",
+        ),
+        (("softcap %logits {cap=2.0}", "silu %logits"), "not a softcap"),
+    ],
+)
+def test_softcap_epilogue_does_not_fire(edit, why):
+    _, fired = run_pass(LOGITS.replace(*edit), "softcap_epilogue")
+    assert fired == 0, why

@@ -515,7 +515,7 @@ GATE: tuple[Entry, ...] = (
         ("rms_norm_", "quantize_act_nvfp4_bf16_k256_div_rmsnorm"),
     ),
     # Gemma 3: embeddings scaled by 16, RMSNorm weights folded to float32 (1 + w) alone and in
-    # the prologues (with the gelu-tanh pair), the final soft-cap.
+    # the prologues (with the gelu-tanh pair), norm_residual, the soft-cap as lm_head's epilogue.
     Entry(
         "model-gemma3-mlx4",
         model("mlx_affine4_gemma3"),
@@ -524,7 +524,7 @@ GATE: tuple[Entry, ...] = (
             "_x16",
             "rms_norm_bf16_n256_wf32_res",
             "_wf32_gelumul",
-            "ew_softcap_c30_",
+            "_wf32_softcap_c30",
         ),
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),

@@ -221,6 +221,32 @@ def test_gelu_gate_through_the_gemv_and_the_gemm(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_epilogue_through_the_gemv_and_the_gemm(backend: str) -> None:
+    """Gemma's final logit soft-cap as the projection's store: GEMV (M = 1, 5), GEMM (M = 33,
+    130), N = 37 (ragged), against the interpreter; the values reach the cap's range."""
+    rng = np.random.default_rng(6)
+    fmt = MlxAffine(4, 64, BF16)
+    b = Builder("capped")
+    x = b.input("x", ("M", HIDDEN), F16)
+    qw, weights = random_weight(rng, RAGGED, HIDDEN, fmt)
+    b.output("y", b.softcap(b.qlinear(x, b.weight("w", qw, name="w_w")), 3.0))
+    c = qir.compile(b.graph, {"w": weights}, backend=backend)
+    ref = qir.compile(b.graph, {"w": weights}, backend="reference")
+    assert c.plan is not None
+    names = [la.kernel.name for la in c.plan.launches]
+    assert any(n.startswith("qgemv_") and n.endswith("_softcap_c3") for n in names), names
+    assert any(n.startswith("qgemm_") and n.endswith("_softcap_c3") for n in names), names
+    for m in (1, 5, 33, 130):
+        assert c.launches_for(m) == 1
+        xs = {"x": (3 * inputs(m)["x"].astype(np.float32)).astype(np.float16)}
+        ours, want = c(xs), ref(xs)
+        assert 2.5 < np.abs(want["y"].astype(np.float32)).max() <= 3.0
+        # two f16 roundings (the projection, then the capped value) where the sums' order may
+        # move the first by an ulp: 4e-3 of the cap
+        assert max_rel(ours["y"], want["y"]) <= 4e-3, m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "fmt", [Dense(F16), Fp8("tensor"), Nvfp4("mul", 16)], ids=lambda f: f.tag()
 )
