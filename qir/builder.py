@@ -169,9 +169,25 @@ class Builder:
         attrs = {**_paging(pages, page_size), **({"window": window} if window else {})}
         return self._op("attention", operands, name, scale=s, **attrs)
 
-    def embedding(self, ids: Value, table: Value, dtype: DType, name: str | None = None) -> Value:
-        """Row ids[m] of the (dequantized) table [vocab, features], in `dtype`."""
-        return self._op("embedding", (ids, table), name, dtype=dtype.name)
+    def embedding(
+        self,
+        ids: Value,
+        table: Value,
+        dtype: DType,
+        name: str | None = None,
+        scale: float | None = None,
+    ) -> Value:
+        """Row ids[m] of the (dequantized) table [vocab, features], in `dtype`; with `scale` (a
+        `dtype` value) the row times it, rounded again."""
+        attrs = {} if scale is None else {"scale": float(scale)}
+        return self._op("embedding", (ids, table), name, dtype=dtype.name, **attrs)
+
+    def gelu_tanh(self, x: Value, name: str | None = None) -> Value:
+        return self._op("gelu_tanh", (x,), name)
+
+    def softcap(self, x: Value, cap: float, name: str | None = None) -> Value:
+        """tanh(x / cap) * cap, in float32, rounded once."""
+        return self._op("softcap", (x,), name, cap=float(cap))
 
     def sample(
         self,

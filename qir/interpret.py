@@ -6,6 +6,7 @@ just as the kernels store f16 between launches)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -163,8 +164,24 @@ def silu(a: np.ndarray) -> np.ndarray:
     return a / (np.float32(1) + np.exp(-a))
 
 
+def gelu_tanh(a: np.ndarray) -> np.ndarray:
+    """gelu's tanh approximation (torch's approximate="tanh"), float32."""
+    c = np.float32(math.sqrt(2.0 / math.pi))
+    inner = c * (a + np.float32(0.044715) * a * a * a)
+    return np.float32(0.5) * a * (np.float32(1) + np.tanh(inner))
+
+
+def softcap(a: np.ndarray, cap: float) -> np.ndarray:
+    """tanh(a / cap) * cap in float32 (Gemma's logit soft-capping)."""
+    c = np.float32(cap)
+    return np.tanh(_f32(a) / c) * c
+
+
+# The gate activations a qlinear's gate/up epilogue or prologue may apply (its `act` attribute).
+GATE_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}
+
 _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
-    "silu": silu,
+    **GATE_ACTS,
     "mul": np.multiply,
     "add": np.add,
 }
@@ -189,9 +206,10 @@ def _qlinear(
     t = node.type.elements[0] if isinstance(node.type, TupleType) else node.type
     assert isinstance(t, TensorType)
     dt = t.dtype.np
+    gate = GATE_ACTS[str(attrs.get("act", "silu"))]
     if attrs.get("prologue") == "silu_mul":
         g, u = args[ins]
-        x = _silu_mul(g, u, dt)
+        x = _silu_mul(g, u, dt, gate)
         scheme = attrs.get("act_quant")
         if isinstance(scheme, str) and m <= W4A4_MAX_M:
             x = quantize_act(scheme, x, attrs)
@@ -210,14 +228,20 @@ def _qlinear(
         (r,) = args[extras]
         outs = [(_f32(r) + _f32(outs[0])).astype(dt)]
     elif attrs.get("epilogue") == "silu_mul":
-        outs = [_silu_mul(outs[0], outs[1], dt)]
+        outs = [_silu_mul(outs[0], outs[1], dt, gate)]
+    elif attrs.get("epilogue") == "softcap":
+        cap = attrs["cap"]
+        assert isinstance(cap, float)
+        outs = [softcap(outs[0], cap).astype(dt)]
     return tuple(outs) if isinstance(node.type, TupleType) else outs[0]
 
 
-def _silu_mul(g: np.ndarray, u: np.ndarray, dt: Any) -> np.ndarray:
-    """silu(g) * u rounded to the act dtype after the silu and after the product, as the
-    separate silu and mul ops round."""
-    return (silu(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+def _silu_mul(
+    g: np.ndarray, u: np.ndarray, dt: Any, gate: Callable[[np.ndarray], np.ndarray] = silu
+) -> np.ndarray:
+    """gate(g) * u (silu, or the node's act) rounded to the act dtype after the activation and
+    after the product, as the separate activation and mul ops round."""
+    return (gate(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -354,6 +378,10 @@ def embedding(node: Node, args: list[np.ndarray]) -> np.ndarray:
             f"{table.shape[0]}"
         )
     rows: np.ndarray = table[ids]
+    scale = node.attr("scale")
+    if scale is not None:  # the gathered row rounds, then the product (as transformers' Gemma)
+        dt = node.type.dtype.np if isinstance(node.type, TensorType) else np.float32
+        rows = (_f32(rows.astype(dt)) * np.float32(scale)).astype(dt)
     return rows
 
 
@@ -415,6 +443,9 @@ def evaluate(
             env[name] = expert_qlinear(node, args)
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
+        elif node.op == "softcap":
+            assert isinstance(node.type, TensorType)
+            env[name] = softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
         else:
             assert isinstance(node.type, TensorType)
             result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
@@ -453,6 +484,9 @@ def expert_qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray:
 
 _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "rms_norm": lambda node, args: rms_norm(args[0], args[1], node.attr("eps")),
+    "norm_residual": lambda node, args: (
+        _f32(args[2]) + _f32(rms_norm(args[0], args[1], node.attr("eps")).astype(args[2].dtype))
+    ),
     "rope": lambda node, args: rope.rotate(args[0], args[1], dict(node.attrs)),
     "attention": attention,
     "embedding": embedding,

@@ -140,17 +140,22 @@ def _infer_leaf(
 
 
 PROLOGUES = ("silu_mul", "rms_norm")
-EPILOGUES = ("residual", "silu_mul")
+EPILOGUES = ("residual", "silu_mul", "softcap")
+# The activation a silu_mul prologue or epilogue applies to the gate (a qlinear's `act`; absent:
+# silu): the elementwise op it stands for.
+GATE_ACTS = ("silu", "gelu_tanh")
 
 
 def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, slice, slice]:
     """Where a qlinear's inputs, weights and epilogue operands sit among its operands.
 
-    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input), or
+    inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input, or
+    act(g) * u with the node's `act`: GATE_ACTS), or
     (x, w) with prologue rms_norm (it reads rms_norm(x, w) with the node's eps);
     weights: one or more (several = one multi-output node reading its input once; with
     epilogue silu_mul exactly two, gate and up, and one result silu(x Wg^T) * (x Wu^T));
-    then the residual r with epilogue residual (y = r + x W^T).
+    then the residual r with epilogue residual (y = r + x W^T). Epilogue softcap (one weight,
+    attribute cap): y = tanh(x W^T / cap) * cap, the projection rounded first.
     """
     n_in = 2 if attrs.get("prologue") in PROLOGUES else 1
     n_extra = 1 if attrs.get("epilogue") == "residual" else 0
@@ -169,6 +174,12 @@ def _infer_qlinear(
         raise IRTypeError(f"qlinear: unknown prologue {prologue!r}; known: {', '.join(PROLOGUES)}")
     if epilogue is not None and epilogue not in EPILOGUES:
         raise IRTypeError(f"qlinear: unknown epilogue {epilogue!r}; known: {', '.join(EPILOGUES)}")
+    act = attrs.get("act")
+    if act is not None:
+        if act not in GATE_ACTS:
+            raise IRTypeError(f"qlinear: unknown act {act!r}; known: {', '.join(GATE_ACTS)}")
+        if "silu_mul" not in (prologue, epilogue):
+            raise IRTypeError(f"qlinear: act {act!r} needs a silu_mul prologue or epilogue")
     _, ws, extras = qlinear_layout(len(types), attrs)
     if ws.stop - ws.start < 1:
         raise IRTypeError(f"qlinear: {len(types)} operands leave no weight")
@@ -233,6 +244,17 @@ def _infer_qlinear(
                 f"qlinear epilogue silu_mul: needs two weights (gate, up) of one shape, got {shapes}"
             )
         return results[0]
+    if epilogue == "softcap":
+        cap = attrs.get("cap")
+        if len(results) != 1 or prologue == "silu_mul":
+            raise IRTypeError("qlinear epilogue softcap: needs exactly one weight, no silu_mul")
+        if not isinstance(cap, float) or not cap > 0:
+            raise IRTypeError(
+                f"qlinear epilogue softcap: cap must be a positive float, got {cap!r}"
+            )
+        return results[0]
+    if attrs.get("cap") is not None:
+        raise IRTypeError("qlinear: cap is the softcap epilogue's")
     if epilogue == "residual":
         if len(results) != 1:
             raise IRTypeError("qlinear epilogue residual: needs exactly one weight")
@@ -333,6 +355,15 @@ def _infer_unary(op: str) -> Infer:
     return infer
 
 
+def _infer_softcap(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    cap = attrs.get("cap")
+    if not isinstance(cap, float) or not cap > 0:
+        raise IRTypeError(f"softcap: cap must be a positive float, got {cap!r}")
+    return _activation("softcap", names, types, 0)
+
+
 def _infer_binary(op: str) -> Infer:
     def infer(
         types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
@@ -366,6 +397,20 @@ def _infer_rms_norm(
     eps = attrs.get("eps")
     if not isinstance(eps, float) or not eps > 0:
         raise IRTypeError(f"rms_norm: eps must be a positive float, got {eps!r}")
+    return x
+
+
+def _infer_norm_residual(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(x, w, r) -> r + rms_norm(x, w), the norm rounded before the add (Gemma's post-norms)."""
+    x = _infer_rms_norm(types[:2], names[:2], attrs)
+    r = _activation("norm_residual", names, types, 2)
+    if r != x:
+        raise IRTypeError(
+            f"norm_residual: {_desc(names[2], r)} and {_desc(names[0], x)} differ "
+            "(shapes and dtypes must match)"
+        )
     return x
 
 
@@ -571,7 +616,9 @@ def _infer_attention(
 def _infer_embedding(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`."""
+    """(ids, table [vocab, features]) -> the rows of the (dequantized) table, in `dtype`; with
+    `scale` (Gemma: sqrt(hidden), already rounded to `dtype`) each rounded row times it, rounded
+    again."""
     _checked("embedding", names, types, 0, index_problem)
     table = types[1]
     if not isinstance(table, QWeight) or table.bias:
@@ -584,6 +631,9 @@ def _infer_embedding(
             f"embedding: dtype must be one of {', '.join(d.name for d in dtypes.ACTIVATION)}, "
             f"got {dt!r}"
         )
+    scale = attrs.get("scale")
+    if scale is not None and (not isinstance(scale, float) or not scale > 0):
+        raise IRTypeError(f"embedding: scale must be a positive float, got {scale!r}")
     return TensorType((BATCH, table.in_features), dtypes.by_name(dt))
 
 
@@ -758,7 +808,17 @@ OPS: dict[str, OpSpec] = {
             VARIADIC,
             _infer_qlinear,
             frozenset(
-                {"prologue", "epilogue", "kernel", "gemm_from_m", "fused", "act_quant", "eps"}
+                {
+                    "prologue",
+                    "epilogue",
+                    "act",
+                    "cap",
+                    "kernel",
+                    "gemm_from_m",
+                    "fused",
+                    "act_quant",
+                    "eps",
+                }
             )
             | ACT_SCALE_ATTRS,
         ),
@@ -770,11 +830,17 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec("get", 1, _infer_get, frozenset({"index"})),
         OpSpec("silu", 1, _infer_unary("silu"), elementwise=True),
+        # gelu with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP)
+        OpSpec("gelu_tanh", 1, _infer_unary("gelu_tanh"), elementwise=True),
+        # tanh(x / cap) * cap (Gemma's final logit soft-capping)
+        OpSpec("softcap", 1, _infer_softcap, frozenset({"cap"}), elementwise=True),
         OpSpec("mul", 2, _infer_binary("mul"), elementwise=True),
         OpSpec("add", 2, _infer_binary("add"), elementwise=True),
         # A KV cache: persistent state named by `key`, written only by one kv_append.
         OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
         OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
+        # r + rms_norm(x, w): a norm before a residual add, one kernel (passes/norm_residual)
+        OpSpec("norm_residual", 3, _infer_norm_residual, frozenset({"eps", "fused"})),
         OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
         OpSpec(
             "kv_append",
@@ -788,7 +854,7 @@ OPS: dict[str, OpSpec] = {
             _infer_attention,
             frozenset({"scale", "page_size", "norm_eps", "window"}) | ROPE_ATTRS,
         ),
-        OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype"})),
+        OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
         OpSpec("sample", 4, _infer_sample),
         OpSpec("route", 1, _infer_route, frozenset({"k", "rule"})),
         OpSpec(

@@ -42,6 +42,7 @@ FAMILY_FIXTURES = frozenset(
         "ct_w4a16_mistral",
         "mlx_affine4_phi3",
         "ct_w4a16_phi3",
+        "mlx_affine4_gemma3",
     }
 )
 
@@ -134,7 +135,9 @@ def mlp_graph(
     inter: int,
     fmt: WeightFormat,
     act: DType = F16,
+    gate_act: str = "silu",
 ) -> tuple[Graph, dict[str, dict[str, np.ndarray]]]:
+    """x + down(gate_act(gate(x)) * up(x)); gate_act: silu, or Gemma's gelu_tanh."""
     b = Builder("mlp")
     weights = {}
     x = b.input("x", ("M", hidden), act)
@@ -149,7 +152,7 @@ def mlp_graph(
         ws[name] = b.weight(name, qw, name=f"w_{name}")
     gate = b.qlinear(x, ws["gate"], name="gate")
     up = b.qlinear(x, ws["up"], name="up")
-    h = b.mul(b.silu(gate, name="act"), up, name="h")
+    h = b.mul(getattr(b, gate_act)(gate, name="act"), up, name="h")
     b.output("y", b.add(x, b.qlinear(h, ws["down"], name="down"), name="y"))
     return b.graph, weights
 

@@ -108,8 +108,13 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         ({"rms_norm_eps": None}, "lacks rms_norm_eps"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
         (
+            {"attn_logit_softcapping": 50.0},
+            "attn_logit_softcapping 50.0 (attention logit soft-capping) is not supported",
+        ),
+        # Gemma 3's config on a Llama's tensors: the first norm Llama lacks, by name
+        (
             {"model_type": "gemma3_text"},
-            "hidden_activation 'gelu_pytorch_tanh' (MLP activation) is not supported",
+            "no tensor 'model.layers.0.self_attn.q_norm.weight'",
         ),
         (
             {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},

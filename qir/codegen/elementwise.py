@@ -1,4 +1,5 @@
-"""Elementwise kernels (silu, mul, add) over [M, N] activations, computed in fp32."""
+"""Elementwise kernels (silu, gelu_tanh, softcap, mul, add) over [M, N] activations, computed in
+fp32."""
 
 from __future__ import annotations
 
@@ -12,18 +13,24 @@ THREADS = 256
 # only substitutes.
 EXPRESSIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "silu": (("a",), "qir_silu(av)"),
+    "gelu_tanh": (("a",), "qir_gelu_tanh(av)"),
+    "softcap": (("a",), "tanhf(av / CAP) * CAP"),
     "mul": (("a", "b"), "av * bv"),
     "add": (("a", "b"), "av + bv"),
 }
 
 
-def elementwise_name(op: str, act: DType, n: int) -> str:
-    return f"ew_{op}_{act.name}_n{n}"
+def elementwise_name(op: str, act: DType, n: int, cap: float | None = None) -> str:
+    spelled = "" if cap is None else f"_c{cap:g}".replace(".", "p").replace("+", "")
+    return f"ew_{op}{spelled}_{act.name}_n{n}"
 
 
-def elementwise_kernel(op: str, act: DType, n: int) -> Kernel:
+def elementwise_kernel(op: str, act: DType, n: int, cap: float | None = None) -> Kernel:
+    """The kernel of `op`; softcap's `cap` is a constant of its source (and its name)."""
     operands, expr = EXPRESSIONS[op]
-    name = elementwise_name(op, act, n)
+    if cap is not None:
+        expr = expr.replace("CAP", f"{float(cap)!r}f")
+    name = elementwise_name(op, act, n, cap)
     act_t = act.c_type
     source = render(
         "elementwise.cu.j2",

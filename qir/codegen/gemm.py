@@ -30,8 +30,12 @@ from typing import Any
 from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.gemv import (
     EPILOGUES,
+    GATE_ACTS,
     GemvSpec,
     bias_of,
+    c_cap,
+    cap_suffix,
+    gate_spelled,
     norm_param,
     norm_suffix,
     segments,
@@ -147,6 +151,8 @@ class GemmSpec:
     norm: tuple[DType, float] | None = None  # input = rms_norm(x, nw), as GemvSpec.norm
     # As GemvSpec.target; a native GEMM is specialised for its target (sm_120a/sm_121a).
     target: Target | None = None
+    gate_act: str = "silu"  # as GemvSpec.gate_act
+    cap: float | None = None  # as GemvSpec.cap
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:
@@ -170,6 +176,8 @@ class GemmSpec:
             fused.a4_mode,
             norm=fused.norm,
             target=fused.target,
+            gate_act=fused.gate_act,
+            cap=fused.cap,
         )
 
     @property
@@ -184,6 +192,8 @@ class GemmSpec:
             self.a4_mode,
             self.norm,
             self.target,
+            self.gate_act,
+            self.cap,
         )
 
     @property
@@ -208,11 +218,12 @@ class GemmSpec:
         w0 = f.weights[0]
         outs = segments(f.weights)
         fused = ("_silu" if f.prologue else "") + norm_suffix(f.norm) + EPILOGUES[f.epilogue]
+        fused += cap_suffix(f.cap)
         if f.a4:
             fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
         if f.native:
             fused += "_nvf4"
-        fused += target_suffix(f.target)
+        fused = gate_spelled(fused + target_suffix(f.target), f.gate_act)
         return (
             f"qgemm_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}"
             f"_{self.tile.spell}{fused}"
@@ -371,6 +382,7 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         "act_mode": 1 if f.a4_mode == "mul" else 0,
         "act_scale": scale,
         "paired": f.paired,
+        "gate_fn": GATE_ACTS[f.gate_act],
     }
     preamble = [render(frag.template, **frag.context)]
     if f.a4 and (f.prologue or f.native):
@@ -378,7 +390,9 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
     preamble.append(render(v["b_adapter"], **parts))
     row_scale = ""
     if f.a4 and f.a4_mode == "dynamic" and (f.prologue or f.native):
-        row_scale = render("gemm/row_scale.cuh.j2" if f.prologue else "gemm/row_scale_x.cuh.j2")
+        row_scale = render(
+            "gemm/row_scale.cuh.j2" if f.prologue else "gemm/row_scale_x.cuh.j2", **parts
+        )
     if f.norm:
         row_scale = render("gemm/row_norm.cuh.j2", eps=repr(f.norm[1]))
     finish = ""
@@ -421,6 +435,8 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         b_args=b_args,
         paired=f.paired,
         epilogue=f.epilogue,
+        gate_fn=GATE_ACTS[f.gate_act],
+        cap=c_cap(f.cap),
         target=f.target.arch if f.target else "",
         fp4_cvt=bool(f.target and f.target.fp4_cvt and frag.e2m1),
         bias_decl=bias_decl,
@@ -470,7 +486,7 @@ def _doc(spec: GemmSpec) -> list[str]:
     """The comment lines at the top of the kernel: what it computes and how it is tiled."""
     f, t = spec, spec.tile
     w0 = f.weights[0]
-    x = "silu(g) * u" if f.prologue else "x"
+    x = f"{f.gate_act}(g) * u" if f.prologue else "x"
     if f.norm:
         x = f"rms_norm(x, nw) (eps {f.norm[1]})"
     if f.a4:
@@ -479,7 +495,12 @@ def _doc(spec: GemmSpec) -> list[str]:
     b = [f" + b{j}" if w.bias else "" for j, w in enumerate(f.weights)]
     if f.paired:
         lines.append(
-            f"y0 = silu({x} W0^T{b[0]}) * ({x} W1^T{b[1]}); W0, W1 are "
+            f"y0 = {f.gate_act}({x} W0^T{b[0]}) * ({x} W1^T{b[1]}); W0, W1 are "
+            f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
+        )
+    elif f.cap is not None:
+        lines.append(
+            f"y0 = tanh({x} W0^T{b[0]} / {f.cap:g}) * {f.cap:g}; W0 is "
             f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
         )
     else:

@@ -47,7 +47,28 @@ SLOTS = 4
 # how many per kernel.
 MIN_BLOCKS_PER_SM = 3
 # Epilogue -> its kernel-name suffix.
-EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul"}
+EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul", "softcap": "_softcap"}
+# A gate's activation (a qlinear's `act`) -> its device function (qir_common.cuh).
+GATE_ACTS = {"silu": "qir_silu", "gelu_tanh": "qir_gelu_tanh"}
+
+
+def cap_suffix(cap: float | None) -> str:
+    """The softcap epilogue's cap as a kernel name spells it (30.0: c30, 2.5: c2p5)."""
+    return "" if cap is None else "_c" + f"{cap:g}".replace(".", "p").replace("+", "")
+
+
+def c_cap(cap: float | None) -> str:
+    """The cap as a C float literal (templates that have no softcap get 1.0f, unused)."""
+    return f"{float(cap if cap is not None else 1.0)!r}f"
+
+
+def gate_spelled(fused: str, gate_act: str) -> str:
+    """A kernel name's fusion suffix with the gate's activation spelled where it is not silu."""
+    if gate_act == "silu":
+        return fused
+    return fused.replace("_silumul", "_gelumul").replace("_silu", "_gelu")
+
+
 A4_MODES = ("dynamic", "mul", "div")
 
 
@@ -81,6 +102,10 @@ class GemvSpec:
     # The target the code is specialised for (its name says so): E2M1 weights on a target with
     # the FP4 conversion (for_target). None: the same code for every target.
     target: Target | None = None
+    # The gate's activation where the prologue or the silu_mul epilogue applies one (a key of
+    # GATE_ACTS): silu, or Gemma's gelu_tanh (the name says "gelu" where it says "silu").
+    gate_act: str = "silu"
+    cap: float | None = None  # the softcap epilogue's: y = tanh(x W^T / cap) * cap
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -105,6 +130,14 @@ class GemvSpec:
             raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
         if self.norm is not None and (self.prologue or self.a4):
             raise ValueError("the rms_norm prologue takes 16-bit activations and no other prologue")
+        if (self.epilogue == "softcap") != (self.cap is not None) or (
+            self.epilogue == "softcap" and len(self.weights) != 1
+        ):
+            raise ValueError("the softcap epilogue takes one weight and a cap (and only it does)")
+        if self.gate_act not in GATE_ACTS:
+            raise ValueError(f"unknown gate activation {self.gate_act!r}; known: {GATE_ACTS}")
+        if self.gate_act != "silu" and not (self.prologue or self.epilogue == "silu_mul"):
+            raise ValueError(f"gate activation {self.gate_act}: needs a gate to apply it to")
         if self.target is not None and not (self.target.fp4_cvt and self.fragment.e2m1):
             raise ValueError(
                 f"{self.target.arch} changes no code of {self.weights[0].format.spell()}"
@@ -115,10 +148,11 @@ class GemvSpec:
         w0 = self.weights[0]
         outs = segments(self.weights)
         fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm)
-        fused += EPILOGUES[self.epilogue]
+        fused += EPILOGUES[self.epilogue] + cap_suffix(self.cap)
         if self.a4:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
         fused += target_suffix(self.target)
+        fused = gate_spelled(fused, self.gate_act)
         return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
 
     @property
@@ -261,7 +295,7 @@ def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
 def _header(spec: GemvSpec) -> list[str]:
     """The comment at the top of the kernel: what it computes."""
     w0, k, fmt = spec.weights[0], spec.weights[0].in_features, spec.weights[0].format.spell()
-    x = "silu(g[m, k]) * u[m, k]" if spec.prologue else "x[m, k]"
+    x = f"{spec.gate_act}(g[m, k]) * u[m, k]" if spec.prologue else "x[m, k]"
     if spec.norm:
         x = f"rms_norm(x, nw)[m, k] (eps {spec.norm[1]})"
     if spec.a4:
@@ -269,9 +303,14 @@ def _header(spec: GemvSpec) -> list[str]:
     b = [f" + b{j}[n]" if w.bias else "" for j, w in enumerate(spec.weights)]
     if spec.paired:
         return [
-            f"y0[m, n] = silu(g) * u with g = sum_k {x} * W0[n, k]{b[0]}, "
+            f"y0[m, n] = {spec.gate_act}(g) * u with g = sum_k {x} * W0[n, k]{b[0]}, "
             f"u = sum_k {x} * W1[n, k]{b[1]};",
             f"W0, W1 are [{w0.out_features}, {k}] in {fmt}",
+        ]
+    if spec.cap is not None:
+        return [
+            f"y0[m, n] = tanh(sum_k {x} * W0[n, k]{b[0]} / {spec.cap:g}) * {spec.cap:g}; W0 is "
+            f"[{w0.out_features}, {k}] in {fmt}"
         ]
     res = "r[m, n] + " if spec.epilogue == "residual" else ""
     return [
@@ -305,7 +344,9 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         min_blocks=MIN_BLOCKS_PER_SM,
         chunks_per_row=frag.chunks_per_row(w0.in_features),
         path=("packed", "float", "a4").index(spec.path(frag)),
-        epilogue=("", "residual", "silu_mul").index(spec.epilogue),
+        epilogue=("", "residual", "silu_mul", "softcap").index(spec.epilogue),
+        gate_fn=GATE_ACTS[spec.gate_act],
+        cap=c_cap(spec.cap),
         has_bias=any(w.bias for w in spec.weights),
         source=_act_source(spec),
         target=spec.target.arch if spec.target else "",

@@ -108,9 +108,13 @@ def _rope_context(r: RopeSpec | None) -> dict[str, Any]:
     return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table}
 
 
-def rms_norm_kernel(act: DType, w: DType, n: int, eps: float, groups: int = 1) -> Kernel:
-    """Rows of `groups` groups of n features, each normed on its own (grid.x = groups)."""
+def rms_norm_kernel(
+    act: DType, w: DType, n: int, eps: float, groups: int = 1, residual: bool = False
+) -> Kernel:
+    """Rows of `groups` groups of n features, each normed on its own (grid.x = groups); with
+    `residual`, r + the norm (rounded first, as a separate add would take it)."""
     name = f"rms_norm_{act.name}_n{n}_w{w.name}" + (f"_g{groups}" if groups > 1 else "")
+    name += "_res" if residual else ""
     source = render(
         "rms_norm.cu.j2",
         name=name,
@@ -120,8 +124,10 @@ def rms_norm_kernel(act: DType, w: DType, n: int, eps: float, groups: int = 1) -
         groups=groups,
         eps=c_float(eps),
         threads=NORM_THREADS,
+        residual=residual,
     )
-    params = (_buf("x", act.c_type), _buf("w", w.c_type), _buf("y", act.c_type, False), _M)
+    r = (_buf("r", act.c_type),) if residual else ()
+    params = (_buf("x", act.c_type), _buf("w", w.c_type), *r, _buf("y", act.c_type, False), _M)
     return Kernel(name, source, params, (NORM_THREADS, 1, 1), _headers())
 
 
@@ -347,14 +353,20 @@ def sample_kernel(act: DType, vocab: int) -> Kernel:
     return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())
 
 
-def embedding_kernel(table: QWeight, act: DType) -> tuple[Kernel, int, tuple[str, ...]]:
-    """The gather kernel, its grid.x and the format's buffers in parameter order."""
+def embedding_kernel(
+    table: QWeight, act: DType, scale: float | None = None
+) -> tuple[Kernel, int, tuple[str, ...]]:
+    """The gather kernel, its grid.x and the format's buffers in parameter order; with `scale`
+    each row, rounded to `act`, times it (Gemma)."""
     frag = fragment_for(table.format, table.out_features, table.in_features)
     frag_params = [{"c_type": p.c_type, "suffix": p.name.removeprefix("w_")} for p in frag.params]
     chunks = frag.chunks_per_row(table.in_features)
     name = f"embedding_{table.format.tag()}_{act.name}_v{table.out_features}_k{table.in_features}"
+    if scale is not None:
+        name += f"_x{scale:g}".replace(".", "p").replace("+", "")
     source = render(
         "embedding.cu.j2",
+        scale=None if scale is None else f"{float(scale)!r}f",
         name=name,
         format_spelling=table.format.spell(),
         fragment_template=frag.template,

@@ -236,14 +236,32 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         assert isinstance(nw, TensorType) and isinstance(eps, float)
         norm = (nw.dtype, eps)
         x16 = [Arg("value", inputs[0]), Arg("weight", inputs[1], "weight")]
+    gate_act = str(node.attr("act", "silu"))
     plain = GemvSpec(
-        weights, act, m_tile, prologue=prologue, epilogue=epilogue, norm=norm, target=specialised
+        weights,
+        act,
+        m_tile,
+        prologue=prologue,
+        epilogue=epilogue,
+        norm=norm,
+        target=specialised,
+        gate_act=gate_act,
+        cap=node.attr("cap"),
     )
     if not a4:
         return launches(plain, x16, [], ALL_M)
     mode = act_quant_mode(attrs) if prologue else "dynamic"
     quant = GemvSpec(
-        weights, act, m_tile, prologue, epilogue, a4=True, a4_mode=mode, target=specialised
+        weights,
+        act,
+        m_tile,
+        prologue,
+        epilogue,
+        a4=True,
+        a4_mode=mode,
+        target=specialised,
+        gate_act=gate_act,
+        cap=node.attr("cap"),
     )
     scale = _scale_args(attrs) if prologue else []
     return [
@@ -311,7 +329,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
             n = out.shape[1]
             assert isinstance(n, int)
             args = (*(Arg("value", o) for o in operands), Arg("value", name), Arg("M"))
-            kernel = elementwise_kernel(node.op, out.dtype, n)
+            kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
             launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
         else:
             raise NotImplementedError(f"no kernel for %{name} = {node.op}")

@@ -82,6 +82,25 @@ def lower_rms_norm(graph: Graph, name: str) -> Lowered:
     return [Launch(kernel, groups, 1, args, (name,), (name,), when)], {}
 
 
+def lower_norm_residual(graph: Graph, name: str) -> Lowered:
+    x, w, r = graph.operands(name)
+    t, wt = _tensor(graph, name), _tensor(graph, w)
+    n = _int(wt.shape[0])
+    groups = _int(t.shape[1]) // n
+    eps = graph.node(name).attr("eps")
+    kernel = rms_norm_kernel(t.dtype, wt.dtype, n, eps, groups, residual=True)
+    args = (
+        Arg("value", x),
+        Arg("weight", w, "weight"),
+        Arg("value", r),
+        Arg("value", name),
+        Arg("M"),
+    )
+    return [
+        Launch(kernel, groups, 1, args, (name,), (name, *graph.node(name).attr("fused", ())))
+    ], {}
+
+
 def _cache_args(graph: Graph, name: str) -> tuple[HeadNorm | None, tuple[Arg, ...]]:
     """A kv_append's or attention's head-norm prologue, if any, and its operands as kernel
     arguments in order (the values; the block table; the norm's weight)."""
@@ -161,7 +180,8 @@ def lower_embedding(graph: Graph, name: str) -> Lowered:
     ids, table = graph.operands(name)
     w = graph.node(table).type
     assert isinstance(w, QWeight)
-    kernel, grid_x, buffers = embedding_kernel(w, _tensor(graph, name).dtype)
+    scale = graph.node(name).attr("scale")
+    kernel, grid_x, buffers = embedding_kernel(w, _tensor(graph, name).dtype, scale)
     args = (
         Arg("value", ids),
         *(Arg("weight", table, b) for b in buffers),
@@ -181,6 +201,7 @@ def lower_sample(graph: Graph, name: str) -> Lowered:
 
 LAYER_LOWERINGS: dict[str, Callable[[Graph, str], Lowered]] = {
     "rms_norm": lower_rms_norm,
+    "norm_residual": lower_norm_residual,
     "rope": lower_rope,
     "kv_append": lower_kv_append,
     "attention": lower_attention,

@@ -221,6 +221,8 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         chunks_per_row=frag.chunks_per_row(e0.in_features),
         path=("packed", "float", "a4").index(g.path(frag)),
         epilogue=2 if len(spec.experts) == 2 else 0,
+        gate_fn="qir_silu",  # the families with experts (Mixtral, Qwen3-MoE) gate by silu
+        cap="1.0f",  # no softcap epilogue here
         kind=spec.kind,
         blocks_per_expert=spec.blocks_per_expert,
         expert_weights=expert_weights,

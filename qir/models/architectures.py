@@ -314,8 +314,14 @@ def features(ck: Checkpoint) -> Features:
                 f"{ck.field('sliding_window')} on {sliding} of {len(windows)} layers",
             )
         )
-        if ck.field("rope_local_base_freq") is not None:
-            uses.append(Use("local_rope", "rope_local_base_freq", ck.field("rope_local_base_freq")))
+        per_type = ck.field("rope_parameters")
+        if isinstance(per_type, dict) and isinstance(per_type.get("sliding_attention"), dict):
+            theta = per_type["sliding_attention"].get("rope_theta")
+            uses.append(Use("local_rope", "rope_parameters.sliding_attention.rope_theta", theta))
+        elif arch.sliding == "layer_types" or ck.field("rope_local_base_freq") is not None:
+            # Gemma 3's sliding layers rotate by their own base, transformers' default without one
+            base = ck.field("rope_local_base_freq") or 10000.0
+            uses.append(Use("local_rope", "rope_local_base_freq", base))
     return Features(arch, activation, tuple(biases), tuple(windows), scale, tuple(uses))
 
 

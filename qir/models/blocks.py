@@ -103,8 +103,23 @@ class Block:
 
 # What the builder implements of the features a family may use (qir.models.architectures);
 # a checkpoint using another is refused in one line naming its config field.
-SUPPORTED: frozenset[str] = frozenset({"bias", "qk_norm", "sliding_window", "fused_linears"})
-ACTIVATIONS = ("silu",)
+SUPPORTED: frozenset[str] = frozenset(
+    {
+        "bias",
+        "qk_norm",
+        "sliding_window",
+        "fused_linears",
+        "norm_plus_one",
+        "post_norms",
+        "embed_scale",
+        "attention_scale",
+        "local_rope",
+        "final_softcap",
+    }
+)
+# The MLP activations (config names) and the op each is.
+ACTIVATION_OPS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = tuple(ACTIVATION_OPS)
 
 
 def checked(ck: Checkpoint, only: tuple[str, ...] | None = None) -> Features:
@@ -179,8 +194,13 @@ class _Builder:
         n, what = (size, "head_dim") if size else (self.ck.hidden_size, "hidden_size")
         if w.shape != (n,):
             raise FormatError(f"{key}: shape {list(w.shape)}, expected [{n}] ({what})")
+        dtype = _param_dtype(w, key)
+        if self.ck.features.arch.norm == "x*(1+w)":
+            # Gemma stores offsets from 1 and scales by (1 + w) in float32: 1 + w folded here in
+            # float32 is that factor exactly, so the norm is the plain x * w one.
+            w, dtype = np.float32(1) + w.astype(np.float32), F32
         self.weights[module] = {"weight": w}
-        t = TensorType((n,), _param_dtype(w, key))
+        t = TensorType((n,), dtype)
         p = self.b.param(module, t, name=f"{name}.w")
         return self.b.rms_norm(x, p, self.ck.rms_norm_eps, name=name)
 
@@ -197,18 +217,36 @@ class _Builder:
         if is_moe_layer(self.ck, layer):  # routed experts (qir.models.experts)
             return moe_mlp(self, x, residual, layer, prefix)
 
-        checked(self.ck, ("activation", "fused_linears"))
+        f = checked(self.ck, ("activation", "fused_linears", "post_norms"))
         b = self.b
         gate = b.qlinear(x, self.proj(layer, "gate", prefix), name=f"{prefix}gate")
         up = b.qlinear(x, self.proj(layer, "up", prefix), name=f"{prefix}up")
-        h = b.mul(b.silu(gate, name=f"{prefix}act"), up, name=f"{prefix}h")
+        act = getattr(b, ACTIVATION_OPS[f.activation.value])(gate, name=f"{prefix}act")
+        h = b.mul(act, up, name=f"{prefix}h")
         down = b.qlinear(h, self.proj(layer, "down", prefix), name=f"{prefix}down")
+        if f.arch.post_norms:
+            module = f"model.layers.{layer}.post_feedforward_layernorm"
+            down = self.norm(down, module, f"{prefix}ffn_post_norm")
         return b.add(residual, down, name=f"{prefix}y")
+
+    def attn_out(self, x: Value, a: Value, layer: int, prefix: str = "") -> Value:
+        """x + o_proj(a), the projection normed first where the family has post-norms."""
+        o = self.b.qlinear(a, self.proj(layer, "o", prefix), name=f"{prefix}o")
+        if checked(self.ck, ("post_norms",)).arch.post_norms:
+            module = f"model.layers.{layer}.post_attention_layernorm"
+            o = self.norm(o, module, f"{prefix}attn_post_norm")
+        return self.b.add(x, o, name=f"{prefix}attn_y")
+
+    def mlp_norm(self, x: Value, layer: int, prefix: str = "") -> Value:
+        """The norm before the MLP: Gemma's pre_feedforward_layernorm (its
+        post_attention_layernorm is attention's post-norm), the others' post_attention_layernorm."""
+        post = checked(self.ck, ("post_norms",)).arch.post_norms
+        which = "pre_feedforward_layernorm" if post else "post_attention_layernorm"
+        return self.norm(x, f"model.layers.{layer}.{which}", f"{prefix}mlp_norm")
 
     def layer(self, x: Value, pos: Value, layer: int, prefix: str = "") -> Value:
         ck, b = self.ck, self.b
         f = checked(ck)
-        rope = ck.rope
         attn = f"model.layers.{layer}.self_attn"
         h = self.norm(x, f"model.layers.{layer}.input_layernorm", f"{prefix}attn_norm")
         q, k, v = self.qkv(h, layer, prefix)
@@ -216,6 +254,7 @@ class _Builder:
             q = self.norm(q, f"{attn}.q_norm", f"{prefix}q_norm", ck.head_dim)
             k = self.norm(k, f"{attn}.k_norm", f"{prefix}k_norm", ck.head_dim)
         window = self.window(layer)
+        rope = ck.rope_of(sliding=f.windows[layer] is not None)
         if self.kv_pages:
             rows, room = self.kv_pages * PAGE_SIZE, (self.room or self.max_seq)
             room = -(-room // PAGE_SIZE) * PAGE_SIZE
@@ -236,10 +275,8 @@ class _Builder:
             paging.update(pages=self.pages, page_size=PAGE_SIZE)
         kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv", **paging)
         a = b.attention(q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn", **paging)
-        o = b.qlinear(a, self.proj(layer, "o", prefix), name=f"{prefix}o")
-        r = b.add(x, o, name=f"{prefix}attn_y")
-        hn = self.norm(r, f"model.layers.{layer}.post_attention_layernorm", f"{prefix}mlp_norm")
-        return self.mlp(hn, r, layer, prefix)
+        r = self.attn_out(x, a, layer, prefix)
+        return self.mlp(self.mlp_norm(r, layer, prefix), r, layer, prefix)
 
     def positions(self) -> Value:
         return self.b.input("pos", ("M",), I32)
@@ -274,8 +311,7 @@ def o_proj(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
     b = bb.b
     x = bb.x()
     a = b.input("a", ("M", ck.num_heads * ck.head_dim), act)
-    o = b.qlinear(a, bb.proj(layer, "o"), name="o")
-    b.output("y", b.add(x, o, name="y"))
+    b.output("y", bb.attn_out(x, a, layer))
     return bb.block()
 
 
@@ -290,8 +326,7 @@ def norm_qkv(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
 def norm_mlp(ck: Checkpoint, layer: int, act: DType, max_seq: int) -> Block:
     bb = _Builder(ck, "norm_mlp", act)
     x = bb.x()
-    h = bb.norm(x, f"model.layers.{layer}.post_attention_layernorm", "mlp_norm")
-    bb.b.output("y", bb.mlp(h, x, layer))
+    bb.b.output("y", bb.mlp(bb.mlp_norm(x, layer), x, layer))
     return bb.block()
 
 
@@ -329,13 +364,23 @@ def model(
     pos = bb.positions()
     table = bb.linear("model.embed_tokens", "w_embed")
     _check_table(ck, table, "model.embed_tokens")
-    h = b.embedding(ids, table, act, name="embed")
+    f = checked(ck, ("embed_scale", "final_softcap"))
+    # Gemma: sqrt(hidden_size) rounded to the activation dtype (transformers' embed_scale)
+    scale = (
+        float(np.asarray(ck.hidden_size**0.5, np.float32).astype(act.np))
+        if f.arch.embed_scale
+        else None
+    )
+    h = b.embedding(ids, table, act, name="embed", scale=scale)
     for i in range(ck.num_layers):
         h = bb.layer(h, pos, i, prefix=f"l{i}.")
     h = bb.norm(h, "model.norm", "final_norm")
     head = table if ck.tie_word_embeddings else bb.linear("lm_head", "w_lm_head")
     _check_table(ck, head, "lm_head")
     logits = b.qlinear(h, head, name="logits")
+    cap = ck.field("final_logit_softcapping")
+    if cap is not None:  # tanh(logits / cap) * cap before they are handed back or sampled
+        logits = b.softcap(logits, float(cap), name="capped")
     b.output("logits", logits)
     # The next id per row, drawn on the device (qir.sampling): a decode step hands back 4 bytes.
     params = b.input("sampling", ("M", SAMPLING_PARAMS), F32)

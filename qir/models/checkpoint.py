@@ -34,6 +34,9 @@ from qir.models.safetensors_io import TensorStore
 from qir.rope import REQUIRED, rope_problem
 from qir.types import QWeight
 
+# Gemma 3's sliding layers' RoPE base where its config names none (transformers' default).
+GEMMA3_LOCAL_BASE = 10000.0
+
 _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 # Short names (as in golden.npz keys) of the HF Llama-style linears of one decoder layer.
@@ -153,14 +156,38 @@ class Checkpoint:
 
     @property
     def rope(self) -> dict[str, Any]:
-        """The `rope` op's attributes (qir.rope): transformers 5's `rope_parameters`, or the
-        older top-level `rope_theta` with `rope_scaling`."""
-        if self.field("rope_parameters") is not None:
-            where, params = "rope_parameters", self.field("rope_parameters")
+        """The `rope` op's attributes (qir.rope) of a full-attention layer."""
+        return self.rope_of(sliding=False)
+
+    def rope_of(self, sliding: bool) -> dict[str, Any]:
+        """The `rope` op's attributes (qir.rope) of a full or a sliding layer: transformers 5's
+        `rope_parameters` (one dict, or one per layer type as it writes Gemma 3's), or the
+        older top-level `rope_theta` with `rope_scaling` (Gemma 3: its sliding layers rotate by
+        `rope_local_base_freq` without scaling)."""
+        kind_key = "sliding_attention" if sliding else "full_attention"
+        params = self.field("rope_parameters")
+        if isinstance(params, dict) and kind_key in params:
+            where, params = f"rope_parameters.{kind_key}", params[kind_key]
+            if not isinstance(params, dict):
+                raise FormatError(f"{self._where()}: {where} must be an object, got {params!r}")
+            theta = params.get("rope_theta", BY_KEY["rope_theta"].default)
+        elif params is not None:
+            where = "rope_parameters"
             theta = params.get("rope_theta", BY_KEY["rope_theta"].default)
         else:
             where, params = "rope_scaling", self.field("rope_scaling") or {}
             theta = self.field("rope_theta")
+        if (
+            sliding
+            and self.features.arch.sliding == "layer_types"
+            and where != "rope_parameters.sliding_attention"
+        ):
+            where, params = "rope_local_base_freq", {}
+            theta = self.field("rope_local_base_freq") or GEMMA3_LOCAL_BASE
+        if isinstance(theta, bool) or not isinstance(theta, int | float):
+            raise FormatError(
+                f"{self._where()}: {where} rope_theta must be a number, got {theta!r}"
+            )
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in REQUIRED:
             raise FormatError(

@@ -16,12 +16,14 @@ from qir.passes.fold_rope import FoldRope
 from qir.passes.merge_parallel import MergeParallel
 from qir.passes.norm_act_quant import NormActQuant
 from qir.passes.norm_prologue import NormPrologue
+from qir.passes.norm_residual import NormResidual
 from qir.passes.residual_epilogue import ResidualEpilogue
 from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
 from qir.passes.share_act_quant import ShareActQuant
 from qir.passes.silu_epilogue import SiluEpilogue
 from qir.passes.silu_prologue import SiluPrologue
+from qir.passes.softcap_epilogue import SoftcapEpilogue
 from qir.verify import verify
 
 
@@ -39,6 +41,8 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "silu_epilogue": lambda o: SiluEpilogue(),
     "silu_prologue": lambda o: SiluPrologue(),
     "residual_epilogue": lambda o: ResidualEpilogue(),
+    "norm_residual": lambda o: NormResidual(),
+    "softcap_epilogue": lambda o: SoftcapEpilogue(),
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
     "share_act_quant": lambda o: ShareActQuant(),
     "norm_act_quant": lambda o: NormActQuant(),
@@ -56,6 +60,8 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         "silu_epilogue",
         "silu_prologue",
         "residual_epilogue",
+        "norm_residual",
+        "softcap_epilogue",
         "fold_rope",
         "fold_head_norm",
         "route_w4a4",

@@ -18,6 +18,7 @@ Numerics are unchanged: g and u are rounded to the act dtype, then silu(g) and t
 the separate ops did.
 Does not fire: on merged nodes of other than two weights or of weights of different shapes, on
 a node that already has a prologue or epilogue, or when a get or the silu has other users.
+A gelu_tanh in the silu's place (Gemma's MLP) fuses the same way, the node's `act` naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from qir.graph import Graph
-from qir.ops import qlinear_layout
+from qir.ops import GATE_ACTS, qlinear_layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 from qir.types import TupleType
 
@@ -53,23 +54,30 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     i, j = graph.node(m["g"]).attr("index"), graph.node(m["u"]).attr("index")
     # The gets carry the names of the projections merge_parallel merged: listed once.
     fused = tuple(dict.fromkeys((*q.attr("fused", ()), m["q"], m["g"], m["silu"], m["u"])))
+    # gelu_tanh (Gemma) as the gate's activation is the same fusion with the node's `act`
+    gate = graph.node(m["silu"]).op
+    act = {} if gate == "silu" else {"act": gate}
     node = dataclasses.replace(q, type=graph.node(m.root).type).with_attrs(
-        epilogue="silu_mul", fused=fused
+        epilogue="silu_mul", fused=fused, **act
     )
     rw.redefine(m.root, node, [*operands[ins], weights[i], weights[j]])
     return True
 
 
-def _pattern(silu_first: bool) -> Pat:
+def _pattern(silu_first: bool, gate: str = "silu") -> Pat:
     q = Pat("qlinear", name="q", check=_pair)
-    g = Pat("silu", (Pat("get", (q,), name="g", one_use=True),), name="silu", one_use=True)
+    g = Pat(gate, (Pat("get", (q,), name="g", one_use=True),), name="silu", one_use=True)
     u = Pat("get", (Pat(name="q"),), name="u", one_use=True)
     return Pat("mul", (g, u) if silu_first else (u, g))
 
 
-RULES = (
-    Rule("silu_epilogue", _pattern(silu_first=True), _fold),
-    Rule("silu_epilogue_swapped", _pattern(silu_first=False), _fold),
+RULES = tuple(
+    rule
+    for gate in GATE_ACTS
+    for rule in (
+        Rule(f"{gate}_epilogue", _pattern(True, gate), _fold),
+        Rule(f"{gate}_epilogue_swapped", _pattern(False, gate), _fold),
+    )
 )
 
 

@@ -10,6 +10,7 @@ prologue quantize the product too (`act_quant`). Numerics are unchanged: the pro
 silu(g) and the product to the act dtype exactly as the separate ops did.
 Does not handle: a silu or mul with other users (the intermediate must exist anyway), a qlinear
 that already has a prologue or epilogue, or several weights.
+A gelu_tanh in the silu's place (Gemma's MLP) fuses the same way, the node's `act` naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import Graph
+from qir.ops import GATE_ACTS
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 
 
@@ -29,22 +31,30 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     graph = rw.graph
     node = graph.node(m.root)
     product = graph.operands(m.root)[0]
-    silu = next(o for o in graph.operands(product) if graph.node(o).op == "silu")
+    silu = m["act"]
+    gate = graph.node(silu).op  # silu, or gelu_tanh (Gemma): the node's `act`
+    act = {} if gate == "silu" else {"act": gate}
     fused = (*node.attr("fused", ()), silu, product)
-    rw.redefine(m.root, node.with_attrs(prologue="silu_mul", fused=fused), [m["g"], m["u"], m["w"]])
+    rw.redefine(
+        m.root, node.with_attrs(prologue="silu_mul", fused=fused, **act), [m["g"], m["u"], m["w"]]
+    )
     return True
 
 
-def _pattern(silu_first: bool) -> Pat:
-    silu = Pat("silu", (Pat(name="g"),), one_use=True)
+def _pattern(silu_first: bool, gate: str = "silu") -> Pat:
+    silu = Pat(gate, (Pat(name="g"),), name="act", one_use=True)
     u = Pat(name="u")
     product = Pat("mul", (silu, u) if silu_first else (u, silu), one_use=True)
     return Pat("qlinear", (product, Pat("weight", name="w")), check=_bare)
 
 
-RULES = (
-    Rule("silu_prologue", _pattern(silu_first=True), _fold),
-    Rule("silu_prologue_swapped", _pattern(silu_first=False), _fold),
+RULES = tuple(
+    rule
+    for gate in GATE_ACTS
+    for rule in (
+        Rule(f"{gate}_prologue", _pattern(True, gate), _fold),
+        Rule(f"{gate}_prologue_swapped", _pattern(False, gate), _fold),
+    )
 )
 
 

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from qir.cli import main
+from qir.dtypes import F32
 from qir.formats.base import FormatError
 from qir.models import load
 from qir.models.architectures import ARCHITECTURES, architecture_of
+from qir.models.blocks import build
 from tests.conftest import DATA
 from tests.models.synthetic_llama import write_llama
 
@@ -126,3 +129,66 @@ def test_inspect_prints_the_architecture_and_what_it_uses(capsys, tmp_path):
     arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
     assert arch[0].startswith("architecture: not supported: ")
     assert arch[0].endswith("multi-head latent attention (MLA) is not supported (kv_lora_rank)")
+
+
+def test_gemma3_rope_per_layer_type_in_both_config_spellings(tmp_path):
+    """transformers 5 writes rope_parameters per layer type; Hub configs carry rope_theta with
+    rope_local_base_freq (or nothing: transformers' 10000): the same rotations either way."""
+    sliding = {"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 2}
+    new = load(
+        write_llama(
+            tmp_path / "new",
+            **sliding,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 2e4},
+            },
+        )
+    )
+    old = load(write_llama(tmp_path / "old", **sliding, rope_theta=1e6, rope_local_base_freq=2e4))
+    for ck in (new, old):
+        assert ck.rope_of(sliding=False)["theta"] == 1e6
+        assert ck.rope_of(sliding=True)["theta"] == 2e4
+        assert ck.features.used("local_rope")
+    bare = load(write_llama(tmp_path / "bare", **sliding, rope_theta=1e6))
+    assert bare.rope_of(sliding=True) == {"head_dim": 32, "theta": 1e4, "rope_type": "default"}
+    # Other families rotate every layer alike.
+    mistral = load(write_llama(tmp_path / "m", model_type="mistral", sliding_window=8))
+    assert mistral.rope_of(sliding=True) == mistral.rope
+
+
+def test_inspect_lists_gemma3s_features(capsys):
+    assert main(["-q", "inspect", str(DATA / "mlx_affine4_gemma3")]) == 0
+    arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert arch[:4] == [
+        "architecture: gemma3 (Gemma3ForCausalLM)",
+        "  2 layers, 4 heads of 64 (2 kv heads), untied lm_head",
+        "  RMSNorm x*(1+w), pre- and post-norms",
+        "  MLP activation (hidden_activation 'gelu_pytorch_tanh')",
+    ]
+    for line in (
+        "  embedding scale (model_type 'gemma3_text')",
+        "  attention scale (query_pre_attn_scalar 48)",
+        "  final logit soft-capping (final_logit_softcapping 30.0)",
+        "  sliding-window attention (layer_types '8 on 1 of 2 layers')",
+        "  a RoPE base of its own for sliding layers "
+        "(rope_parameters.sliding_attention.rope_theta 10000.0)",
+        "  RoPE theta 1e+06, rope_type default",
+    ):
+        assert line in arch
+
+
+def test_gemma3_norm_weights_are_folded_to_one_plus_w_in_float32():
+    """transformers' Gemma3RMSNorm scales by (1 + w.float()) in float32: the loader's folded
+    float32 weight is that factor bit for bit, so the plain x * w norm computes Gemma's."""
+    ck = load(DATA / "mlx_affine4_gemma3")
+    block = build(ck, "norm_qkv", 0, F32)
+    stored = ck.tensor("model.layers.0.input_layernorm.weight")
+    folded = block.weights["model.layers.0.input_layernorm"]["weight"]
+    assert stored.dtype != np.float32 and folded.dtype == np.float32
+    np.testing.assert_array_equal(folded, np.float32(1) + stored.astype(np.float32))
+    assert not np.array_equal(folded, stored.astype(np.float32))
+    model = build(ck, "model", 0, F32)
+    norms = [n for n in model.weights if n.endswith("norm")]
+    assert len(norms) == 2 * 6 + 1  # input, post-attention, pre-/post-feedforward, q, k; final
+    assert all(model.weights[n]["weight"].dtype == np.float32 for n in norms)

@@ -32,6 +32,9 @@ CASES = {
     "ct_w4a16_phi3": (7, 6),
     "fp8block_qwen3": (7, 6),  # FP8 with a float32 scale per 128 x 128 block (HF quant_method fp8)
     "ct_fp8block_qwen3": (7, 6),  # compressed-tensors FP8_BLOCK, ragged blocks (hidden 320)
+    # Gemma 3: gelu-tanh in the gate/up epilogue; each post-norm with its residual add one
+    # launch of its own (norm_residual), 2 more than Llama's
+    "mlx_affine4_gemma3": (9, 8),
 }
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
 SIXTEEN_BIT = (
@@ -41,7 +44,11 @@ SIXTEEN_BIT = (
     "ct_w4a16_mistral",
     "mlx_affine4_phi3",
     "ct_fp8block_qwen3",
+    "mlx_affine4_gemma3",
 )
+# Gemma 3's first greedy step is a near-tie in transformers' float32 (top-2 margin 0.0068 on
+# logits soft-capped at 30), which bf16 decides either way: its later steps follow that choice.
+UNDECIDED_FIRST = {"mlx_affine4_gemma3"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -81,14 +88,16 @@ def test_16_bit_layer_and_model_within_the_layer_bounds(case, backend):
         assert max_rel(y, want) <= TOL[act], m
         assert max_rel(y, golden[f"layer.{last}.M{m}"]) <= GOLDEN_TOL, m
     model = Model.load(DATA / case, backend=backend)
-    # embedding, the layers, lm_head with the final norm as its prologue, the sampling
+    # embedding, the layers, lm_head with the final norm as its prologue (and Gemma's soft-cap
+    # as its epilogue), the sampling
     assert model.compiled.launches_for(1) == 1 + ck.num_layers * CASES[case][0] + 2
     assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= GOLDEN_TOL
     gen = model.generate(golden["tokens"], 8)
     n = greedy_prefix(golden["step_logits"], gen.logits)
-    assert n >= 1
+    assert n >= (0 if case in UNDECIDED_FIRST else 1)
     np.testing.assert_array_equal(gen.tokens[:n], golden["greedy"][:n])
-    assert max_rel(gen.logits[:n], golden["step_logits"][:n]) <= GOLDEN_TOL
+    # the first step's logits, decided or not, within the bounds (later ones follow the choice)
+    assert max_rel(gen.logits[: max(n, 1)], golden["step_logits"][: max(n, 1)]) <= GOLDEN_TOL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 26
+    assert len(FIXTURES) == 27
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -153,8 +153,8 @@ def test_tied_embeddings_and_linear_rope(tmp_path):
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_type 'yarn' is not"),
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, r"llama3 lacks low_freq_factor"),
         (
-            {"model_type": "gemma3_text", "hidden_activation": "silu"},
-            r"model_type 'gemma3_text' \(RMSNorm as x \* \(1 \+ w\)\) is not supported",
+            {"attn_logit_softcapping": 50.0},
+            r"attn_logit_softcapping 50.0 \(attention logit soft-capping\) is not supported",
         ),
         ({"model_type": "qwen3"}, r"no tensor 'model.layers.0.self_attn.q_norm.weight'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5"),

@@ -15,6 +15,7 @@ from qir.formats.mlx import MlxAffine
 from qir.passes.manager import PASSES, PassOptions, run_pipeline
 from qir.passes.rewrite import Pat, match
 from qir.types import QWeight
+from qir.verify import VerifyError
 from tests.conftest import random_weight, with_bias
 
 W4 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
@@ -309,6 +310,8 @@ def test_default_pipeline_counts_and_ir():
         "silu_epilogue": 1,
         "silu_prologue": 0,
         "residual_epilogue": 1,
+        "norm_residual": 0,
+        "softcap_epilogue": 0,
         "fold_rope": 0,
         "fold_head_norm": 0,
         "route_w4a4": 0,
@@ -334,14 +337,14 @@ def test_patterns_capture_and_require_one_use():
 
 @st.composite
 def random_graphs(draw):
-    """Random blocks of qlinear/silu/mul/add over random formats and act dtypes."""
+    """Random blocks of qlinear/silu/gelu_tanh/mul/add over random formats and act dtypes."""
     act = draw(st.sampled_from([F16, BF16, F32]))
     width = draw(st.sampled_from([64, 128]))
     b = Builder("rand")
     values: list[Value] = [b.input("x", ("M", width), act)]
     n_w = 0
     for _ in range(draw(st.integers(1, 7))):
-        op = draw(st.sampled_from(["qlinear", "qlinear", "silu", "mul", "add"]))
+        op = draw(st.sampled_from(["qlinear", "qlinear", "silu", "gelu_tanh", "mul", "add"]))
         a = values[draw(st.integers(0, len(values) - 1))]
         if op == "qlinear":
             fmt = MlxAffine(draw(st.sampled_from([3, 4, 8])), 64, BF16)
@@ -350,6 +353,8 @@ def random_graphs(draw):
             values.append(b.qlinear(a, w))
         elif op == "silu":
             values.append(b.silu(a))
+        elif op == "gelu_tanh":
+            values.append(b.gelu_tanh(a))
         else:
             c = values[draw(st.integers(0, len(values) - 1))]
             values.append(b.mul(a, c) if op == "mul" else b.add(a, c))
@@ -367,3 +372,140 @@ def test_pipeline_preserves_the_interpreter_on_random_graphs(graph, seed, m):
     after, _ = run_pipeline(graph)
     assert print_graph(graph) == text, "the caller's graph is untouched"
     assert_same_numbers(text, print_graph(after), rng, m)
+
+
+def test_gelu_tanh_fuses_where_silu_does_with_the_nodes_act(rng):
+    """Gemma's gelu_tanh in the silu's place: the gate/up epilogue and down_proj's prologue
+    take it, the qlinear's `act` naming it; the interpreter's numbers are unchanged (and are
+    not silu's)."""
+    merged = MERGED.replace("%act = silu %gate", "%act = gelu_tanh %gate")
+    after, fired = run_pass(merged, "silu_epilogue")
+    assert fired == 1
+    assert (
+        '%h = qlinear %x, %w_gate, %w_up {act="gelu_tanh", epilogue="silu_mul", '
+        'fused=["gate", "up", "gate_up", "act"]} : f16[M, 256]' in after
+    )
+    assert_same_numbers(merged, after, rng)
+    unmerged = MLP.replace("%act = silu %gate", "%act = gelu_tanh %gate")
+    after, fired = run_pass(unmerged, "silu_prologue")
+    assert fired == 1
+    assert (
+        '%down = qlinear %gate, %up, %w_down {act="gelu_tanh", fused=["act", "h"], '
+        'prologue="silu_mul"} : f16[M, 128]' in after
+    )
+    assert_same_numbers(unmerged, after, rng)
+    # The act is what the kernel applies: silu's numbers differ.
+    w = weights_for(unmerged, rng)
+    x = {"x": rng.standard_normal((3, 128)).astype(np.float16)}
+    silu = interpret(parse(after.replace('act="gelu_tanh", ', "")), x, w)["y"]
+    assert not np.array_equal(silu, interpret(parse(after), x, w)["y"])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (('act="gelu_tanh", ', 'act="relu", '), r"qlinear: unknown act 'relu'"),
+        (('act="gelu_tanh", fused=["act", "h"], prologue="silu_mul"', 'act="gelu_tanh"'), None),
+    ],
+)
+def test_a_qlinears_act_is_checked(edit, message):
+    unmerged = MLP.replace("%act = silu %gate", "%act = gelu_tanh %gate")
+    after, _ = run_pass(unmerged, "silu_prologue")
+    text = after.replace(*edit)
+    if message is None:  # an act without a gate to apply it to
+        text = text.replace("%down = qlinear %gate, %up, %w_down", "%down = qlinear %h0, %w_down")
+        text = text.replace("  %down =", "  %h0 = mul %gate, %up : f16[M, 256]\n  %down =")
+        message = r"qlinear: act 'gelu_tanh' needs a silu_mul prologue or epilogue"
+    with pytest.raises(VerifyError, match=message):
+        parse(text)
+
+
+POST_NORM = f"""
+graph post_norm {{
+  %x = input : bf16[M, 128]
+  %a = input : bf16[M, 128]
+  %w_o = weight {{key="o"}} : {W4}[128, 128]
+  %nw = weight {{key="post"}} : f32[128]
+  %o = qlinear %a, %w_o : bf16[M, 128]
+  %n = rms_norm %o, %nw {{eps=1e-06}} : bf16[M, 128]
+  %y = add %x, %n : bf16[M, 128]
+  output y = %y
+}}
+"""
+
+
+def test_norm_residual_takes_a_norm_before_a_residual_add(rng):
+    """Gemma's post-norms: add(r, rms_norm(x, w)) in either order is one norm_residual; the
+    qlinear keeps no residual epilogue (its result is normed first)."""
+    for text in (POST_NORM, POST_NORM.replace("add %x, %n", "add %n, %x")):
+        after, fired = run_pass(text, "norm_residual")
+        assert fired == 1
+        assert '%y = norm_residual %o, %nw, %x {eps=1e-06, fused=["n"]} : bf16[M, 128]' in after
+        assert "%n =" not in after
+        _same_post_norm_numbers(text, after, rng)
+        _, records = run_pipeline(parse(text))
+        fired_all = {r.name: r.matches for r in records}
+        assert (fired_all["residual_epilogue"], fired_all["norm_residual"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (("output y = %y", "output y = %y\n  output n = %n"), "norm used twice"),
+        (("%y = add %x, %n", "%y = mul %x, %n"), "not an add"),
+    ],
+)
+def test_norm_residual_does_not_fire(edit, why):
+    _, fired = run_pass(POST_NORM.replace(*edit), "norm_residual")
+    assert fired == 0, why
+
+
+def _same_post_norm_numbers(before: str, after: str, rng: np.random.Generator) -> None:
+    _, bufs = random_weight(rng, 128, 128, MlxAffine(4, 64, BF16))
+    w = {"o": bufs, "post": {"weight": (1 + 0.2 * rng.standard_normal(128)).astype(np.float32)}}
+    x = {k: rng.standard_normal((5, 128)).astype(BF16.np) for k in ("x", "a")}
+    want = interpret(parse(before), x, w)["y"]
+    np.testing.assert_array_equal(interpret(parse(after), x, w)["y"], want)
+    # not the add without the norm's rounding, nor the norm without the add
+    assert not np.array_equal(want, x["x"])
+
+
+LOGITS = f"""
+graph logits {{
+  %h = input : f32[M, 128]
+  %w_head = weight {{key="head"}} : {W4}[96, 128]
+  %logits = qlinear %h, %w_head : f32[M, 96]
+  %capped = softcap %logits {{cap=2.0}} : f32[M, 96]
+  output logits = %capped
+}}
+"""
+
+
+def test_softcap_epilogue_is_the_lm_heads_store(rng):
+    after, fired = run_pass(LOGITS, "softcap_epilogue")
+    assert fired == 1
+    assert (
+        '%capped = qlinear %h, %w_head {cap=2.0, epilogue="softcap", fused=["logits"]} : '
+        "f32[M, 96]" in after
+    )
+    assert "softcap %" not in after
+    assert_same_numbers(LOGITS, after, rng)
+    g = parse(after)
+    x = {"h": (4 * rng.standard_normal((3, 128))).astype(np.float32)}
+    y = interpret(g, x, weights_for(LOGITS, rng))["logits"]
+    assert 1.9 < np.abs(y).max() <= 2.0  # capped (the projection alone reaches past 2)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (
+            ("output logits = %capped", "output logits = %capped\n  output raw = %logits"),
+            "used twice",
+        ),
+        (("softcap %logits {cap=2.0}", "silu %logits"), "not a softcap"),
+    ],
+)
+def test_softcap_epilogue_does_not_fire(edit, why):
+    _, fired = run_pass(LOGITS.replace(*edit), "softcap_epilogue")
+    assert fired == 0, why

@@ -94,8 +94,9 @@ LLAMA3_8B = Shapes(4096, 14336, 1024)
 CHECKPOINT = Shapes(512, 1408, 128)
 
 
-def mlp(fmt: WeightFormat, s: Shapes, act: DType = F16) -> Graph:
-    """gate/up paired (silu(g) * u epilogue) at K = hidden, down + residual at K = inter."""
+def mlp(fmt: WeightFormat, s: Shapes, act: DType = F16, gate_act: str = "silu") -> Graph:
+    """gate/up paired (silu(g) * u epilogue, or gate_act's) at K = hidden, down + residual at
+    K = inter."""
     b = Builder("mlp")
     x = b.input("x", ("M", s.hidden), act)
     ws = {
@@ -106,7 +107,7 @@ def mlp(fmt: WeightFormat, s: Shapes, act: DType = F16) -> Graph:
             "down": (s.hidden, s.inter),
         }.items()
     }
-    h = b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
+    h = b.mul(getattr(b, gate_act)(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
     b.output("y", b.add(x, b.qlinear(h, ws["down"])))
     return b.graph
 
@@ -122,14 +123,17 @@ def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16, bias: bool = False) -> G
     return b.graph
 
 
-def prologue_mlp(gate: WeightFormat, up: WeightFormat, down: WeightFormat, s: Shapes) -> Graph:
-    """gate and up in different formats (not merged): silu(g) * u is down_proj's prologue."""
+def prologue_mlp(
+    gate: WeightFormat, up: WeightFormat, down: WeightFormat, s: Shapes, gate_act: str = "silu"
+) -> Graph:
+    """gate and up in different formats (not merged): silu(g) * u (or gate_act's) is
+    down_proj's prologue."""
     b = Builder("prologue")
     x = b.input("x", ("M", s.hidden), F16)
     g = b.qlinear(x, b.weight("gate", QWeight(gate, s.inter, s.hidden), name="w_gate"))
     u = b.qlinear(x, b.weight("up", QWeight(up, s.inter, s.hidden), name="w_up"))
     w = b.weight("down", QWeight(down, s.hidden, s.inter), name="w_down")
-    b.output("y", b.qlinear(b.mul(b.silu(g), u), w))
+    b.output("y", b.qlinear(b.mul(getattr(b, gate_act)(g), u), w))
     return b.graph
 
 
@@ -401,6 +405,39 @@ GATE: tuple[Entry, ...] = (
         ),
         ("qgemm_nvfp4diva4_f16_n512_k1408_64x32x32s3w4x1_silu_a4dynamic", "_128x64x32s3w2x2_silu"),
     ),
+    # Gemma's gelu-tanh where silu fuses: the pair's epilogue and down_proj's prologue, 16-bit
+    # (GEMV and GEMMs), and W4A4's prologue GEMM (its GEMV as prologue-w4a4-checkpoint's).
+    Entry(
+        "gelu-gate-checkpoint",
+        lambda arch: [
+            *graph(
+                lambda: mlp(MlxAffine(4, 64, BF16), CHECKPOINT, BF16, "gelu_tanh"),
+                lambda la: "_gelumul" in la.kernel.name,
+            )(arch),
+            *graph(
+                lambda: prologue_mlp(
+                    MlxAffine(4, 64, BF16),
+                    MlxAffine(8, 64, BF16),
+                    Fp8("channel"),
+                    CHECKPOINT,
+                    "gelu_tanh",
+                ),
+                lambda la: "_gelu" in la.kernel.name,
+            )(arch),
+            *graph(
+                lambda: prologue_mlp(
+                    Nvfp4("mul", 4), Nvfp4("div", 4), Nvfp4("div", 4), CHECKPOINT, "gelu_tanh"
+                ),
+                lambda la: gemm(la) and "_gelu" in la.kernel.name,
+            )(arch),
+        ],
+        (
+            "qgemv_mlx4g64bf16_bf16_n1408_1408_k512_m8_gelumul",
+            "qgemv_fp8ch_f16_n512_k1408_m8_gelu",
+            "_128x64x32s3w2x2_gelu",
+            "_64x32x32s3w4x1_gelu_a4dynamic",
+        ),
+    ),
     # f32 activations: the GEMV's float path (no GEMM takes f32), one row a warp.
     Entry(
         "f32-acts-checkpoint",
@@ -476,6 +513,19 @@ GATE: tuple[Entry, ...] = (
         "model-nvfp4-w4a4",
         model("ct_nvfp4_w4a4_S"),
         ("rms_norm_", "quantize_act_nvfp4_bf16_k256_div_rmsnorm"),
+    ),
+    # Gemma 3: embeddings scaled by 16, RMSNorm weights folded to float32 (1 + w) alone and in
+    # the prologues (with the gelu-tanh pair), norm_residual, the soft-cap as lm_head's epilogue.
+    Entry(
+        "model-gemma3-mlx4",
+        model("mlx_affine4_gemma3"),
+        (
+            "embedding_mlx4",
+            "_x16",
+            "rms_norm_bf16_n256_wf32_res",
+            "_wf32_gelumul",
+            "_wf32_softcap_c30",
+        ),
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),

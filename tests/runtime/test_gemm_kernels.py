@@ -47,6 +47,7 @@ from tests.conftest import (
     ON_GPU,
     format_fixtures,
     max_rel,
+    mlp_graph,
     random_weight,
     rel_err,
 )
@@ -142,9 +143,11 @@ def test_every_fusion_at_every_batch_size(
             same_bytes_reversed(c, x, ours, monkeypatch)
 
 
-def prologue_mlp(gate: WeightFormat, up: WeightFormat, down: WeightFormat) -> tuple[Graph, Any]:
-    """gate and up in different formats (so not merged): silu(g) * u is down_proj's prologue;
-    with W4A4 weights down_proj quantizes it there (per-row scales)."""
+def prologue_mlp(
+    gate: WeightFormat, up: WeightFormat, down: WeightFormat, gate_act: str = "silu"
+) -> tuple[Graph, Any]:
+    """gate and up in different formats (so not merged): silu(g) * u (or gate_act's) is
+    down_proj's prologue; with W4A4 weights down_proj quantizes it there (per-row scales)."""
     rng = np.random.default_rng(3)
     b = Builder("prologue")
     x = b.input("x", ("M", HIDDEN), F16)
@@ -156,7 +159,7 @@ def prologue_mlp(gate: WeightFormat, up: WeightFormat, down: WeightFormat) -> tu
     ):
         qw, weights[name] = random_weight(rng, o, i, fmt)
         ws[name] = b.weight(name, qw, name=f"w_{name}")
-    h = b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
+    h = b.mul(getattr(b, gate_act)(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
     b.output("y", b.qlinear(h, ws["down"]))
     return b.graph, weights
 
@@ -190,6 +193,57 @@ def test_silu_prologue_through_the_gemm(
         close(ours, ref(x), formats[2])
         if backend == "host" and m == 33:
             same_bytes_reversed(c, x, ours, monkeypatch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gelu_gate_through_the_gemv_and_the_gemm(backend: str) -> None:
+    """Gemma's gelu_tanh where silu fuses: the gate/up pair's epilogue, down_proj's prologue
+    (16-bit, and W4A4 quantizing the product there), in the GEMV (M = 1, 5) and the GEMM
+    (M = 33, 130), against the interpreter."""
+    rng = np.random.default_rng(5)
+    mlx4, w4a4_mul, w4a4_div = MlxAffine(4, 64, BF16), Nvfp4("mul", 4), Nvfp4("div", 4)
+    cases = [  # the graph, its fusion's name, the format that sets the tolerance
+        (mlp_graph(rng, HIDDEN, INTER, mlx4, F16, "gelu_tanh"), "_gelumul", mlx4),
+        (prologue_mlp(mlx4, MlxAffine(8, 64, BF16), Fp8("channel"), "gelu_tanh"), "_gelu", mlx4),
+        (prologue_mlp(w4a4_mul, w4a4_div, w4a4_div, "gelu_tanh"), "_gelu_a4dynamic", w4a4_div),
+    ]
+    for (graph, weights), fused, fmt in cases:
+        c = qir.compile(graph, weights, backend=backend)
+        ref = qir.compile(graph, weights, backend="reference")
+        assert c.plan is not None
+        names = [la.kernel.name for la in c.plan.launches]
+        assert any(n.startswith("qgemv_") and fused in n for n in names), (fused, names)
+        assert any(n.startswith("qgemm_") and fused in n for n in names), (fused, names)
+        assert not any("silu" in n for n in names)
+        for m in (1, 5, 33, 130):
+            x = inputs(m)
+            close(c(x), ref(x), fmt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_epilogue_through_the_gemv_and_the_gemm(backend: str) -> None:
+    """Gemma's final logit soft-cap as the projection's store: GEMV (M = 1, 5), GEMM (M = 33,
+    130), N = 37 (ragged), against the interpreter; the values reach the cap's range."""
+    rng = np.random.default_rng(6)
+    fmt = MlxAffine(4, 64, BF16)
+    b = Builder("capped")
+    x = b.input("x", ("M", HIDDEN), F16)
+    qw, weights = random_weight(rng, RAGGED, HIDDEN, fmt)
+    b.output("y", b.softcap(b.qlinear(x, b.weight("w", qw, name="w_w")), 3.0))
+    c = qir.compile(b.graph, {"w": weights}, backend=backend)
+    ref = qir.compile(b.graph, {"w": weights}, backend="reference")
+    assert c.plan is not None
+    names = [la.kernel.name for la in c.plan.launches]
+    assert any(n.startswith("qgemv_") and n.endswith("_softcap_c3") for n in names), names
+    assert any(n.startswith("qgemm_") and n.endswith("_softcap_c3") for n in names), names
+    for m in (1, 5, 33, 130):
+        assert c.launches_for(m) == 1
+        xs = {"x": (3 * inputs(m)["x"].astype(np.float32)).astype(np.float16)}
+        ours, want = c(xs), ref(xs)
+        assert 2.5 < np.abs(want["y"].astype(np.float32)).max() <= 3.0
+        # two f16 roundings (the projection, then the capped value) where the sums' order may
+        # move the first by an ulp: 4e-3 of the cap
+        assert max_rel(ours["y"], want["y"]) <= 4e-3, m
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

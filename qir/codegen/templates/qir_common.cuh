@@ -49,6 +49,11 @@ __device__ __forceinline__ float qir_round(float v) { return qir_to_float(qir_fr
 
 __device__ __forceinline__ float qir_silu(float v) { return v / (1.0f + expf(-v)); }
 
+// gelu's tanh approximation (torch's approximate="tanh"; Gemma's gelu_pytorch_tanh).
+__device__ __forceinline__ float qir_gelu_tanh(float v) {
+  return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}
+
 // ---- Bit tricks -------------------------------------------------------------------------------
 
 // Any three-input bitwise function in one instruction; LUT is the function's truth table over
