@@ -13,7 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.formats.base import FormatError, WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
@@ -41,9 +41,18 @@ def read_fp8(ck: Checkpoint, module: str, granularity: str) -> Linear:
             f"{scale_name}: {s.dtype} {list(s.shape)}, expected a float {want} per-{granularity} "
             f"scale for a [{out_features}, {in_features}] weight"
         )
-    scale = s.astype(np.float32).reshape(rows)
-    scale.flags.writeable = False  # like every buffer read from the checkpoint
-    bufs = {"weight": w, "scale": scale}
+    return scaled_linear(module, fmt, w, s.reshape(rows), scale_name)
+
+
+def scaled_linear(
+    module: str, fmt: WeightFormat, w: np.ndarray, scale: np.ndarray, scale_name: str
+) -> Linear:
+    """An FP8 linear of e4m3 codes `w` and a scale read as `scale_name`, widened to float32
+    (exact from f16/bf16), checked by the format with errors naming the checkpoint's tensor."""
+    out_features, in_features = w.shape
+    widened = scale.astype(np.float32)
+    widened.flags.writeable = False  # like every buffer read from the checkpoint
+    bufs = {"weight": w, "scale": widened}
     try:
         fmt.check_buffers(bufs, out_features, in_features, where=module)
     except FormatError as e:

@@ -23,7 +23,7 @@ from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.families import Family, register_family
 from qir.models.families.common import expect_matrix, not_converted, quant_config, tensors
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
-from qir.types import QWeight
+from qir.models.families.fp8 import scaled_linear
 
 # Scale dtypes widened to float32 exactly: HF writes f32 (UE8M0 in some DeepSeek releases),
 # compressed-tensors the model dtype.
@@ -60,14 +60,7 @@ def read_fp8_block(ck: Checkpoint, module: str, fmt: Fp8Block, scale: str) -> Li
             f"{scale_name}: {s.dtype} {list(s.shape)}, expected a float {list(want)} scale per "
             f"{fmt.block_out} x {fmt.block_in} block of a [{out_features}, {in_features}] weight"
         )
-    scales = s.astype(np.float32)
-    scales.flags.writeable = False  # like every buffer read from the checkpoint
-    bufs = {"weight": w, "scale": scales}
-    try:
-        fmt.check_buffers(bufs, out_features, in_features, where=module)
-    except FormatError as e:
-        raise FormatError(str(e).replace(f"{module}.scale:", f"{scale_name}:")) from None
-    return Linear(module, QWeight(fmt, out_features, in_features), bufs)
+    return scaled_linear(module, fmt, w, s, scale_name)
 
 
 def _hf_format(q: Mapping[str, Any]) -> Fp8Block:
