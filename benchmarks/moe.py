@@ -109,10 +109,10 @@ def weight_bytes(w: QWeight) -> int:
 
 
 def scaled(s: Shape, scale: float, experts: int | None) -> Shape:
-    """Widths times `scale` (multiples of 128: every group and tile size divides them), at most
-    `experts` experts (k kept below that)."""
+    """Widths times `scale` (below 1: multiples of 128, which every group and tile size
+    divides; gpt-oss's 2880 is not one), at most `experts` experts (k kept below that)."""
     e = min(s.experts, experts) if experts else s.experts
-    w = lambda v: max(128, round(v * scale / 128) * 128)  # noqa: E731
+    w = lambda v: v if scale == 1 else max(128, round(v * scale / 128) * 128)  # noqa: E731
     return Shape(w(s.hidden), w(s.inter), e, min(s.k, e), s.rule, s.fmt)
 
 
@@ -249,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     print(
         f"backend {backend}; medians of {args.repeat}; decode: one token, prefill: {args.prefill}"
     )
+    print(
+        f"{'model':14} {'format':9} {'E':>4} {'k':>2} {'MB/token ours':>13} {'all':>9} "
+        f"{'ratio':>6} {'decode ms':>9} {'all ms':>9} {'ratio':>6} "
+        f"{'prefill ms':>10} {'per expert':>10} {'ratio':>6}"
+    )
     rows = []
     for name in args.models:
         full = MODELS[name]
@@ -259,13 +264,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                 f"{full.experts} experts top {full.k} to hidden {s.hidden}, inter {s.inter}, "
                 f"{s.experts} experts top {s.k} (--scale {args.scale}, --experts {args.experts})"
             )
-        rows.append(measure(name, s, backend, args.prefill, args.repeat))
-    print(
-        f"{'model':14} {'format':9} {'E':>4} {'k':>2} {'MB/token ours':>13} {'all':>9} "
-        f"{'ratio':>6} {'decode ms':>9} {'all ms':>9} {'ratio':>6} "
-        f"{'prefill ms':>10} {'per expert':>10} {'ratio':>6}"
-    )
-    for r in rows:
+        r = measure(name, s, backend, args.prefill, args.repeat)
+        rows.append(r)
         print(
             f"{r.model:14} {r.shape.fmt.tag():9} {r.shape.experts:>4} {r.shape.k:>2} "
             f"{r.bytes_ours / 1e6:>13.2f} {r.bytes_all / 1e6:>9.2f} {r.bytes_ratio:>6.2f} "
