@@ -3,12 +3,16 @@ with NVRTC for one arch and read off their SASS (qir.runtime.resources), with th
 GPU's memory bandwidth that cost allows at most.
 
     python benchmarks/static_roofline.py [--arch sm_90|sm_100a|sm_80|sm_120a] [--m 1 8]
-        [--formats awq4g128 ...] [--blocks qkv o mlp]
+        [--formats awq4g128 ...] [--blocks qkv o mlp moe]
 
 Shapes: q/k/v 4096 -> 4096 + 1024 + 1024 (one merged launch), o 4096 -> 4096, the MLP's
 gate/up 4096 -> 2 x 14336 (one launch, silu(g) * u as its epilogue) and down 14336 -> 4096 with
 the residual add, all f16 activations, through the default passes. Weights are types only: the
 kernels do not depend on their values.
+
+--blocks moe: a routed MLP (router, gate/up pair, down + combine) of stacked experts at
+Qwen3-30B-A3B's expert shapes (gpt-oss-20b's for MXFP4); an expert GEMV's cost at M = 1 is per
+512 B of one chosen expert's rows, the bytes a decode step reads.
 
 Per kernel: registers, spill bytes, resident blocks per SM, warp instructions per 512 B of
 weights at M, bytes of weights in flight per SM, and per GPU of the arch the bound that implies:
@@ -44,7 +48,7 @@ from qir.runtime import sass
 from qir.runtime.gpus import gpus_for
 from qir.runtime.resources import KernelCost, kernel_costs
 from qir.target import Target
-from qir.types import QWeight
+from qir.types import QExperts, QWeight
 
 LLAMA3_8B = {"hidden": 4096, "inter": 14336, "q": 4096, "kv": 1024}
 # One of each format and variant decode kernels specialise on (after tests/conftest.py's zoo),
@@ -68,7 +72,15 @@ FORMATS: tuple[WeightFormat, ...] = (
     Nvfp4("div", 4),
     Dense(F16),
 )
-BLOCKS = ("qkv", "o", "mlp")
+BLOCKS = ("qkv", "o", "mlp", "moe")
+# The "moe" block: a routed MLP (router, gate/up pair, down + combine + residual) at
+# Qwen3-30B-A3B's expert shapes, and at gpt-oss-20b's for MXFP4 (the format its authors ship).
+QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "k": 8}
+GPT_OSS_20B = {"hidden": 2880, "inter": 2880, "experts": 32, "k": 4}
+
+
+def moe_shapes(fmt: WeightFormat) -> dict[str, int]:
+    return GPT_OSS_20B if isinstance(fmt, Mxfp4) else QWEN3_30B_A3B
 
 
 @dataclass
@@ -87,6 +99,8 @@ def graph(block: str, fmt: WeightFormat, d: dict[str, int]) -> Graph:
         w = b.weight(name, QWeight(fmt, out_f, in_f), name=f"w_{name}")
         return b.qlinear(src, w, name=name)  # type: ignore[arg-type]
 
+    if block == "moe":
+        return moe_graph(fmt, moe_shapes(fmt))
     if block == "qkv":
         for name, n in {"q": d["q"], "k": d["kv"], "v": d["kv"]}.items():
             b.output(name, linear(x, name, n, d["hidden"]))  # type: ignore[arg-type]
@@ -96,6 +110,29 @@ def graph(block: str, fmt: WeightFormat, d: dict[str, int]) -> Graph:
         g, u = (linear(x, n, d["inter"], d["hidden"]) for n in ("gate", "up"))
         h = b.mul(b.silu(g), u)  # type: ignore[arg-type]
         b.output("y", b.add(x, linear(h, "down", d["hidden"], d["inter"])))  # type: ignore[arg-type]
+    return b.graph
+
+
+def moe_graph(fmt: WeightFormat, d: dict[str, int]) -> Graph:
+    """y = x + moe(x): an f16 router choosing k of the experts, gate/up (silu(g) * u), down with
+    the router's weights and the residual; experts stacked [E, out, in] in `fmt`."""
+    b = Builder("moe")
+    x = b.input("x", ("M", d["hidden"]), F16)
+    router = b.weight("router", QWeight(Dense(F16), d["experts"], d["hidden"]), name="w_router")
+    ids, rw = b.route(
+        b.qlinear(x, router, name="logits"), d["k"], "softmax_topk_norm", name="route"
+    )
+    shapes = {
+        "gate": (d["inter"], d["hidden"]),
+        "up": (d["inter"], d["hidden"]),
+        "down": (d["hidden"], d["inter"]),
+    }
+    ws = {
+        n: b.weight(n, QExperts(QWeight(fmt, o, i), d["experts"]), name=f"w_{n}")
+        for n, (o, i) in shapes.items()
+    }
+    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h")
+    b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, x, name="y"))
     return b.graph
 
 

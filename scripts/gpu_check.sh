@@ -13,9 +13,11 @@
 #      benchmarks/sampling.py: the sample kernel vs the logits copied to the host -> $OUT/bench.log
 #      benchmarks/layer_decode.py: a Llama-3-8B layer's decode step fused vs its sub-blocks,
 #      a 32-layer model's tokens/s and launches per token        -> $OUT/bench.log
+#      benchmarks/moe.py: a MoE layer at Qwen3-30B-A3B and gpt-oss-20b shapes, decode (chosen
+#      experts vs every expert: bytes, time) and prefill (grouped vs per expert) -> $OUT/bench.log
 #   5. compute-sanitizer racecheck and memcheck over one fused block of each format family
 #                                                                 -> $OUT/sanitizer.log
-# Worst case about 8.3 minutes with the default limits; typically far less. Call the device with
+# Worst case about 9.3 minutes with the default limits; typically far less. Call the device with
 # timeout_s 590 and read $OUT/summary.txt first; llama.json is written row by row, so a stage
 # that times out still leaves what it measured. Every stage runs even when an earlier
 # one failed; the exit status is the first failure's.
@@ -26,7 +28,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T_TESTS="${T_TESTS:-180}" T_LLAMA="${T_LLAMA:-90}" T_SWEEP="${T_SWEEP:-120}"
 T_RUNTIME="${T_RUNTIME:-30}" T_LAYER="${T_LAYER:-45}" T_SANITIZER="${T_SANITIZER:-30}"
-T_SAMPLING="${T_SAMPLING:-20}"
+T_SAMPLING="${T_SAMPLING:-20}" T_MOE="${T_MOE:-60}"
 status=0
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -86,6 +88,9 @@ stage "layer_decode" "$T_LAYER" "$OUT/bench.log" \
 
 # The sample kernel against copying the logits to the host and drawing there (32k, 152k ids).
 stage "sampling" "$T_SAMPLING" "$OUT/bench.log" python3 benchmarks/sampling.py --backend cuda
+
+# A MoE layer: the chosen experts' GEMVs against every expert's rows, grouped GEMM at prefill.
+stage "moe" "$T_MOE" "$OUT/bench.log" python3 benchmarks/moe.py --backend cuda
 
 # One block of each kernel family: the sanitizers slow kernels by 10-100x. What they can see:
 # racecheck, shared memory (in these kernels: quantize_act's block reduction); memcheck, accesses

@@ -249,3 +249,26 @@ def test_serve_on_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         assert all(v > 0 for v in (*r.ttft_ms, *r.itl_ms)) and r.ttft_ms[0] <= r.ttft_ms[2]
     assert json.loads(out.read_text())["rows"][1]["mode"] == "all at once"
     assert "batching ratio" in capsys.readouterr().out
+
+
+def test_moe_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss-20b's layer shrunk to 8 experts (top 4) of 128 x 128 MXFP4: the bytes a decode
+    step reads are the router's and 4 experts', from the format's facts (4-bit codes and an
+    E8M0 byte per 32 weights); decode runs the expert GEMVs, a 24-token prefill the grouped
+    path."""
+    argv = ["--backend", "host", "--models", "gpt-oss-20b", "--experts", "8", "--scale", "0.04"]
+    rows = load("moe").main([*argv, "--prefill", "24", "--repeat", "1"])
+    (r,) = rows
+    assert (r.shape.hidden, r.shape.inter, r.shape.experts, r.shape.k) == (128, 128, 8, 4)
+    expert = 3 * 128 * 128 * (4 / 8 + 1 / 32)
+    router = 8 * 128 * 2  # f16
+    assert (r.bytes_ours, r.bytes_all) == (router + 4 * expert, router + 8 * expert)
+    assert r.bytes_ratio == pytest.approx((router + 8 * expert) / (router + 4 * expert))
+    assert all(t > 0 for t in (r.decode_ms, r.decode_all_ms, r.prefill_ms))
+    assert r.prefill_per_expert_ms > 0
+    assert sum(n.startswith("moe_gemv_") for n in r.decode_kernels) == 2
+    assert not any(n.startswith("moe_qgemm_") for n in r.decode_kernels)
+    assert sum(n.startswith("moe_qgemm_") for n in r.prefill_kernels) == 2
+    out = capsys.readouterr().out
+    assert "reduced from hidden 2880, inter 2880, 32 experts top 4" in out
+    assert re.search(r"gpt-oss-20b\s+mxfp4\s+8\s+4\s", out)

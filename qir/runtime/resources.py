@@ -53,7 +53,7 @@ from qir.errors import UsageError
 from qir.runtime import sass
 from qir.runtime.gpus import Gpu, gpus_for
 from qir.runtime.nvrtc import PtxasReport, compile_cubin
-from qir.types import QWeight, TensorType
+from qir.types import QExperts, QWeight, TensorType
 
 WARP = 32
 CODES = "weight"  # the buffer of packed codes, in every format
@@ -170,13 +170,16 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     buffers, codes, weights = set(), set(), []
     act = F16
     for p, a in zip(params, launch.args, strict=True):
-        if a.kind == "value":
+        # The router's weights (an expert combine's rw) are float32 whatever the activations.
+        if a.kind == "value" and p.name != "rw":
             t = plan.value_type(a.ref)
             if isinstance(t, TensorType) and t.dtype == F32:
                 act = F32
         if a.kind != "weight":
             continue
         w = plan.graph.node(a.ref).type
+        if isinstance(w, QExperts):
+            w = w.expert  # an expert kernel streams one chosen expert's weight at a time
         if not isinstance(w, QWeight):
             continue  # a norm prologue's weight vector: read with the activations, not streamed
         buffers.add(p.name)
@@ -201,7 +204,9 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
         chunk_elems=frag.chunk_elems,
         chunk_code_bytes=frag.chunk_elems * code_bytes,
         bytes_per_weight=fmt.bytes_per_weight(),
-        chunks_per_lane=-(-frag.chunks_per_row(w.in_features) // WARP),
+        # Lanes take chunks in pairs (qir_chunks: lane l reads 2l and 2l + 1, 64 apart): the
+        # busiest lane's count, which sets the warp's passes.
+        chunks_per_lane=2 * -(-frag.chunks_per_row(w.in_features) // (2 * WARP)),
         weights_per_warp=per_warp,
         row_bytes=round(per_warp * w.in_features * fmt.bytes_per_weight()),
         m_tile=launch.m_tile,
@@ -331,6 +336,11 @@ def _stream_cost(
     if not loads:
         return _replace(base, notes=("no load of the weight buffers found in the SASS",))
     holding = [lp for lp in loops if any(i in lp for i in loads)]
+    # A loop with a block barrier walks tiles of work (an expert kernel's loop over the pairs
+    # that chose its expert, run once per tile), not the stream of one row's weights.
+    holding = [
+        lp for lp in holding if not any(instrs[i].op == "BAR" for i in range(lp.head, lp.tail + 1))
+    ]
     outer = [lp for lp in holding if not any(lp.inside(o) for o in holding)]
     notes: list[str] = []
     if outer:

@@ -502,6 +502,23 @@ def _define(
     if op != "PLOP3":
         while src and src[0] in ("PT", "UPT"):
             src = src[1:]
+    if op == "ISETP" and len(src) == 3 and ({"AND", "OR"} & set(parts)):
+        # compare, then AND / OR with a predicate: one side alone can decide it (M == 1 || x).
+        cmp = next((p for p in parts if p in _MIRROR), None)
+        a0, a1, q = v(0), v(1), v(2)
+        c = (
+            None
+            if cmp is None or a0 is None or a1 is None
+            else int(_holds(cmp, a0, a1, "U32" in parts))
+        )
+        short = 0 if "AND" in parts else 1
+        if short in (c, q):
+            return short
+        return (
+            None
+            if c is None or q is None
+            else int(bool(c) and bool(q) if short == 0 else bool(c) or bool(q))
+        )
     mode = src[-1] if src and src[-1] in ("PT", "!PT", "UPT") else ""
     got = [v(k) for k in range(len(src) - (1 if mode else 0))]
     if any(x is None for x in got):

@@ -13,6 +13,7 @@ from qir.codegen.lower import Plan, lower
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
 from qir.formats.ct_int import CtInt
+from qir.formats.dense import Dense
 from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
@@ -20,9 +21,15 @@ from qir.formats.nvfp4 import Nvfp4
 from qir.passes.manager import run_pipeline
 from qir.runtime import nvrtc, sass
 from qir.runtime.gpus import GPUS, gpu, gpus_for
-from qir.runtime.resources import format_table, kernel_costs, occupancy, weight_stream
+from qir.runtime.resources import (
+    KernelCost,
+    format_table,
+    kernel_costs,
+    occupancy,
+    weight_stream,
+)
 from qir.target import Target
-from qir.types import QWeight, TensorType
+from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import mlp_graph
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
@@ -371,3 +378,80 @@ def test_gemm_main_loop_costs_at_most_11_instructions_per_mma_for_4_bit_formats(
     table = format_table([cost])
     assert f"{cost.instr_per_mma:.1f}/MMA" in table and "per MMA: HMMA 1.0" in table
     assert "RTX 5090's tensor cores take 32 warp instructions per m16n8k16 MMA" in table
+
+
+def test_a_compare_and_or_with_m_decides_alone() -> None:
+    """`M == 1 || rows != 1` (the expert kernels' row count, read from shared memory, is 1
+    whenever M is): the compare on M decides the OR even though the other side is unknown."""
+    slots = {0x218: "M"}
+    code = _ins(
+        "LDS R3, [R9]",  # a row count from shared memory: unknown
+        "ULDC UR4, c[0x0][0x218]",
+        "ISETP.NE.AND P0, PT, R3, 0x1, PT",
+        "ISETP.EQ.OR P0, PT, UR4, 0x1, !P0",
+        f"@P0 BRA {_at(6)}",
+        "EXIT",
+        "EXIT",
+    )
+    flow = sass.labels(code, slots)
+    assert flow.guard[4] == {"M"}
+    assert sass.decide(code, flow, slots, 1, 0) == {4: True}
+    assert sass.decide(code, flow, slots, 2, 0) == {}  # then the row count decides: unknown
+
+
+def _experts(fmt, hidden: int, inter: int, experts: int, k: int) -> Plan:
+    """A routed MLP of stacked experts (types only): router, gate/up pair, down + combine."""
+    b = Builder("moe")
+    x = b.input("x", ("M", hidden), F16)
+    router = b.weight("router", QWeight(Dense(F16), experts, hidden), name="w_router")
+    ids, rw = b.route(b.qlinear(x, router, name="logits"), k, "softmax_topk_norm", name="r")
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    ws = {
+        n: b.weight(n, QExperts(QWeight(fmt, o, i), experts), name=f"w_{n}")
+        for n, (o, i) in shapes.items()
+    }
+    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h")
+    b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, x, name="y"))
+    return lower(run_pipeline(b.graph, "default")[0], target=Target("sm_90"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_costs() -> dict[str, KernelCost]:
+    """AWQ 4-bit experts at Qwen3-30B-A3B's shapes (hidden 2048, 768 per expert, top 8 of
+    128) at M = 1 on sm_90: the two expert GEMVs' rows of the cost table."""
+    plan = _experts(Awq(4, 128), 2048, 768, 128, 8)
+    return {c.name: c for c in kernel_costs(plan, "sm_90", 1) if c.name.startswith("moe_gemv_")}
+
+
+@needs_nvrtc
+@needs_sass
+def test_expert_gemvs_have_a_cost_per_512_bytes_of_a_chosen_expert(qwen3_moe_costs) -> None:
+    """The column is filled for both expert GEMVs from the decode path (one row per chosen
+    expert) alone: a pass loads every chunk of the warp's rows once (gate/up: 2 x 2 rows of 2
+    chunks per lane; down, K = 768 = 24 chunks: lanes 0-11 take 2 each, 4 rows), and the
+    denominator is the chosen expert's rows, not all 128 experts'."""
+    gate_up, down = (
+        next(c for n, c in qwen3_moe_costs.items() if n.endswith(s))
+        for s in ("_silumul", "_combine_res_slots_in")
+    )
+    assert gate_up.chunks_per_pass == 8 and down.chunks_per_pass == 8
+    fmt = Awq(4, 128)
+    for c in (gate_up, down):
+        assert c.instr_per_512 is not None and c.in_flight_per_sm
+        # At least one HFMA2 per pair of weights a lane reads (one row of x), no more than a
+        # tile of 8 rows' worth: the one-row path was taken.
+        hfma2_per_row = 512 / fmt.bytes_per_weight() / 2 / 32
+        assert hfma2_per_row <= c.mix_per_512["HFMA2"] < 4 * hfma2_per_row / 0.375
+        assert c.instr_per_512 > c.mix_per_512["HFMA2"]
+
+
+@needs_nvrtc
+@needs_sass
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 22 item 5: the expert gate/up GEMV costs ~145 warp instructions per 512 B at "
+    "Qwen3-30B-A3B shapes (AWQ, sm_90), goal <= 80",
+)
+def test_expert_gate_up_gemv_within_80_instructions_per_512_bytes(qwen3_moe_costs) -> None:
+    gate_up = next(c for n, c in qwen3_moe_costs.items() if n.endswith("_silumul"))
+    assert gate_up.instr_per_512 is not None and gate_up.instr_per_512 <= 80
