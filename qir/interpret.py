@@ -201,6 +201,22 @@ def _qlinear(
     adds the residual to the rounded projection. A weight's bias (`biases`, one per weight) joins
     its float32 sums before they round."""
     attrs = dict(node.attrs)
+    if attrs.get("prologue") == "norm_residual":
+        # h = r + rms_norm(x, pw) as norm_residual stores it, then the rms_norm prologue on h
+        # (h is the node's last result)
+        x, pw, r = args[:3]
+        res_eps = attrs["res_eps"]
+        assert isinstance(res_eps, float)
+        h = (_f32(r) + _f32(rms_norm(x, pw, res_eps).astype(r.dtype))).astype(r.dtype)
+        assert isinstance(node.type, TupleType)
+        elements = node.type.elements[:-1]
+        inner = Node(
+            "qlinear",
+            elements[0] if len(elements) == 1 else TupleType(elements),
+            tuple((k, "rms_norm" if k == "prologue" else v) for k, v in node.attrs),
+        )
+        ys = _qlinear(inner, [h, *args[3:]], biases)
+        return (*(ys if isinstance(ys, tuple) else (ys,)), h)
     ins, ws, extras = qlinear_layout(len(args), attrs)
     m = args[0].shape[0]
     t = node.type.elements[0] if isinstance(node.type, TupleType) else node.type

@@ -139,7 +139,7 @@ def _infer_leaf(
     raise AssertionError("leaf types are given, not inferred")
 
 
-PROLOGUES = ("silu_mul", "rms_norm")
+PROLOGUES = ("silu_mul", "rms_norm", "norm_residual")
 EPILOGUES = ("residual", "silu_mul", "softcap")
 # The activation a silu_mul prologue or epilogue applies to the gate (a qlinear's `act`; absent:
 # silu): the elementwise op it stands for.
@@ -151,13 +151,16 @@ def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, sl
 
     inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input, or
     act(g) * u with the node's `act`: GATE_ACTS), or
-    (x, w) with prologue rms_norm (it reads rms_norm(x, w) with the node's eps);
+    (x, w) with prologue rms_norm (it reads rms_norm(x, w) with the node's eps), or
+    (x, pw, r, w) with prologue norm_residual (it reads rms_norm(h, w), h = r + rms_norm(x, pw)
+    with eps res_eps, the norm_residual op; the node's last result is h, which it stores too);
     weights: one or more (several = one multi-output node reading its input once; with
     epilogue silu_mul exactly two, gate and up, and one result silu(x Wg^T) * (x Wu^T));
     then the residual r with epilogue residual (y = r + x W^T). Epilogue softcap (one weight,
     attribute cap): y = tanh(x W^T / cap) * cap, the projection rounded first.
     """
-    n_in = 2 if attrs.get("prologue") in PROLOGUES else 1
+    prologue = attrs.get("prologue")
+    n_in = 4 if prologue == "norm_residual" else 2 if prologue in PROLOGUES else 1
     n_extra = 1 if attrs.get("epilogue") == "residual" else 0
     return (
         slice(0, n_in),
@@ -167,6 +170,23 @@ def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, sl
 
 
 def _infer_qlinear(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    if attrs.get("prologue") != "norm_residual":
+        if attrs.get("res_eps") is not None:
+            raise IRTypeError("qlinear: res_eps is the norm_residual prologue's")
+        return _infer_projections(types, names, attrs)
+    # rms_norm(h, w) read as the rms_norm prologue reads its x, and h itself the last result
+    if len(types) < 5:
+        raise IRTypeError("qlinear prologue norm_residual: takes x, pw, r, w, then weights")
+    h = _infer_norm_residual(types[:3], names[:3], {"eps": attrs.get("res_eps")})
+    assert isinstance(h, TensorType)
+    inner = {**attrs, "prologue": "rms_norm"}
+    ys = _infer_projections([h, *types[3:]], [names[0], *names[3:]], inner)
+    return TupleType((*(ys.elements if isinstance(ys, TupleType) else (ys,)), h))
+
+
+def _infer_projections(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
     prologue, epilogue = attrs.get("prologue"), attrs.get("epilogue")
@@ -818,6 +838,7 @@ OPS: dict[str, OpSpec] = {
                     "fused",
                     "act_quant",
                     "eps",
+                    "res_eps",
                 }
             )
             | ACT_SCALE_ATTRS,

@@ -36,7 +36,9 @@ from qir.codegen.gemv import (
     c_cap,
     cap_suffix,
     gate_spelled,
-    norm_param,
+    h_param,
+    norm_doc,
+    norm_params,
     norm_suffix,
     segments,
     target_suffix,
@@ -153,6 +155,7 @@ class GemmSpec:
     target: Target | None = None
     gate_act: str = "silu"  # as GemvSpec.gate_act
     cap: float | None = None  # as GemvSpec.cap
+    res_norm: tuple[DType, float, bool] | None = None  # as GemvSpec.res_norm
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:
@@ -178,6 +181,7 @@ class GemmSpec:
             target=fused.target,
             gate_act=fused.gate_act,
             cap=fused.cap,
+            res_norm=fused.res_norm,
         )
 
     @property
@@ -194,6 +198,7 @@ class GemmSpec:
             self.target,
             self.gate_act,
             self.cap,
+            self.res_norm,
         )
 
     @property
@@ -217,7 +222,8 @@ class GemmSpec:
         f = self
         w0 = f.weights[0]
         outs = segments(f.weights)
-        fused = ("_silu" if f.prologue else "") + norm_suffix(f.norm) + EPILOGUES[f.epilogue]
+        fused = ("_silu" if f.prologue else "") + norm_suffix(f.norm, f.res_norm)
+        fused += EPILOGUES[f.epilogue]
         fused += cap_suffix(f.cap)
         if f.a4:
             fused += "_a4" + (f.a4_mode if f.prologue or f.native else "")
@@ -315,7 +321,9 @@ def _variant(f: GemmSpec) -> dict[str, str]:
             "b_tile": "&Bs[stage][row][c * CHUNK]",
             "b_scales": "&Bf[stage][row][c * BPC]",
         }
-    loader = "gemm/a_norm.cuh.j2" if f.norm else "gemm/a_cp_async.cuh.j2"
+    loader = "gemm/a_cp_async.cuh.j2"
+    if f.norm:
+        loader = "gemm/a_res_norm.cuh.j2" if f.res_norm else "gemm/a_norm.cuh.j2"
     return {
         "a_loader": "gemm/a_silu.cuh.j2" if f.prologue else loader,
         "b_adapter": "gemm/b_dequant.cuh.j2",
@@ -394,7 +402,11 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
             "gemm/row_scale.cuh.j2" if f.prologue else "gemm/row_scale_x.cuh.j2", **parts
         )
     if f.norm:
-        row_scale = render("gemm/row_norm.cuh.j2", eps=repr(f.norm[1]))
+        res_eps = repr(f.res_norm[1]) if f.res_norm else None
+        stores_h = bool(f.res_norm and f.res_norm[2])
+        row_scale = render(
+            "gemm/row_norm.cuh.j2", eps=repr(f.norm[1]), res_eps=res_eps, stores_h=stores_h
+        )
     finish = ""
     if f.native:
         # The row's activation factor is s / scale (mode 0) or s * scale (mode 1), the weight's
@@ -463,7 +475,7 @@ def _params(spec: GemmSpec, frag: Fragment) -> list[KernelParam]:
     if f.prologue:
         inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
     elif f.norm:
-        inputs = (KernelParam("x", act_in, "buffer"), norm_param(f.norm))
+        inputs = norm_params(act_in, f.norm, f.res_norm)
     elif f.a4 and not f.native:
         inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
     else:
@@ -476,6 +488,7 @@ def _params(spec: GemmSpec, frag: Fragment) -> list[KernelParam]:
             KernelParam(f"y{j}", f"{f.act.c_type}* __restrict__", "buffer")
             for j in range(1 if f.paired else len(f.weights))
         ),
+        *h_param(f.act, f.res_norm),
         *((KernelParam("r", act_in, "buffer"),) if f.epilogue == "residual" else ()),
         *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
         KernelParam("M", "int", "int"),
@@ -488,7 +501,7 @@ def _doc(spec: GemmSpec) -> list[str]:
     w0 = f.weights[0]
     x = f"{f.gate_act}(g) * u" if f.prologue else "x"
     if f.norm:
-        x = f"rms_norm(x, nw) (eps {f.norm[1]})"
+        x = norm_doc(f.norm, f.res_norm)
     if f.a4:
         x = f"nvfp4({x})"
     lines = []

@@ -106,6 +106,9 @@ class GemvSpec:
     # GATE_ACTS): silu, or Gemma's gelu_tanh (the name says "gelu" where it says "silu").
     gate_act: str = "silu"
     cap: float | None = None  # the softcap epilogue's: y = tanh(x W^T / cap) * cap
+    # With `norm`: the normed row is h = res + rms_norm(x, pw) (norm_residual; pw's dtype, its
+    # eps, and whether the kernel also stores h: output h, after the y's).
+    res_norm: tuple[DType, float, bool] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -130,6 +133,8 @@ class GemvSpec:
             raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
         if self.norm is not None and (self.prologue or self.a4):
             raise ValueError("the rms_norm prologue takes 16-bit activations and no other prologue")
+        if self.res_norm is not None and self.norm is None:
+            raise ValueError("the norm_residual prologue is an rms_norm prologue's input")
         if (self.epilogue == "softcap") != (self.cap is not None) or (
             self.epilogue == "softcap" and len(self.weights) != 1
         ):
@@ -147,7 +152,7 @@ class GemvSpec:
     def name(self) -> str:
         w0 = self.weights[0]
         outs = segments(self.weights)
-        fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm)
+        fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm, self.res_norm)
         fused += EPILOGUES[self.epilogue] + cap_suffix(self.cap)
         if self.a4:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
@@ -235,7 +240,7 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
     if spec.prologue:
         inputs = (KernelParam("g", act_in, "buffer"), KernelParam("u", act_in, "buffer"))
     elif spec.norm:
-        inputs = (KernelParam("x", act_in, "buffer"), norm_param(spec.norm))
+        inputs = norm_params(act_in, spec.norm, spec.res_norm)
     elif spec.a4:
         inputs = (KernelParam("xq", "const uint8_t* __restrict__", "buffer"),)
     else:
@@ -248,6 +253,7 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
             KernelParam(f"y{j}", f"{spec.act.c_type}* __restrict__", "buffer")
             for j in range(1 if spec.paired else len(spec.weights))
         ),
+        *h_param(spec.act, spec.res_norm),
         *((KernelParam("r", act_in, "buffer"),) if spec.epilogue == "residual" else ()),
         *((KernelParam("act_scale", "const float* __restrict__", "buffer"),) if scale else ()),
         KernelParam("M", "int", "int"),
@@ -297,7 +303,7 @@ def _header(spec: GemvSpec) -> list[str]:
     w0, k, fmt = spec.weights[0], spec.weights[0].in_features, spec.weights[0].format.spell()
     x = f"{spec.gate_act}(g[m, k]) * u[m, k]" if spec.prologue else "x[m, k]"
     if spec.norm:
-        x = f"rms_norm(x, nw)[m, k] (eps {spec.norm[1]})"
+        x = norm_doc(spec.norm, spec.res_norm) + "[m, k]"
     if spec.a4:
         x = f"nvfp4({x})"
     b = [f" + b{j}[n]" if w.bias else "" for j, w in enumerate(spec.weights)]
@@ -368,14 +374,48 @@ def _act_source(spec: GemvSpec) -> str:
         return "qir_act_a4{xq + (size_t)m0 * QIR_A4_ROW_BYTES}"
     if spec.prologue:
         return "qir_act_silu{g + row_off, u + row_off}"
+    if spec.norm and spec.res_norm:
+        (pw, res_eps, stores), (nw, eps) = spec.res_norm, spec.norm
+        h = "h + row_off" if stores else "nullptr"
+        return (
+            f"qir_act_res_norm<{pw.c_type}, {nw.c_type}>{{x + row_off, pw, res + row_off, nw, "
+            f"{h}, {res_eps!r}, {eps!r}}}"
+        )
     if spec.norm:
         return f"qir_act_norm<{spec.norm[0].c_type}>{{x + row_off, nw, {spec.norm[1]!r}}}"
     return "qir_act_x{x + row_off}"
 
 
-def norm_suffix(norm: tuple[DType, float] | None) -> str:
-    """The kernel-name part of an rms_norm prologue (the weight's dtype, as quantize_act's)."""
-    return f"_rmsnorm_w{norm[0].name}" if norm else ""
+def norm_suffix(
+    norm: tuple[DType, float] | None, res_norm: tuple[DType, float, bool] | None = None
+) -> str:
+    """The kernel-name part of an rms_norm prologue (the weight's dtype, as quantize_act's),
+    after its norm_residual input's (_resnorm_w<dtype>, _resnormh_ where it stores h)."""
+    res = f"_resnorm{'h' if res_norm[2] else ''}_w{res_norm[0].name}" if res_norm else ""
+    return res + (f"_rmsnorm_w{norm[0].name}" if norm else "")
+
+
+def norm_doc(norm: tuple[DType, float], res_norm: tuple[DType, float, bool] | None) -> str:
+    """The normed input, as the kernel's comment spells it."""
+    x = f"(res + rms_norm(x, pw) (eps {res_norm[1]}))" if res_norm else "x"
+    return f"rms_norm({x}, nw) (eps {norm[1]})"
+
+
+def norm_params(
+    act_in: str, norm: tuple[DType, float], res_norm: tuple[DType, float, bool] | None
+) -> tuple[KernelParam, ...]:
+    """An rms_norm prologue's inputs: x and its weight, or x, pw, res and the weight."""
+    if res_norm is None:
+        return (KernelParam("x", act_in, "buffer"), norm_param(norm))
+    pw = KernelParam("pw", f"const {res_norm[0].c_type}* __restrict__", "buffer")
+    res = KernelParam("res", act_in, "buffer")
+    return (KernelParam("x", act_in, "buffer"), pw, res, norm_param(norm))
+
+
+def h_param(act: DType, res_norm: tuple[DType, float, bool] | None) -> tuple[KernelParam, ...]:
+    """The norm_residual prologue's h, stored after the projections (where it is read)."""
+    stores = res_norm is not None and res_norm[2]
+    return (KernelParam("h", f"{act.c_type}* __restrict__", "buffer"),) if stores else ()
 
 
 def norm_param(norm: tuple[DType, float]) -> KernelParam:

@@ -168,11 +168,15 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
     weights = tuple(t for w in operands[ws] if isinstance(t := graph.node(w).type, QWeight))
     if isinstance(node.type, TupleType):
         by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
-        if sorted(by_index) != list(range(len(weights))):
+        # A norm_residual prologue's h (the last result) is stored only where something reads it.
+        n = len(node.type.elements)
+        if node.attr("prologue") == "norm_residual" and n - 1 not in by_index:
+            n -= 1
+        if sorted(by_index) != list(range(n)):
             raise NotImplementedError(
                 f"%{name}: every result of a multi-output qlinear needs a get"
             )
-        outputs = tuple(by_index[i] for i in range(len(weights)))
+        outputs = tuple(by_index[i] for i in range(n))
         act = node.type.elements[0].dtype
     else:
         assert isinstance(node.type, TensorType)
@@ -230,12 +234,24 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
 
     # The 16-bit path reads what quantize_act would have quantized.
     x16 = [Arg("value", v) for v in ([graph.operands(inputs[0])[0]] if pre_quantized else inputs)]
-    norm = None
-    if node.attr("prologue") == "rms_norm":
-        nw, eps = graph.node(inputs[1]).type, node.attr("eps")
+    norm = res_norm = None
+    if node.attr("prologue") in ("rms_norm", "norm_residual"):
+        nw, eps = graph.node(inputs[-1]).type, node.attr("eps")
         assert isinstance(nw, TensorType) and isinstance(eps, float)
         norm = (nw.dtype, eps)
-        x16 = [Arg("value", inputs[0]), Arg("weight", inputs[1], "weight")]
+        x16 = [Arg("value", inputs[0]), Arg("weight", inputs[-1], "weight")]
+    if node.attr("prologue") == "norm_residual":
+        # x, pw, res, nw; h is the last output
+        pw, res_eps = graph.node(inputs[1]).type, node.attr("res_eps")
+        assert isinstance(pw, TensorType) and isinstance(res_eps, float)
+        assert isinstance(node.type, TupleType)
+        res_norm = (pw.dtype, res_eps, len(outputs) == len(node.type.elements))
+        x16 = [
+            Arg("value", inputs[0]),
+            Arg("weight", inputs[1], "weight"),
+            Arg("value", inputs[2]),
+            Arg("weight", inputs[3], "weight"),
+        ]
     gate_act = str(node.attr("act", "silu"))
     plain = GemvSpec(
         weights,
@@ -247,6 +263,7 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         target=specialised,
         gate_act=gate_act,
         cap=node.attr("cap"),
+        res_norm=res_norm,
     )
     if not a4:
         return launches(plain, x16, [], ALL_M)

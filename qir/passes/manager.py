@@ -17,6 +17,7 @@ from qir.passes.merge_parallel import MergeParallel
 from qir.passes.norm_act_quant import NormActQuant
 from qir.passes.norm_prologue import NormPrologue
 from qir.passes.norm_residual import NormResidual
+from qir.passes.norm_residual_prologue import NormResidualPrologue
 from qir.passes.residual_epilogue import ResidualEpilogue
 from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
@@ -47,6 +48,7 @@ PASSES: dict[str, Callable[[PassOptions], Pass]] = {
     "share_act_quant": lambda o: ShareActQuant(),
     "norm_act_quant": lambda o: NormActQuant(),
     "norm_prologue": lambda o: NormPrologue(),
+    "norm_residual_prologue": lambda o: NormResidualPrologue(),
     "fold_rope": lambda o: FoldRope(),
     "fold_head_norm": lambda o: FoldHeadNorm(),
     "dce": lambda o: DCE(),
@@ -68,6 +70,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
         "share_act_quant",
         "norm_act_quant",
         "norm_prologue",
+        "norm_residual_prologue",
         "dce",
         "select_kernels",
     ),

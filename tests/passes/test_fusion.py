@@ -17,6 +17,7 @@ from qir.passes.rewrite import Pat, match
 from qir.types import QWeight
 from qir.verify import VerifyError
 from tests.conftest import random_weight, with_bias
+from tests.passes.test_layer_passes import assert_same_numbers as same_numbers
 
 W4 = "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>"
 W8 = "qweight<mlx_affine<bits=8,group_size=64,scale_dtype=bf16>>"
@@ -318,6 +319,7 @@ def test_default_pipeline_counts_and_ir():
         "share_act_quant": 0,
         "norm_act_quant": 0,
         "norm_prologue": 0,
+        "norm_residual_prologue": 0,
         "dce": 0,
         "select_kernels": 2,
     }
@@ -509,3 +511,100 @@ def test_softcap_epilogue_is_the_lm_heads_store(rng):
 def test_softcap_epilogue_does_not_fire(edit, why):
     _, fired = run_pass(LOGITS.replace(*edit), "softcap_epilogue")
     assert fired == 0, why
+
+
+# Gemma's post-attention norm and residual add, then the pre-feedforward norm read by gate/up
+# (already in the forms norm_residual and norm_prologue make); the down projection's residual
+# add reads h.
+POST_NORM_READ = f"""
+graph post_norm_read {{
+  %x = input : bf16[M, 128]
+  %o = input : bf16[M, 128]
+  %pw = weight {{key="post"}} : f32[128]
+  %nw = weight {{key="pre"}} : f32[128]
+  %w_a = weight {{key="a"}} : {W4}[64, 128]
+  %w_b = weight {{key="b"}} : {W4}[64, 128]
+  %w_d = weight {{key="d"}} : {W4}[128, 64]
+  %h = norm_residual %o, %pw, %x {{eps=1e-05, fused=["n"]}} : bf16[M, 128]
+  %ab = qlinear %h, %nw, %w_a, %w_b {{eps=1e-06, prologue="rms_norm"}} : (bf16[M, 64], bf16[M, 64])
+  %a = get %ab {{index=0}} : bf16[M, 64]
+  %b = get %ab {{index=1}} : bf16[M, 64]
+  %s = add %a, %b : bf16[M, 64]
+  %d = qlinear %s, %w_d : bf16[M, 128]
+  %y = add %h, %d : bf16[M, 128]
+  output y = %y
+}}
+"""
+
+
+def test_norm_residual_prologue_takes_a_post_norm_into_the_next_projections(rng):
+    """The norm_residual rides in the qlinear's prologue, which stores h as its last result for
+    the residual add that also reads it; a single-result qlinear becomes get 0 of the tuple."""
+    after, fired = run_pass(POST_NORM_READ, "norm_residual_prologue")
+    assert fired == 1
+    assert (
+        '%ab = qlinear %o, %pw, %x, %nw, %w_a, %w_b {eps=1e-06, fused=["n", "h"], '
+        'prologue="norm_residual", res_eps=1e-05} : (bf16[M, 64], bf16[M, 64], bf16[M, 128])'
+    ) in after
+    assert "%h = get %ab {index=2} : bf16[M, 128]" in after
+    assert "norm_residual %o" not in after
+    same_numbers(POST_NORM_READ, after, rng, m=5)
+    single = POST_NORM_READ.replace(
+        '%ab = qlinear %h, %nw, %w_a, %w_b {eps=1e-06, prologue="rms_norm"} : (bf16[M, 64], '
+        "bf16[M, 64])",
+        '%ab = qlinear %h, %nw, %w_a, %w_b {eps=1e-06, epilogue="silu_mul", prologue="rms_norm"}'
+        " : bf16[M, 64]",
+    )
+    single = single.replace("%a = get %ab {index=0} : bf16[M, 64]\n", "")
+    single = single.replace("%b = get %ab {index=1} : bf16[M, 64]\n", "")
+    single = single.replace("%s = add %a, %b", "%s = add %ab, %ab")
+    after, fired = run_pass(single, "norm_residual_prologue")
+    assert fired == 1
+    assert "%ab = get %ab.1 {index=0} : bf16[M, 64]" in after
+    assert "%h = get %ab.1 {index=1} : bf16[M, 128]" in after
+    same_numbers(single, after, rng, m=5)
+    # in the default pipeline, from the unfused ops
+    unfused = POST_NORM_READ.replace(
+        '  %h = norm_residual %o, %pw, %x {eps=1e-05, fused=["n"]} : bf16[M, 128]\n',
+        "  %n = rms_norm %o, %pw {eps=1e-05} : bf16[M, 128]\n  %h = add %x, %n : bf16[M, 128]\n",
+    ).replace(
+        '%ab = qlinear %h, %nw, %w_a, %w_b {eps=1e-06, prologue="rms_norm"}',
+        "%hn = rms_norm %h, %nw {eps=1e-06} : bf16[M, 128]\n  %ab = qlinear %hn, %w_a, %w_b",
+    )
+    _, records = run_pipeline(parse(unfused))
+    fired_all = {r.name: r.matches for r in records}
+    counts = ("norm_residual", "norm_prologue", "norm_residual_prologue")
+    assert tuple(fired_all[k] for k in counts) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (("%ab = qlinear %h, %nw", "%ab = qlinear %x, %nw"), "the prologue reads no norm_residual"),
+        (
+            ("%d = qlinear %s, %w_d", "%d = qlinear %h, %nw, %w_d"),
+            "two prologues read h (each would store it)",
+        ),
+    ],
+)
+def test_norm_residual_prologue_does_not_fire(edit, why):
+    text = POST_NORM_READ.replace(*edit)
+    if "%h, %nw, %w_d" in text:
+        text = text.replace(
+            '%w_d = weight {key="d"} : ' + W4 + "[128, 64]",
+            '%w_d = weight {key="d"} : ' + W4 + "[128, 128]",
+        )
+        text = text.replace(
+            "%d = qlinear %h, %nw, %w_d : bf16[M, 128]",
+            '%d = qlinear %h, %nw, %w_d {eps=1e-06, prologue="rms_norm"} : bf16[M, 128]',
+        )
+    _, fired = run_pass(text, "norm_residual_prologue")
+    assert fired == 0, why
+
+
+def test_a_norm_residual_prologue_is_checked():
+    after, _ = run_pass(POST_NORM_READ, "norm_residual_prologue")
+    with pytest.raises(VerifyError, match=r"qlinear: res_eps is the norm_residual prologue's"):
+        parse(after.replace('prologue="norm_residual"', 'prologue="rms_norm"'))
+    with pytest.raises(VerifyError, match=r"norm_residual: .*%x.* and .*%o.* differ"):
+        parse(after.replace("%x = input : bf16[M, 128]", "%x = input : f16[M, 128]"))

@@ -514,18 +514,28 @@ GATE: tuple[Entry, ...] = (
         model("ct_nvfp4_w4a4_S"),
         ("rms_norm_", "quantize_act_nvfp4_bf16_k256_div_rmsnorm"),
     ),
-    # Gemma 3: embeddings scaled by 16, RMSNorm weights folded to float32 (1 + w) alone and in
-    # the prologues (with the gelu-tanh pair), norm_residual, the soft-cap as lm_head's epilogue.
+    # Gemma 3: embeddings scaled by 16, RMSNorm weights folded to float32 (1 + w) in the
+    # prologues (with the gelu-tanh pair), each post-norm and its residual add in the next
+    # projections' prologue (storing h, or not: lm_head), the soft-cap as lm_head's epilogue.
     Entry(
         "model-gemma3-mlx4",
         model("mlx_affine4_gemma3"),
         (
             "embedding_mlx4",
             "_x16",
-            "rms_norm_bf16_n256_wf32_res",
-            "_wf32_gelumul",
-            "_wf32_softcap_c30",
+            "_resnormh_wf32_rmsnorm_wf32_gelumul",
+            "_resnormh_wf32_rmsnorm_wf32",
+            "_resnorm_wf32_rmsnorm_wf32_softcap_c30",
         ),
+    ),
+    # A lone Gemma 3 layer keeps its last post-norm as a norm_residual kernel.
+    Entry(
+        "layer-gemma3-mlx4",
+        graph(
+            lambda: build(load(DATA / "mlx_affine4_gemma3"), "layer", 1).graph,
+            lambda la: la.kernel.name.startswith("rms_norm_"),
+        ),
+        ("rms_norm_bf16_n256_wf32_res",),
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),

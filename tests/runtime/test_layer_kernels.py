@@ -337,3 +337,73 @@ def test_blocks_with_state_replay_only_captured_batch_sizes(gqa):
         batches({"x": x, "pos": np.arange(2, dtype=np.int32)})
     out = batches({"x": x[:1], "pos": np.array([0], np.int32)})
     assert out["y"].shape == (1, 128)
+
+
+POST_NORMED = """
+graph post_normed {
+  %o = input : @ACT[M, 256]
+  %r = input : @ACT[M, 256]
+  %pw = weight {key="post"} : f32[256]
+  %on = rms_norm %o, %pw {eps=1e-06} : @ACT[M, 256]
+  %h = add %r, %on : @ACT[M, 256]
+  %nw = weight {key="norm"} : bf16[256]
+  %hn = rms_norm %h, %nw {eps=1e-05} : @ACT[M, 256]
+  %wq = weight {key="q"} : @W[72, 256]
+  %wk = weight {key="k"} : @W[40, 256]
+  %qk = qlinear %hn, %wq, %wk : (@ACT[M, 72], @ACT[M, 40])
+  %q = get %qk {index=0} : @ACT[M, 72]
+  %k = get %qk {index=1} : @ACT[M, 40]
+  output q = %q
+  output k = %k
+}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("weight", "act", "h_read"),
+    [
+        ("qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>", BF16, True),
+        ("qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>", F16, False),
+        ("qweight<awq<bits=4,group_size=64>>", F32, True),  # floats; the GEMM does not take f32
+    ],
+)
+def test_a_post_norm_and_its_residual_in_the_next_projections_prologue(
+    backend, weight, act, h_read, monkeypatch
+):
+    """h = r + rms_norm(o, pw) read through rms_norm by merged projections of ragged widths: no
+    launch of its own; the GEMV and the GEMM's buckets equal the interpreter, and store h where
+    something else reads it (here: a block output) and only there."""
+    from tests.passes.test_layer_passes import weights_for
+
+    text = POST_NORMED.replace("@ACT", act.name).replace("@W", weight)
+    if h_read:
+        text = text.replace("output k = %k", "output k = %k\n  output h = %h")
+    g = qir.parse(text)
+    rng = np.random.default_rng(9)
+    weights = weights_for(text, rng)
+    weights["post"] = {"weight": (1 + 0.3 * rng.standard_normal(256)).astype(np.float32)}
+    ours, ref = (
+        qir.compile(g, weights, backend=backend),
+        qir.compile(g, weights, backend="reference"),
+    )
+    assert ours.plan is not None
+    names = [la.kernel.name for la in ours.plan.launches]
+    part = f"_resnorm{'h' if h_read else ''}_wf32_rmsnorm_wbf16"
+    assert all(part in n for n in names), names
+    assert len(names) == (3 if act != F32 else 1)  # the GEMV, the GEMM's two buckets
+    keys = ("q", "k", "h") if h_read else ("q", "k")
+    for m in (1, 5, 17, 70):
+        x = {
+            k: (3 * rng.standard_normal((m, 256), dtype=np.float32)).astype(act.np)
+            for k in ("o", "r")
+        }
+        got, want = ours(x), ref(x)
+        for key in keys:
+            assert max_rel(host_array(got[key]), want[key]) <= TOL[act], (m, key)
+        if backend == "host" and m in (1, 70):
+            monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
+            again = ours(x)
+            monkeypatch.delenv("QIR_HOST_SCHEDULE")
+            for key in keys:
+                assert host_array(again[key]).tobytes() == host_array(got[key]).tobytes(), m

@@ -36,6 +36,22 @@ __device__ __forceinline__ void qir_load_act8<float>(const float* __restrict__ p
   out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
+// 8 floats stored as 8 T (16 bytes for 16-bit T, 16-byte aligned; float: 32-byte aligned),
+// each rounded to nearest.
+template <typename T>
+__device__ __forceinline__ void qir_store8(T* dst, const float* v) {
+  uint4 out;
+  T* h = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) h[e] = qir_from_float<T>(v[e]);
+  *reinterpret_cast<uint4*>(dst) = out;
+}
+template <>
+__device__ __forceinline__ void qir_store8<float>(float* dst, const float* v) {
+  reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
 __device__ __forceinline__ float qir_warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

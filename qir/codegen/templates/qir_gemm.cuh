@@ -6,16 +6,6 @@
 #include <stdint.h>
 #include "qir_common.cuh"
 
-// 8 floats stored as 8 T (16 bytes; dst 16-byte aligned), each rounded to nearest.
-template <typename T>
-__device__ __forceinline__ void qir_store8(T* dst, const float* v) {
-  uint4 out;
-  T* h = reinterpret_cast<T*>(&out);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) h[e] = qir_from_float<T>(v[e]);
-  *reinterpret_cast<uint4*>(dst) = out;
-}
-
 // n (a multiple of 8) zero T at dst (16-byte aligned): a tile's rows and columns past an edge.
 template <typename T>
 __device__ __forceinline__ void qir_zero(T* dst, int n) {
