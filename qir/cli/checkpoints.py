@@ -91,8 +91,10 @@ def _architecture(ck: Checkpoint) -> list[str]:
     except FormatError as e:
         return [f"architecture: not supported: {e}"]
     lines = f.describe()
+    if ck.text_of:
+        lines.insert(1, f"  {ck.text_of}")
     lines.insert(
-        1,
+        1 + bool(ck.text_of),
         f"  {ck.num_layers} layers, {ck.num_heads} heads of {ck.head_dim} "
         f"({ck.num_kv_heads} kv heads), {'tied' if ck.tie_word_embeddings else 'untied'} "
         "lm_head",

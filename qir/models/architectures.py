@@ -107,7 +107,6 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 
 # Families qir knows it cannot run: model_type -> (the config field that says why, what).
 REFUSED: Mapping[str, tuple[str, str]] = {
-    "gemma3": ("text_config", "Gemma 3's multimodal checkpoint (its text_config's model)"),
     "gemma3n": ("model_type", "Gemma 3n's per-layer inputs"),
     "qwen3_next": ("layer_types", "Qwen3-Next's linear-attention layers"),
     "qwen3_5": ("layer_types", "Qwen3.5's linear-attention layers"),

@@ -9,7 +9,7 @@ just that block's bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -30,6 +30,7 @@ from qir.models.architectures import (
 from qir.models.checkpoint_dir import find, read_bytes
 from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
+from qir.models.multimodal import text_model
 from qir.models.safetensors_io import TensorStore
 from qir.rope import REQUIRED, rope_problem
 from qir.types import QWeight
@@ -74,11 +75,20 @@ class Linear:
 class Checkpoint:
     """An opened checkpoint: config.json facts plus per-module access to its quantized linears."""
 
-    def __init__(self, path: Path, config: dict[str, Any], family: Family) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: dict[str, Any],
+        family: Family,
+        text_of: tuple[Callable[[str], str | None], str] | None = None,
+    ) -> None:
+        """`text_of`: a multimodal checkpoint's text model (qir.models.multimodal): the store's
+        renaming and the line that says so."""
         self.path = path
         self.config = config
         self.family = family
-        self.store = TensorStore(path, family.files(config))
+        self.text_of = text_of[1] if text_of else None
+        self.store = TensorStore(path, family.files(config), text_of[0] if text_of else None)
         self._fused: Linear | None = None  # the fused linear a block reads segments of
 
     def field(self, key: str) -> Any:
@@ -363,9 +373,10 @@ def load(path: str | Path) -> Checkpoint:
     hf_quant = find(path, "hf_quant_config.json", "hf_quant_config.json")
     if hf_quant is not None:
         config.setdefault("hf_quant_config", strict_json.loads(read_bytes(hf_quant), str(hf_quant)))
+    config, rename, line = text_model(config, str(cfg_path))
     check_config(config, str(cfg_path))
     load_all()
     for family in FAMILIES:
         if family.matches(config):
-            return Checkpoint(path, config, family)
+            return Checkpoint(path, config, family, (rename, line) if rename and line else None)
     raise FormatError(f"{cfg_path}: {_unsupported(config)}")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -325,11 +325,24 @@ class TensorStore:
     INDEX = "model.safetensors.index.json"
     SINGLE = "model.safetensors"
 
-    def __init__(self, path: str | Path, singles: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        singles: tuple[str, ...] = (),
+        rename: Callable[[str], str | None] | None = None,
+    ) -> None:
         """`singles`: names of a single-file checkpoint to try after model.safetensors (a
-        producer's own name, such as auto-gptq's gptq_model-4bit-128g.safetensors)."""
+        producer's own name, such as auto-gptq's gptq_model-4bit-128g.safetensors). `rename`:
+        the name a stored tensor goes by (None: not one of the model's, never read), for a
+        multimodal checkpoint's text model."""
         self.path = Path(path)
         self._files: dict[str, SafetensorsFile] = {}
+        self._open(singles)
+        self._stored: dict[str, str] = {n: n for n in self._shard_of}
+        if rename is not None:
+            self._stored = {new: n for n in self._shard_of if (new := rename(n)) is not None}
+
+    def _open(self, singles: tuple[str, ...]) -> None:
         index = find(self.path, self.INDEX, self.INDEX)
         names = (self.SINGLE, *singles)
         if index is not None:
@@ -389,28 +402,34 @@ class TensorStore:
                     unindexed[0],
                 )
 
-    def _file(self, name: str) -> SafetensorsFile:
-        if name not in self._shard_of:
+    def _file(self, name: str) -> tuple[SafetensorsFile, str]:
+        """The file holding tensor `name` and the name it is stored under there."""
+        stored = self._stored.get(name)
+        if stored is None:
             raise FormatError(f"{self.path}: no tensor {name!r} in the checkpoint")
-        return self._files[self._shard_of[name]]
+        return self._files[self._shard_of[stored]], stored
 
     def keys(self) -> list[str]:
-        return list(self._shard_of)
+        return list(self._stored)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._shard_of
+        return name in self._stored
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._shard_of)
+        return iter(self._stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._file(name).shape(name)
+        f, stored = self._file(name)
+        return f.shape(stored)
 
     def dtype(self, name: str) -> np.dtype:
-        return self._file(name).dtype(name)
+        f, stored = self._file(name)
+        return f.dtype(stored)
 
     def raw(self, name: str) -> np.ndarray:
-        return self._file(name).raw(name)
+        f, stored = self._file(name)
+        return f.raw(stored)
 
     def get(self, name: str) -> np.ndarray:
-        return self._file(name).get(name)
+        f, stored = self._file(name)
+        return f.get(stored)

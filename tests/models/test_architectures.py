@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -192,3 +195,35 @@ def test_gemma3_norm_weights_are_folded_to_one_plus_w_in_float32():
     norms = [n for n in model.weights if n.endswith("norm")]
     assert len(norms) == 2 * 6 + 1  # input, post-attention, pre-/post-feedforward, q, k; final
     assert all(model.weights[n]["weight"].dtype == np.float32 for n in norms)
+
+
+def test_a_multimodal_gemma3_checkpoint_runs_its_text_model(capsys, tmp_path):
+    """mlx-lm's convert of a Gemma3ForConditionalGeneration keeps the text model under
+    language_model. with its config in text_config: qir reads it as the text checkpoint it
+    holds (the model test is in test_families), says so, and refuses what the tools disagree on
+    or a config without its text model, naming the field."""
+    case = DATA / "mlx_affine4_gemma3_mm"
+    ck = load(case)
+    assert ck.config["model_type"] == "gemma3_text" and ck.num_layers == 2
+    assert "model.layers.0.self_attn.q_proj.weight" in ck.store
+    assert not any(k.startswith(("language_model.", "vision_tower.")) for k in ck.store)
+    assert main(["-q", "inspect", str(case)]) == 0
+    arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert arch[:2] == [
+        "architecture: gemma3 (Gemma3ForCausalLM)",
+        "  Gemma 3's text model of a gemma3 checkpoint (text_config; other towers not read)",
+    ]
+    config = json.loads((case / "config.json").read_text())
+    for edit, message in (
+        ({"text_config": None}, r"model_type 'gemma3' needs a text_config object"),
+        (
+            {"text_config": {**config["text_config"], "final_logit_softcapping": 30.0}},
+            r"text_config.final_logit_softcapping is set, which transformers' gemma3 model "
+            r"does not apply",
+        ),
+    ):
+        bad = tmp_path / f"bad{len(message)}"
+        shutil.copytree(case, bad)
+        (bad / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(FormatError, match=message):
+            load(bad)

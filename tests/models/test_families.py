@@ -36,9 +36,11 @@ CASES = {
     # in the gate/up launch's prologue; the post-feedforward ones in the next layer's q/k/v (or
     # lm_head), so a lone layer keeps that one launch (LONE_LAYER_TAIL)
     "mlx_affine4_gemma3": (8, 7),
+    # Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration): its text model
+    "mlx_affine4_gemma3_mm": (8, 7),
 }
 # The launches a lone layer has beyond what it costs inside a model.
-LONE_LAYER_TAIL = {"mlx_affine4_gemma3": 1}
+LONE_LAYER_TAIL = {"mlx_affine4_gemma3": 1, "mlx_affine4_gemma3_mm": 1}
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
 SIXTEEN_BIT = (
     "autogptq_g64_llama",

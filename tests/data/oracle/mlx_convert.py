@@ -73,7 +73,9 @@ def main(src: str, dst: str, *options: str) -> None:
         (Path(dst) / name).unlink(missing_ok=True)
     model, _ = load_model(Path(dst))
     config = json.loads((Path(dst) / "config.json").read_text())
-    inner = model.model
+    # a multimodal checkpoint's text model (Gemma 3: model.language_model)
+    lm = getattr(model, "language_model", model)
+    inner = lm.model
     out: dict[str, np.ndarray] = {}
     for layer, block in enumerate(inner.layers):
         paths = dict(PROJ)
@@ -91,8 +93,8 @@ def main(src: str, dst: str, *options: str) -> None:
                 mod = getattr(mod, part)
             out[f"W.{layer}.{p}"] = decode(mod)
     out["W.embed_tokens"] = decode(inner.embed_tokens)
-    if getattr(model, "lm_head", None) is not None:
-        out["W.lm_head"] = decode(model.lm_head)
+    if getattr(lm, "lm_head", None) is not None:
+        out["W.lm_head"] = decode(lm.lm_head)
     np.savez_compressed(Path(dst) / "golden.npz", **out)
 
 
