@@ -6,6 +6,7 @@ substitute. Kernel names spell the specialisation."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -15,6 +16,7 @@ import numpy as np
 
 from qir import rope, sampling
 from qir.codegen.fragments import fragment_for
+from qir.codegen.gemv import cap_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
 from qir.dtypes import DType
@@ -223,6 +225,7 @@ class AttentionSpec:
     scale: float
     rope: RopeSpec | None
     norm: HeadNorm | None = None  # each head of q normed before the rotation
+    softcap: float | None = None  # scaled scores s -> tanh(s / softcap) * softcap (Gemma 2)
 
     def __post_init__(self) -> None:
         if self.cache.head_dim not in HEAD_DIMS:
@@ -257,6 +260,7 @@ class AttentionSpec:
         return (
             f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}{c.tag}"
             f"{self.rope.tag if self.rope else ''}{self.norm.tag('q') if self.norm else ''}"
+            f"{'_softcap' + cap_suffix(self.softcap) if self.softcap is not None else ''}"
         )
 
     def _context(self, name: str) -> dict[str, Any]:
@@ -271,6 +275,11 @@ class AttentionSpec:
             "group": self.group,
             "per_lane": c.head_dim // 32,
             "scale": c_float(self.scale),
+            "softcap": None if self.softcap is None else c_float(self.softcap),
+            # qir_softcap's exponent per unit of q.k: scale * 2 log2(e) / cap
+            "softcap_k": None
+            if self.softcap is None
+            else c_float(self.scale * 2 * math.log2(math.e) / self.softcap),
             "threads": THREADS,
             **_rope_context(self.rope),
             **_norm_context(self.norm),
