@@ -179,7 +179,7 @@ class Checkpoint:
             theta = self.field("rope_theta")
         if (
             sliding
-            and self.features.arch.sliding == "layer_types"
+            and self.features.arch.local_rope
             and where != "rope_parameters.sliding_attention"
         ):
             where, params = "rope_local_base_freq", {}

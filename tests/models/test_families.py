@@ -35,6 +35,9 @@ CASES = {
     # Gemma 3: gelu-tanh in the gate/up epilogue; each post-norm with its residual add one
     # launch of its own (norm_residual), 2 more than Llama's
     "mlx_affine4_gemma3": (9, 8),
+    # Gemma 2: Gemma 3's launches (no q/k norms to fold); the attention soft-cap is in the
+    # attention kernels' score, no launch of its own
+    "mlx_affine4_gemma2": (9, 8),
 }
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
 SIXTEEN_BIT = (
@@ -45,6 +48,7 @@ SIXTEEN_BIT = (
     "mlx_affine4_phi3",
     "ct_fp8block_qwen3",
     "mlx_affine4_gemma3",
+    "mlx_affine4_gemma2",
 )
 # Gemma 3's first greedy step is a near-tie in transformers' float32 (top-2 margin 0.0068 on
 # logits soft-capped at 30), which bf16 decides either way: its later steps follow that choice.
