@@ -119,7 +119,7 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         ),
         (
             {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
-            "rope_scaling rope_type 'longrope' is not supported",
+            "rope_scaling.short_factor must be a list of 16 numbers (head_dim / 2), got nothing",
         ),
     ],
 )

@@ -7,6 +7,7 @@ substitute. Kernel names spell the specialisation."""
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -76,15 +77,26 @@ class RopeSpec:
         tag = f"_rope{a['rope_type']}{int(a['theta'])}"
         if "factor" in a:
             tag += f"x{a['factor']:g}".replace(".", "p")
+        if "factors" in a:  # longrope: its per-pair factors (a digest) and cos/sin scale
+            digest = zlib.crc32(np.asarray(a["factors"], np.float32).tobytes())
+            tag += f"_f{digest:08x}_m{a['attention_factor']:.4g}".replace(".", "p")
         return tag
 
     @property
     def desc(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.attrs)
+        return ", ".join(
+            f"{k}={f'({len(v)} values)' if isinstance(v, tuple) else v}" for k, v in self.attrs
+        )
 
     @property
     def table(self) -> str:
         return ", ".join(c_float(f) for f in rope.inv_freq(dict(self.attrs)))
+
+    @property
+    def mscale(self) -> str:
+        """cos and sin's scale (longrope's attention_factor) as a C float, "" where none."""
+        m = dict(self.attrs).get("attention_factor")
+        return "" if m is None else c_float(m)
 
 
 @dataclass(frozen=True)
@@ -106,8 +118,8 @@ def _norm_context(n: HeadNorm | None) -> dict[str, Any]:
 
 def _rope_context(r: RopeSpec | None) -> dict[str, Any]:
     if r is None:
-        return {"rope": False, "rope_desc": "", "inv_freq": ""}
-    return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table}
+        return {"rope": False, "rope_desc": "", "inv_freq": "", "rope_mscale": ""}
+    return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table, "rope_mscale": r.mscale}
 
 
 def rms_norm_kernel(

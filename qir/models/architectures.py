@@ -99,6 +99,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("Phi3ForCausalLM",),
         sliding="all",
         fused={"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")},
+        # Phi3Config's, which overrides rope_scaling's own for longrope
+        defaults={"original_max_position_embeddings": 4096},
     ),
     Architecture(
         "gemma2",

@@ -255,7 +255,7 @@ class _Builder:
             q = self.norm(q, f"{attn}.q_norm", f"{prefix}q_norm", ck.head_dim)
             k = self.norm(k, f"{attn}.k_norm", f"{prefix}k_norm", ck.head_dim)
         window = self.window(layer)
-        rope = ck.rope_of(sliding=f.windows[layer] is not None)
+        rope = ck.rope_of(sliding=f.windows[layer] is not None, positions=self.max_seq)
         if self.kv_pages:
             rows, room = self.kv_pages * PAGE_SIZE, (self.room or self.max_seq)
             room = -(-room // PAGE_SIZE) * PAGE_SIZE

@@ -30,6 +30,7 @@ some entry (test_every_template_is_gated)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -265,6 +266,29 @@ def softcap_attention(window: int = 0) -> Callable[[str], list[Kernel]]:
     cache = CacheShape(BF16, window + 255, 16, 128, window=window) if window else PLAIN_8K
     a = AttentionSpec(cache, 32, 144**-0.5, rope, softcap=50.0)
     return lambda arch: [attention_split_kernel(a), attention_prefill_kernel(a)]
+
+
+def longrope_attention() -> Callable[[str], list[Kernel]]:
+    """Phi-3-mini-128k's (32 heads of 96, MHA, a 4096-position cache: its short factors, cos and
+    sin scaled by sqrt(1 + ln 32 / ln 4096)): the rotating append and attention's q prologue."""
+    factors = tuple(1.0 + 0.05 * i for i in range(48))
+    scale = (1 + math.log(32) / math.log(4096)) ** 0.5
+    rope = RopeSpec.of(
+        {
+            "head_dim": 96,
+            "theta": 10000.0,
+            "rope_type": "longrope",
+            "factors": factors,
+            "attention_factor": scale,
+        }
+    )
+    a = AttentionSpec(CacheShape(BF16, 4096, 32, 96), 32, 96**-0.5, rope)
+    return lambda arch: [
+        kv_append_kernel(a.cache, rope),
+        attention_split_kernel(a),
+        attention_prefill_kernel(a),
+        rope_kernel(BF16, 32, rope),
+    ]
 
 
 def moe(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
@@ -561,6 +585,11 @@ GATE: tuple[Entry, ...] = (
         softcap_attention(4096),
         ("_w4096_ropedefault10000_softcap_c50_s256", "_w4096_ropedefault10000_softcap_c50_r16"),
         archs=tuple(a for a in nvrtc.GATE_ARCHS if a != "sm_80"),
+    ),
+    Entry(
+        "attention-phi3-mini-128k-longrope",
+        longrope_attention(),
+        ("kv_append_bf16_c4096_kv32_d96_ropelongrope10000_f", "attn_split_", "attn_prefill_"),
     ),
     Entry(
         "attention-llama3-8b-paged",

@@ -36,6 +36,10 @@ __device__ __forceinline__ void qir_rotate_cs(float& a, float& b, float c, float
 __device__ __forceinline__ void qir_rotate(float& a, float& b, float angle) {
   qir_rotate_cs(a, b, cosf(angle), sinf(angle));
 }
+// The same with cos and sin scaled by m first (LongRoPE's attention_factor).
+__device__ __forceinline__ void qir_rotate(float& a, float& b, float angle, float m) {
+  qir_rotate_cs(a, b, cosf(angle) * m, sinf(angle) * m);
+}
 
 // The cache row of position p (>= 0) of a sequence whose block table is `table`: page
 // table[p / PAGE] of a pool of PAGES pages, row p % PAGE in it. A page id outside the pool reads
