@@ -158,15 +158,19 @@ class Builder:
         pages: Value | None = None,
         page_size: int | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> Value:
         """Causal grouped-query attention of each row over its positions 0..positions[m] (through
         the block table `pages` where given; the last `window` of them with a sliding window, of
-        a ring as kv_append wrote it); `scale` defaults to 1/sqrt(head_dim)."""
+        a ring as kv_append wrote it); `scale` defaults to 1/sqrt(head_dim); with `softcap` the
+        scaled scores are soft-capped (tanh(s / softcap) * softcap) before the softmax."""
         head_dim = k_cache.type.shape[2] if isinstance(k_cache.type, TensorType) else 1
         assert isinstance(head_dim, int)
         s = float(scale) if scale is not None else float(head_dim) ** -0.5
         operands = (q, k_cache, v_cache, positions, *((pages,) if pages else ()))
         attrs = {**_paging(pages, page_size), **({"window": window} if window else {})}
+        if softcap is not None:
+            attrs["softcap"] = float(softcap)
         return self._op("attention", operands, name, scale=s, **attrs)
 
     def embedding(

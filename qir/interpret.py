@@ -336,7 +336,8 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
 
 def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
     """float32 softmax(q k^T * scale) v per head, row m over its positions 0..positions[m]
-    (zeros for a padding row, at -1); q through its prologues (head norm, rope) first."""
+    (zeros for a padding row, at -1); q through its prologues (head norm, rope) first; with
+    `softcap` the scaled scores soft-capped before the softmax."""
     q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
     rows = _pages(node, args, kc)
@@ -354,10 +355,12 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         tables, which = np.unique(rows, axis=0, return_inverse=True)
         groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
     scale = np.float32(node.attr("scale"))
-    window = node.attr("window")
+    window, cap = node.attr("window"), node.attr("softcap")
     for members, where in groups:
         keys, values = _f32(kc[where]), _f32(vc[where])  # [S, kv_heads, D]
         scores = np.einsum("mkgd,ckd->mkgc", qh[members], keys) * scale
+        if cap is not None:
+            scores = softcap(scores, cap)
         pm, slot = positions[members, None], np.arange(len(where))[None, :]
         if window is None:
             visible = slot <= pm

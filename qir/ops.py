@@ -607,7 +607,8 @@ def _infer_attention(
     to kv head h // (heads / kv_heads) (grouped-query). A rope prologue (its attributes) rotates
     q as it is read; a head-norm prologue (q_norm [head_dim], norm_eps) normalises each head of
     q first. With a window W, row m reads positions positions[m] - W + 1..positions[m] of a
-    ring (_check_window)."""
+    ring (_check_window). With `softcap` (Gemma 2's attn_logit_softcapping) each scaled score s
+    becomes tanh(s / softcap) * softcap before the softmax."""
     _count_operands("attention", types, attrs)
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
@@ -626,6 +627,9 @@ def _infer_attention(
     scale = attrs.get("scale")
     if not isinstance(scale, float) or not scale > 0:
         raise IRTypeError(f"attention: scale must be a positive float, got {scale!r}")
+    cap = attrs.get("softcap")
+    if cap is not None and (not isinstance(cap, float) or not cap > 0):
+        raise IRTypeError(f"attention: softcap must be a positive float, got {cap!r}")
     if "rope_type" in attrs or "theta" in attrs:
         problem = rope_problem(attrs)
         if problem or attrs["head_dim"] != head_dim:
@@ -873,7 +877,7 @@ OPS: dict[str, OpSpec] = {
             "attention",
             VARIADIC,
             _infer_attention,
-            frozenset({"scale", "page_size", "norm_eps", "window"}) | ROPE_ATTRS,
+            frozenset({"scale", "page_size", "norm_eps", "window", "softcap"}) | ROPE_ATTRS,
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
         OpSpec("sample", 4, _infer_sample),

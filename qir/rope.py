@@ -4,7 +4,10 @@ share (the kernels get the table as constants, so both rotate by the same float3
 A `rope` op carries its scaling as attributes: `theta`, `rope_type` (one of ROPE_TYPES) and,
 per type, the parameters REQUIRED lists. Frequencies follow transformers' Llama: the default
 `1 / theta^(2i / head_dim)` in float32, `linear` divides them by `factor`, `llama3` divides the
-low frequencies by `factor` and blends the middle band (Llama 3.1's rope_scaling)."""
+low frequencies by `factor` and blends the middle band (Llama 3.1's rope_scaling), `longrope`
+(Phi-3's LongRoPE) divides pair i's by `factors[i]` and scales cos and sin by
+`attention_factor` (which of the checkpoint's short or long factors a block takes is the model
+builder's choice: qir.models.checkpoint.Checkpoint.rope_of)."""
 
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("factors", "attention_factor"),
 }
 # Every attribute a rope op may carry.
 ATTRS = frozenset({"head_dim", "theta", "rope_type"} | {p for ps in REQUIRED.values() for p in ps})
@@ -37,7 +41,14 @@ def rope_problem(attrs: Mapping[str, Any]) -> str | None:
         return f"head_dim must be an even int >= 2, got {d!r}"
     for p in REQUIRED[kind]:
         v = attrs.get(p)
-        if p == "original_max_position_embeddings":
+        if p == "factors":
+            if (
+                not isinstance(v, tuple)
+                or len(v) != d // 2
+                or not all(isinstance(f, float) and f > 0 for f in v)
+            ):
+                return f"rope_type {kind} needs {p} as {d // 2} positive floats (head_dim / 2)"
+        elif p == "original_max_position_embeddings":
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 return f"rope_type {kind} needs {p} as an int >= 1, got {v!r}"
         elif not isinstance(v, float) or not v > 0:
@@ -54,10 +65,15 @@ def inv_freq(attrs: Mapping[str, Any]) -> np.ndarray:
     """float32 [head_dim / 2]: the angle per position of each rotated pair."""
     d = int(attrs["head_dim"])
     exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    freq = (np.float32(1) / (np.float32(attrs["theta"]) ** exponent)).astype(np.float32)
+    power = (np.float32(attrs["theta"]) ** exponent).astype(np.float32)
+    freq = (np.float32(1) / power).astype(np.float32)
     kind = attrs.get("rope_type", "default")
     if kind == "linear":
         return (freq / np.float32(attrs["factor"])).astype(np.float32)
+    if kind == "longrope":
+        return (np.float32(1) / (np.asarray(attrs["factors"], np.float32) * power)).astype(
+            np.float32
+        )
     if kind == "llama3":
         factor, low, high = attrs["factor"], attrs["low_freq_factor"], attrs["high_freq_factor"]
         old = attrs["original_max_position_embeddings"]
@@ -72,11 +88,15 @@ def inv_freq(attrs: Mapping[str, Any]) -> np.ndarray:
 
 def rotate(x: np.ndarray, positions: np.ndarray, attrs: Mapping[str, Any]) -> np.ndarray:
     """x [M, heads * head_dim] float32 rotated per head (the rotate-half convention: element i
-    pairs with i + head_dim/2), each row by the angle of its position; float32 throughout."""
+    pairs with i + head_dim/2), each row by the angle of its position (cos and sin times the
+    attention_factor where the type has one); float32 throughout."""
     d = int(attrs["head_dim"])
     m = x.shape[0]
     angles = positions.astype(np.float32)[:, None] * inv_freq(attrs)[None, :]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    scale = attrs.get("attention_factor")
+    if scale is not None:  # longrope: cos and sin scaled (rounded) before they rotate
+        cos, sin = cos * np.float32(scale), sin * np.float32(scale)
     h = x.astype(np.float32).reshape(m, -1, d)
     a, b = h[..., : d // 2], h[..., d // 2 :]
     out = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)

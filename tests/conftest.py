@@ -43,6 +43,8 @@ FAMILY_FIXTURES = frozenset(
         "mlx_affine4_phi3",
         "ct_w4a16_phi3",
         "mlx_affine4_gemma3",
+        "mlx_affine4_gemma3_mm",
+        "mlx_affine4_gemma2",
     }
 )
 

@@ -109,7 +109,8 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
         (
             {"attn_logit_softcapping": 50.0},
-            "attn_logit_softcapping 50.0 (attention logit soft-capping) is not supported",
+            "attn_logit_softcapping 50.0 (attention logit soft-capping, which this family's "
+            "transformers code does not apply) is not supported",
         ),
         # Gemma 3's config on a Llama's tensors: the first norm Llama lacks, by name
         (
@@ -118,7 +119,7 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         ),
         (
             {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
-            "rope_scaling rope_type 'longrope' is not supported",
+            "rope_scaling.short_factor must be a list of 16 numbers (head_dim / 2), got nothing",
         ),
     ],
 )

@@ -101,11 +101,20 @@ def _architecture(ck: Checkpoint) -> list[str]:
     )
     try:
         rope = ck.rope
-        scaling = ", ".join(f"{k} {v}" for k, v in rope.items() if k not in ("head_dim", "theta"))
+        scaling = ", ".join(
+            f"{k} {_short(v)}" for k, v in rope.items() if k not in ("head_dim", "theta")
+        )
         lines.append(f"  RoPE theta {rope['theta']:g}, {scaling}")
     except FormatError as e:
         lines.append(f"  RoPE: not supported: {e}")
     return lines
+
+
+def _short(v: Any) -> str:
+    """An attribute for a line of `qir inspect`: longrope's factors as their first, last, count."""
+    if isinstance(v, tuple):
+        return f"[{v[0]:g} .. {v[-1]:g}] ({len(v)})"
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _read(ck: Checkpoint, module: str) -> tuple[QWeight, dict[str, np.ndarray], int]:

@@ -6,6 +6,8 @@ substitute. Kernel names spell the specialisation."""
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -15,6 +17,7 @@ import numpy as np
 
 from qir import rope, sampling
 from qir.codegen.fragments import fragment_for
+from qir.codegen.gemv import cap_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
 from qir.dtypes import DType
@@ -74,15 +77,26 @@ class RopeSpec:
         tag = f"_rope{a['rope_type']}{int(a['theta'])}"
         if "factor" in a:
             tag += f"x{a['factor']:g}".replace(".", "p")
+        if "factors" in a:  # longrope: its per-pair factors (a digest) and cos/sin scale
+            digest = zlib.crc32(np.asarray(a["factors"], np.float32).tobytes())
+            tag += f"_f{digest:08x}_m{a['attention_factor']:.4g}".replace(".", "p")
         return tag
 
     @property
     def desc(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.attrs)
+        return ", ".join(
+            f"{k}={f'({len(v)} values)' if isinstance(v, tuple) else v}" for k, v in self.attrs
+        )
 
     @property
     def table(self) -> str:
         return ", ".join(c_float(f) for f in rope.inv_freq(dict(self.attrs)))
+
+    @property
+    def mscale(self) -> str:
+        """cos and sin's scale (longrope's attention_factor) as a C float, "" where none."""
+        m = dict(self.attrs).get("attention_factor")
+        return "" if m is None else c_float(m)
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,8 @@ def _norm_context(n: HeadNorm | None) -> dict[str, Any]:
 
 def _rope_context(r: RopeSpec | None) -> dict[str, Any]:
     if r is None:
-        return {"rope": False, "rope_desc": "", "inv_freq": ""}
-    return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table}
+        return {"rope": False, "rope_desc": "", "inv_freq": "", "rope_mscale": ""}
+    return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table, "rope_mscale": r.mscale}
 
 
 def rms_norm_kernel(
@@ -223,6 +237,7 @@ class AttentionSpec:
     scale: float
     rope: RopeSpec | None
     norm: HeadNorm | None = None  # each head of q normed before the rotation
+    softcap: float | None = None  # scaled scores s -> tanh(s / softcap) * softcap (Gemma 2)
 
     def __post_init__(self) -> None:
         if self.cache.head_dim not in HEAD_DIMS:
@@ -257,6 +272,7 @@ class AttentionSpec:
         return (
             f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}{c.tag}"
             f"{self.rope.tag if self.rope else ''}{self.norm.tag('q') if self.norm else ''}"
+            f"{'_softcap' + cap_suffix(self.softcap) if self.softcap is not None else ''}"
         )
 
     def _context(self, name: str) -> dict[str, Any]:
@@ -271,6 +287,11 @@ class AttentionSpec:
             "group": self.group,
             "per_lane": c.head_dim // 32,
             "scale": c_float(self.scale),
+            "softcap": None if self.softcap is None else c_float(self.softcap),
+            # qir_softcap's exponent per unit of q.k: scale * 2 log2(e) / cap
+            "softcap_k": None
+            if self.softcap is None
+            else c_float(self.scale * 2 * math.log2(math.e) / self.softcap),
             "threads": THREADS,
             **_rope_context(self.rope),
             **_norm_context(self.norm),

@@ -139,7 +139,8 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
     cache = _cache(graph, name)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
     norm, reads = _cache_args(graph, name)
-    spec = AttentionSpec(cache, heads, node.attr("scale"), RopeSpec.of(dict(node.attrs)), norm)
+    rope = RopeSpec.of(dict(node.attrs))
+    spec = AttentionSpec(cache, heads, node.attr("scale"), rope, norm, node.attr("softcap"))
     part = graph.fresh(f"{name}.partials")
     launches = [
         Launch(

@@ -58,9 +58,18 @@ class Architecture:
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     # Where sliding windows come from: "none" (transformers ignores sliding_window), "all"
     # (Mistral: sliding_window, when set, on every layer), "qwen" (only with use_sliding_window:
-    # layer_types, or the layers from max_window_layers on), "layer_types" (Gemma 3: layer_types,
+    # layer_types, or the layers from max_window_layers on), "layer_types" (Gemma: layer_types,
     # or every sliding_window_pattern-th layer full).
     sliding: str = "none"
+    # Gemma: query_pre_attn_scalar, where set, is the attention scale's (its -1/2 power).
+    attn_scalar: bool = False
+    # Gemma 3: sliding layers rotate by a RoPE base of their own (rope_local_base_freq).
+    local_rope: bool = False
+    # Gemma 2: attn_logit_softcapping caps attention scores (transformers' Gemma 3 ignores it).
+    attn_softcap: bool = False
+    # What the family's transformers config class fills in for keys config.json lacks (an
+    # explicit null stays null: "off" for the soft-caps and the window).
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     linears: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_LINEARS))
     # Checkpoint linears holding several of the above, stacked along out_features (Phi-3:
     # qkv_proj = q, k, v; gate_up_proj = gate, up): path -> the short names it holds, in order.
@@ -90,6 +99,28 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("Phi3ForCausalLM",),
         sliding="all",
         fused={"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")},
+        # Phi3Config's, which overrides rope_scaling's own for longrope
+        defaults={"original_max_position_embeddings": 4096},
+    ),
+    Architecture(
+        "gemma2",
+        ("gemma2",),
+        ("Gemma2ForCausalLM",),
+        norm="x*(1+w)",
+        post_norms=True,
+        activation_keys=("hidden_activation", "hidden_act"),
+        activation="gelu_pytorch_tanh",
+        embed_scale=True,
+        sliding="layer_types",
+        attn_scalar=True,
+        attn_softcap=True,
+        defaults={
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "sliding_window_pattern": 2,  # layer_types' default: even layers slide
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
     ),
     Architecture(
         "gemma3",
@@ -102,6 +133,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         activation="gelu_pytorch_tanh",
         embed_scale=True,
         sliding="layer_types",
+        attn_scalar=True,
+        local_rope=True,
+        defaults={"query_pre_attn_scalar": 256, "sliding_window": 4096},
     ),
 )
 
@@ -129,6 +163,9 @@ FEATURES: Mapping[str, str] = {
     "embed_scale": "embedding scale",
     "attention_scale": "attention scale",
     "attn_softcap": "attention logit soft-capping",
+    # set in a family whose reference never applies it (Gemma 3): refused, not guessed either way
+    "attn_softcap_unused": "attention logit soft-capping, which this family's transformers "
+    "code does not apply",
     "final_softcap": "final logit soft-capping",
     "sliding_window": "sliding-window attention",
     "local_rope": "a RoPE base of its own for sliding layers",
@@ -165,6 +202,10 @@ class Features:
 
     def used(self, feature: str) -> bool:
         return any(u.feature == feature for u in self.uses)
+
+    def value(self, feature: str) -> Any:
+        """The value of `feature`'s Use (a soft-cap), or None where it is not used."""
+        return next((u.value for u in self.uses if u.feature == feature), None)
 
     def unsupported(self, supported: frozenset[str]) -> Use | None:
         """The first feature in use outside `supported`, or None."""
@@ -214,9 +255,17 @@ def architecture_of(config: Mapping[str, Any], where: str) -> Architecture:
     raise FormatError(f"{where}: names no model_type or architectures (the model's family)")
 
 
+def family_field(arch: Architecture, ck: Checkpoint, key: str) -> Any:
+    """config.json's `key`; where it has no such key, the family's default (Architecture.defaults)
+    or else config_fields' (an explicit null stays null)."""
+    if key in ck.config or key not in arch.defaults:
+        return ck.field(key)
+    return arch.defaults[key]
+
+
 def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]:
     """The sliding window of each layer and the config field it comes from."""
-    n, window = ck.num_layers, ck.field("sliding_window")
+    n, window = ck.num_layers, family_field(arch, ck, "sliding_window")
     none: list[int | None] = [None] * n
     if arch.sliding == "none" or window is None:
         return none, ""
@@ -234,8 +283,8 @@ def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]
         if types is None:
             first = ck.field("max_window_layers")
             return [window if i >= first else None for i in range(n)], "max_window_layers"
-    elif types is None:  # Gemma 3: every pattern-th layer is a full one
-        pattern = ck.field("sliding_window_pattern")
+    elif types is None:  # Gemma: every pattern-th layer is a full one
+        pattern = family_field(arch, ck, "sliding_window_pattern")
         return [window if (i + 1) % pattern else None for i in range(n)], "sliding_window_pattern"
     return [window if t == "sliding_attention" else None for t in types], "layer_types"
 
@@ -289,16 +338,17 @@ def features(ck: Checkpoint) -> Features:
     if arch.embed_scale:
         uses.append(Use("embed_scale", "model_type", ck.field("model_type")))
     scale = float(ck.head_dim) ** -0.5
-    scalar = ck.field("query_pre_attn_scalar")
-    if scalar is not None and arch.name == "gemma3":
+    scalar = family_field(arch, ck, "query_pre_attn_scalar")
+    if scalar is not None and arch.attn_scalar:
         scale = float(scalar) ** -0.5
         uses.append(Use("attention_scale", "query_pre_attn_scalar", scalar))
     for key, feature in (
-        ("attn_logit_softcapping", "attn_softcap"),
+        ("attn_logit_softcapping", "attn_softcap" if arch.attn_softcap else "attn_softcap_unused"),
         ("final_logit_softcapping", "final_softcap"),
     ):
-        if ck.field(key) is not None:
-            uses.append(Use(feature, key, ck.field(key)))
+        cap = family_field(arch, ck, key)
+        if cap is not None:
+            uses.append(Use(feature, key, float(cap)))
     windows, window_key = _windows(arch, ck)
     types = ck.field("layer_types") or []
     unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
@@ -310,14 +360,14 @@ def features(ck: Checkpoint) -> Features:
             Use(
                 "sliding_window",
                 "sliding_window" if window_key == "sliding_window" else window_key,
-                f"{ck.field('sliding_window')} on {sliding} of {len(windows)} layers",
+                f"{family_field(arch, ck, 'sliding_window')} on {sliding} of {len(windows)} layers",
             )
         )
         per_type = ck.field("rope_parameters")
         if isinstance(per_type, dict) and isinstance(per_type.get("sliding_attention"), dict):
             theta = per_type["sliding_attention"].get("rope_theta")
             uses.append(Use("local_rope", "rope_parameters.sliding_attention.rope_theta", theta))
-        elif arch.sliding == "layer_types" or ck.field("rope_local_base_freq") is not None:
+        elif arch.local_rope:
             # Gemma 3's sliding layers rotate by their own base, transformers' default without one
             base = ck.field("rope_local_base_freq") or 10000.0
             uses.append(Use("local_rope", "rope_local_base_freq", base))

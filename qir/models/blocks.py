@@ -115,6 +115,7 @@ SUPPORTED: frozenset[str] = frozenset(
         "attention_scale",
         "local_rope",
         "final_softcap",
+        "attn_softcap",
     }
 )
 # The MLP activations (config names) and the op each is.
@@ -254,7 +255,7 @@ class _Builder:
             q = self.norm(q, f"{attn}.q_norm", f"{prefix}q_norm", ck.head_dim)
             k = self.norm(k, f"{attn}.k_norm", f"{prefix}k_norm", ck.head_dim)
         window = self.window(layer)
-        rope = ck.rope_of(sliding=f.windows[layer] is not None)
+        rope = ck.rope_of(sliding=f.windows[layer] is not None, positions=self.max_seq)
         if self.kv_pages:
             rows, room = self.kv_pages * PAGE_SIZE, (self.room or self.max_seq)
             room = -(-room // PAGE_SIZE) * PAGE_SIZE
@@ -274,7 +275,10 @@ class _Builder:
                 self.pages = b.input("pages", ("M", room // PAGE_SIZE), I32)
             paging.update(pages=self.pages, page_size=PAGE_SIZE)
         kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv", **paging)
-        a = b.attention(q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn", **paging)
+        cap = f.value("attn_softcap")  # Gemma 2: scores tanh(s / cap) * cap before the softmax
+        a = b.attention(
+            q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn", softcap=cap, **paging
+        )
         r = self.attn_out(x, a, layer, prefix)
         return self.mlp(self.mlp_norm(r, layer, prefix), r, layer, prefix)
 
@@ -378,7 +382,7 @@ def model(
     head = table if ck.tie_word_embeddings else bb.linear("lm_head", "w_lm_head")
     _check_table(ck, head, "lm_head")
     logits = b.qlinear(h, head, name="logits")
-    cap = ck.field("final_logit_softcapping")
+    cap = f.value("final_softcap")
     if cap is not None:  # tanh(logits / cap) * cap before they are handed back or sampled
         logits = b.softcap(logits, float(cap), name="capped")
     b.output("logits", logits)

@@ -8,6 +8,7 @@ just that block's bytes.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from qir.models.architectures import (
     LLAMA_LINEARS,
     Features,
     architecture_of,
+    family_field,
     features,
     segment_rows,
 )
@@ -166,14 +168,17 @@ class Checkpoint:
 
     @property
     def rope(self) -> dict[str, Any]:
-        """The `rope` op's attributes (qir.rope) of a full-attention layer."""
+        """The `rope` op's attributes (qir.rope) of a full-attention layer, for a KV cache of
+        the default length."""
         return self.rope_of(sliding=False)
 
-    def rope_of(self, sliding: bool) -> dict[str, Any]:
+    def rope_of(self, sliding: bool, positions: int | None = None) -> dict[str, Any]:
         """The `rope` op's attributes (qir.rope) of a full or a sliding layer: transformers 5's
         `rope_parameters` (one dict, or one per layer type as it writes Gemma 3's), or the
         older top-level `rope_theta` with `rope_scaling` (Gemma 3: its sliding layers rotate by
-        `rope_local_base_freq` without scaling)."""
+        `rope_local_base_freq` without scaling). `positions`: the positions a sequence may
+        reach (the KV cache's max_seq; default: blocks.default_max_seq), which picks
+        longrope's factors (_longrope)."""
         kind_key = "sliding_attention" if sliding else "full_attention"
         params = self.field("rope_parameters")
         if isinstance(params, dict) and kind_key in params:
@@ -189,7 +194,7 @@ class Checkpoint:
             theta = self.field("rope_theta")
         if (
             sliding
-            and self.features.arch.sliding == "layer_types"
+            and self.features.arch.local_rope
             and where != "rope_parameters.sliding_attention"
         ):
             where, params = "rope_local_base_freq", {}
@@ -199,6 +204,7 @@ class Checkpoint:
                 f"{self._where()}: {where} rope_theta must be a number, got {theta!r}"
             )
         kind = params.get("rope_type", params.get("type", "default"))
+        kind = "longrope" if kind == "su" else kind  # LongRoPE's first name (transformers' too)
         if kind not in REQUIRED:
             raise FormatError(
                 f"{self._where()}: {where} rope_type {kind!r} is not supported "
@@ -214,7 +220,13 @@ class Checkpoint:
             "theta": float(theta),
             "rope_type": kind,
         }
-        for p in REQUIRED[kind]:
+        if kind == "longrope":
+            if positions is None:
+                from qir.models.blocks import default_max_seq
+
+                positions = default_max_seq(self)
+            attrs.update(self._longrope(params, where, positions))
+        for p in REQUIRED[kind] if kind != "longrope" else ():
             v = params.get(p)
             if v is None:
                 raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p}")
@@ -223,6 +235,48 @@ class Checkpoint:
         if problem:
             raise FormatError(f"{self._where()}: {where}: {problem}")
         return attrs
+
+    def _longrope(self, params: dict[str, Any], where: str, positions: int) -> dict[str, Any]:
+        """longrope's `factors` and `attention_factor` (qir.rope) as transformers computes them
+        (modeling_rope_utils' _compute_longrope_parameters): long_factor where the sequence is
+        longer than original_max_position_embeddings, short_factor else; attention_factor, where
+        the config sets none, sqrt(1 + ln(factor) / ln(original)) with factor
+        max_position_embeddings / original (1 where that is <= 1). transformers picks per
+        forward call by the longest position in it, and its generate() recomputes the cache
+        with the long factors once a sequence passes original: qir's KV cache holds rotated
+        keys, so the choice is static, by the positions the cache holds (long where `positions`
+        passes original) -- transformers' numbers for every sequence when positions <= original,
+        and for sequences longer than original otherwise."""
+        n, spec = self.head_dim // 2, {}
+        for key in ("short_factor", "long_factor"):
+            v = params.get(key)
+            if not isinstance(v, list) or len(v) != n:
+                got = f"{len(v)}" if isinstance(v, list) else "nothing" if v is None else repr(v)
+                raise FormatError(
+                    f"{self._where()}: {where}.{key} must be a list of {n} numbers "
+                    f"(head_dim / 2), got {got}"
+                )
+            spec[key] = tuple(float(f) for f in v)
+        longest = self.max_position_embeddings
+        original = (
+            family_field(self.features.arch, self, "original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or longest
+        )
+        factor = params.get("factor")
+        if factor is None and longest is not None and original is not None:
+            factor = longest / original
+        if original is None or factor is None:
+            raise FormatError(
+                f"{self._where()}: {where} of type longrope needs max_position_embeddings "
+                "(or original_max_position_embeddings and factor)"
+            )
+        factor = float(factor)
+        scale = params.get("attention_factor")
+        if scale is None:
+            scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        which = "long_factor" if positions > original else "short_factor"
+        return {"factors": spec[which], "attention_factor": float(scale)}
 
     @cached_property
     def features(self) -> Features:

@@ -147,8 +147,13 @@ FIELDS: tuple[Field, ...] = (
             Field(f"{section}.high_freq_factor", float, above=0),
             _int(f"{section}.original_max_position_embeddings", at_least=1),
             Field(f"{section}.partial_rotary_factor", float, above=0),
+            # longrope (Phi-3's LongRoPE; "su" in older configs)
+            Field(f"{section}.short_factor", list, items=float),
+            Field(f"{section}.long_factor", list, items=float),
+            Field(f"{section}.attention_factor", float, above=0),
         )
     ),
+    _int("original_max_position_embeddings", at_least=1),  # Phi-3's, outside rope_scaling
     # the family (qir.models.architectures) and what its layers use
     Field("model_type", str),
     Field("architectures", list, items=str),

@@ -73,6 +73,8 @@ def test_an_unknown_class_is_refused_by_name():
             (8, None),
             "sliding_window_pattern",
         ),
+        # Gemma 2 without layer_types (its Hub configs): Gemma2Config's, sliding on even layers
+        ({"model_type": "gemma2", "sliding_window": 8}, (8, None), "sliding_window_pattern"),
     ],
 )
 def test_sliding_windows_per_layer_follow_transformers(tmp_path, overrides, windows, field):
@@ -110,6 +112,65 @@ def test_gemma3_uses_its_norm_form_scale_and_activation(tmp_path):
     assert f.attention_scale == 16**-0.5
     used = {u.feature for u in f.uses}
     assert {"norm_plus_one", "post_norms", "qk_norm", "embed_scale", "final_softcap"} <= used
+
+
+def test_gemma2_takes_its_config_class_defaults_where_config_json_has_no_key(tmp_path):
+    """Gemma2Config's: query_pre_attn_scalar 256, both soft-caps (50, 30), a window of 4096 on
+    even layers; an explicit null turns a cap or the window off, as in transformers."""
+    f = load(write_llama(tmp_path / "bare", model_type="gemma2")).features
+    assert f.attention_scale == 256**-0.5
+    assert (f.value("attn_softcap"), f.value("final_softcap")) == (50.0, 30.0)
+    assert f.windows == (4096, None) and not f.used("local_rope") and not f.used("qk_norm")
+    path = write_llama(tmp_path / "off", model_type="gemma2")
+    cfg = json.loads((path / "config.json").read_text())
+    nulls = dict.fromkeys(("attn_logit_softcapping", "final_logit_softcapping", "sliding_window"))
+    (path / "config.json").write_text(json.dumps({**cfg, **nulls}))
+    off = load(path).features
+    assert (off.value("attn_softcap"), off.value("final_softcap"), off.windows) == (
+        None,
+        None,
+        (None, None),
+    )
+
+
+def test_gemma2_rotates_every_layer_by_one_base(tmp_path):
+    ck = load(write_llama(tmp_path / "ck", model_type="gemma2", sliding_window=8, rope_theta=2e4))
+    assert ck.rope_of(sliding=True) == ck.rope and ck.rope["theta"] == 2e4
+
+
+def test_an_attention_soft_cap_the_familys_reference_ignores_is_refused_by_name(tmp_path):
+    """transformers' Gemma 3 never applies attn_logit_softcapping: qir refuses it rather than
+    pick an answer no reference gives."""
+    ck = load(write_llama(tmp_path / "ck", model_type="gemma3_text", attn_logit_softcapping=50.0))
+    with pytest.raises(
+        FormatError,
+        match=r"attn_logit_softcapping 50.0 \(attention logit soft-capping, which this family's "
+        r"transformers code does not apply\) is not supported",
+    ):
+        build(ck, "layer", 0, F32)
+
+
+@pytest.mark.parametrize("cap", [0, -50.0, "50"])
+def test_an_attention_soft_cap_that_is_no_positive_number_is_refused(tmp_path, cap):
+    with pytest.raises(FormatError, match=r"attn_logit_softcapping"):
+        load(write_llama(tmp_path / "ck", model_type="gemma2", attn_logit_softcapping=cap))
+
+
+def test_inspect_lists_gemma2s_features(capsys):
+    assert main(["-q", "inspect", str(DATA / "mlx_affine4_gemma2")]) == 0
+    arch = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert arch[:2] == [
+        "architecture: gemma2 (Gemma2ForCausalLM)",
+        "  2 layers, 4 heads of 64 (2 kv heads), tied lm_head",
+    ]
+    for line in (
+        "  attention scale (query_pre_attn_scalar 48)",
+        "  attention logit soft-capping (attn_logit_softcapping 2.0)",
+        "  final logit soft-capping (final_logit_softcapping 3.0)",
+        "  sliding-window attention (layer_types '8 on 1 of 2 layers')",
+        "  RoPE theta 10000, rope_type default",
+    ):
+        assert line in arch
 
 
 def test_inspect_prints_the_architecture_and_what_it_uses(capsys, tmp_path):

@@ -38,9 +38,12 @@ CASES = {
     "mlx_affine4_gemma3": (8, 7),
     # Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration): its text model
     "mlx_affine4_gemma3_mm": (8, 7),
+    # Gemma 2: Gemma 3's launches (no q/k norms to fold); the attention soft-cap is in the
+    # attention kernels' score, no launch of its own
+    "mlx_affine4_gemma2": (8, 7),
 }
 # The launches a lone layer has beyond what it costs inside a model.
-LONE_LAYER_TAIL = {"mlx_affine4_gemma3": 1, "mlx_affine4_gemma3_mm": 1}
+LONE_LAYER_TAIL = {"mlx_affine4_gemma3": 1, "mlx_affine4_gemma3_mm": 1, "mlx_affine4_gemma2": 1}
 # The 16-bit runs: one case per family (and format family), the rest share their kernels.
 SIXTEEN_BIT = (
     "autogptq_g64_llama",
@@ -50,6 +53,7 @@ SIXTEEN_BIT = (
     "mlx_affine4_phi3",
     "ct_fp8block_qwen3",
     "mlx_affine4_gemma3",
+    "mlx_affine4_gemma2",
 )
 # Gemma 3's first greedy step is a near-tie in transformers' float32 (top-2 margin 0.0068 on
 # logits soft-capped at 30), which bf16 decides either way: its later steps follow that choice.

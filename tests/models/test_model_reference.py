@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 27
+    assert len(FIXTURES) == 29
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -154,7 +154,8 @@ def test_tied_embeddings_and_linear_rope(tmp_path):
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, r"llama3 lacks low_freq_factor"),
         (
             {"attn_logit_softcapping": 50.0},
-            r"attn_logit_softcapping 50.0 \(attention logit soft-capping\) is not supported",
+            r"attn_logit_softcapping 50.0 \(attention logit soft-capping, which this family's "
+            r"transformers code does not apply\) is not supported",
         ),
         ({"model_type": "qwen3"}, r"no tensor 'model.layers.0.self_attn.q_norm.weight'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5"),
@@ -178,7 +179,10 @@ def test_a_layer_refuses_configs_it_cannot_run(tmp_path, overrides, message):
     [
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' \(MLP activation\) is not supported"),
         ({"model_type": "deepseek_v3"}, r"multi-head latent attention \(MLA\) is not supported"),
-        ({"model_type": "bert"}, r"model_type 'bert' is not supported \(supported: gemma3_text"),
+        (
+            {"model_type": "bert"},
+            r"model_type 'bert' is not supported \(supported: gemma2, gemma3_text",
+        ),
         ({"model_type": None, "architectures": None}, r"names no model_type or architectures"),
         ({"num_local_experts": 8}, r"num_local_experts 8: mixture-of-experts layers"),
         ({"attention_bias": True}, r"q_proj.bias: missing \(attention_bias True implies it\)"),

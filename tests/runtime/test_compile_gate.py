@@ -30,6 +30,7 @@ some entry (test_every_template_is_gated)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -202,6 +203,7 @@ LLAMA3_ROPE = RopeSpec.of(
 
 
 PLAIN = CacheShape(BF16, 4096, 8, 128)  # a layer block's cache at Llama-3-8B's KV heads
+PLAIN_8K = CacheShape(BF16, 8192, 16, 128)  # Gemma-2-27B's
 
 
 def attention(heads: int) -> Callable[[str], list[Kernel]]:
@@ -254,6 +256,38 @@ def sliding_window_attention() -> Callable[[str], list[Kernel]]:
             attention_split_kernel(a),
             attention_prefill_kernel(a),
         )
+    ]
+
+
+def softcap_attention(window: int = 0) -> Callable[[str], list[Kernel]]:
+    """Gemma-2-27B's (32 heads on 16 of 128, scale 144^-0.5, attn_logit_softcapping 50): a full
+    layer's cache, or with `window` a sliding layer's ring (the window plus a prefill chunk)."""
+    rope = RopeSpec.of({"head_dim": 128, "theta": 10000.0, "rope_type": "default"})
+    cache = CacheShape(BF16, window + 255, 16, 128, window=window) if window else PLAIN_8K
+    a = AttentionSpec(cache, 32, 144**-0.5, rope, softcap=50.0)
+    return lambda arch: [attention_split_kernel(a), attention_prefill_kernel(a)]
+
+
+def longrope_attention() -> Callable[[str], list[Kernel]]:
+    """Phi-3-mini-128k's (32 heads of 96, MHA, a 4096-position cache: its short factors, cos and
+    sin scaled by sqrt(1 + ln 32 / ln 4096)): the rotating append and attention's q prologue."""
+    factors = tuple(1.0 + 0.05 * i for i in range(48))
+    scale = (1 + math.log(32) / math.log(4096)) ** 0.5
+    rope = RopeSpec.of(
+        {
+            "head_dim": 96,
+            "theta": 10000.0,
+            "rope_type": "longrope",
+            "factors": factors,
+            "attention_factor": scale,
+        }
+    )
+    a = AttentionSpec(CacheShape(BF16, 4096, 32, 96), 32, 96**-0.5, rope)
+    return lambda arch: [
+        kv_append_kernel(a.cache, rope),
+        attention_split_kernel(a),
+        attention_prefill_kernel(a),
+        rope_kernel(BF16, 32, rope),
     ]
 
 
@@ -548,6 +582,24 @@ GATE: tuple[Entry, ...] = (
         "attention-mistral-7b-sliding-window",
         sliding_window_attention(),
         ("kv_append_", "attn_split_", "attn_prefill_"),
+    ),
+    Entry(
+        "attention-gemma2-27b-softcap",
+        softcap_attention(),
+        ("attn_split_bf16_h32_kv16_d128_c8192_ropedefault10000_softcap_c50_", "_softcap_c50_r16"),
+    ),
+    # Its sliding layers: on sm_80 ptxas spills the ring's split kernel for 2 q heads per kv head
+    # with or without the cap (4 bytes; main's plain kernel at that shape does too).
+    Entry(
+        "attention-gemma2-27b-softcap-sliding",
+        softcap_attention(4096),
+        ("_w4096_ropedefault10000_softcap_c50_s256", "_w4096_ropedefault10000_softcap_c50_r16"),
+        archs=tuple(a for a in nvrtc.GATE_ARCHS if a != "sm_80"),
+    ),
+    Entry(
+        "attention-phi3-mini-128k-longrope",
+        longrope_attention(),
+        ("kv_append_bf16_c4096_kv32_d96_ropelongrope10000_f", "attn_split_", "attn_prefill_"),
     ),
     Entry(
         "attention-llama3-8b-paged",

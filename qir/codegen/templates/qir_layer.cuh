@@ -36,6 +36,10 @@ __device__ __forceinline__ void qir_rotate_cs(float& a, float& b, float c, float
 __device__ __forceinline__ void qir_rotate(float& a, float& b, float angle) {
   qir_rotate_cs(a, b, cosf(angle), sinf(angle));
 }
+// The same with cos and sin scaled by m first (LongRoPE's attention_factor).
+__device__ __forceinline__ void qir_rotate(float& a, float& b, float angle, float m) {
+  qir_rotate_cs(a, b, cosf(angle) * m, sinf(angle) * m);
+}
 
 // The cache row of position p (>= 0) of a sequence whose block table is `table`: page
 // table[p / PAGE] of a pool of PAGES pages, row p % PAGE in it. A page id outside the pool reads
@@ -49,4 +53,12 @@ __device__ __forceinline__ float qir_warp_reduce_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
+}
+
+// Attention's soft-cap tanh(s / cap) * cap as cap - 2 cap / (2^(s * k) + 1), k = 2 log2(e) / cap
+// (times the attention scale, folded by the caller): one exp2 and one fast division (the
+// divisor is >= 1; past 2^126 the quotient is 0 and the score the cap). tanhf's longer code in
+// the split kernel's key loop made ptxas spill (sm_80, sm_100a).
+__device__ __forceinline__ float qir_softcap(float scaled_k, float cap) {
+  return cap - __fdividef(2.0f * cap, exp2f(scaled_k) + 1.0f);
 }

@@ -6,8 +6,10 @@ float32 with eager attention, run on token ids alone (no image). Its text weight
 tool's: the decoded linears of CASE/golden.npz (mlx_convert.py writes them from the text model
 mlx-lm loads), every other text tensor read from the checkpoint (`language_model.model.*` as the
 Hub stores them) and widened to float32; the vision tower and projector, which the tool drops
-and a text-only forward never runs, keep their random init. Writes golden_model.npz: tokens,
-logits, the greedy ids and each step's logits (keys as goldens.py's).
+and a text-only forward never runs, keep their random init. Writes golden.npz (the inputs
+x.M1/M5/M40 and layer 0's decoded weights) and golden_model.npz (embed, each layer's hidden
+state, the first and last layer alone at M 1, 5, 40, logits, the greedy ids and each step's
+logits), keys as goldens.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from goldens import PROJ, PROMPT, STEPS, checkpoint_tensors, save_npz
+from goldens import MS, PROJ, PROMPT, STEPS, checkpoint_tensors, inputs, layer_alone, save_npz
 from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
 
@@ -55,17 +57,52 @@ def build(case: Path) -> torch.nn.Module:
     return model
 
 
+class _Text(torch.nn.Module):
+    """The text model where goldens.layer_alone looks for a causal LM's (`.model.layers`)."""
+
+    def __init__(self, text: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = text
+
+    def forward(self, **kwargs: object) -> object:
+        return self.model(**kwargs)
+
+
 def main(case_dir: str) -> None:
     case = Path(case_dir)
     raw = json.loads((case / "config.json").read_text())
+    text_cfg = raw["text_config"]
     model = build(case)
-    vocab = raw["text_config"]["vocab_size"]
+    golden = dict(np.load(case / "golden.npz"))
+    xs = inputs(text_cfg["hidden_size"])
+    save_npz(
+        case / "golden.npz",
+        {**xs, **{k: v for k, v in golden.items() if k.startswith("W.0.")}},
+    )
+    vocab, layers = text_cfg["vocab_size"], text_cfg["num_hidden_layers"]
     tokens = (7 * np.arange(PROMPT) + 3) % vocab
     out: dict[str, np.ndarray] = {"tokens": tokens.astype(np.int64)}
     ids = torch.from_numpy(tokens)[None]
-    steps, chosen = [], []
+    text = model.model.language_model
+    hidden: list[torch.Tensor] = []
+    hooks = [
+        layer.register_forward_hook(
+            lambda m, a, o: hidden.append(o[0] if isinstance(o, tuple) else o)
+        )
+        for layer in text.layers
+    ]
     with torch.no_grad():
         out["logits"] = model(ids, use_cache=False).logits[0].numpy()
+        out["embed"] = text.embed_tokens(ids)[0].numpy()
+    for h in hooks:
+        h.remove()
+    for layer in range(layers):
+        out[f"hidden.{layer}"] = hidden[layer][0].numpy()
+    for layer in sorted({0, layers - 1}):
+        for m in MS:
+            out[f"layer.{layer}.M{m}"] = layer_alone(_Text(text), layer, xs[f"x.M{m}"])
+    steps, chosen = [], []
+    with torch.no_grad():
         res = model(ids, use_cache=True)
         cache, logits = res.past_key_values, res.logits[0, -1]
         for step in range(STEPS):

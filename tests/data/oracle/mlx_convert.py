@@ -71,6 +71,12 @@ def main(src: str, dst: str, *options: str) -> None:
     subprocess.run(cmd, check=True, env=env)
     for name in TOKENIZER:
         (Path(dst) / name).unlink(missing_ok=True)
+    np.savez_compressed(Path(dst) / "golden.npz", **decoded(Path(dst)))
+
+
+def decoded(dst: Path) -> dict[str, np.ndarray]:
+    """The tool-decoded weights of every linear of the mlx-lm checkpoint at `dst` (golden.npz's
+    `W.*`)."""
     model, _ = load_model(Path(dst))
     config = json.loads((Path(dst) / "config.json").read_text())
     # a multimodal checkpoint's text model (Gemma 3: model.language_model)
@@ -95,7 +101,7 @@ def main(src: str, dst: str, *options: str) -> None:
     out["W.embed_tokens"] = decode(inner.embed_tokens)
     if getattr(lm, "lm_head", None) is not None:
         out["W.lm_head"] = decode(lm.lm_head)
-    np.savez_compressed(Path(dst) / "golden.npz", **out)
+    return out
 
 
 if __name__ == "__main__":

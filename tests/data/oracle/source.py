@@ -62,6 +62,25 @@ FAMILIES = {
         # scaled by sqrt(256) = 16 on the way in: std 0.8 there, like the layers' outputs
         "embed_std": 0.05,
     },
+    # Gemma 2: Gemma 3's norms, activation, embedding scale and query_pre_attn_scalar, no q/k
+    # norms, one RoPE base, Gemma2Config's layer_types (sliding on even layers: layer 0 of
+    # 2, window 8), tied embeddings (Gemma 2's; mlx-lm's gemma2 always ties), and both caps
+    # small enough to bend this model's scores (std ~1) and logits (std ~1): the attention
+    # soft-cap is the feature this fixture is for. Half Gemma 3's widths (hidden 128,
+    # intermediate 256; 4 heads of 64 stay): the fixture under 1 MB, and sqrt(128) is no bf16
+    "gemma2": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 48,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "pad_token_id": 0,
+        "embed_std": 0.025,
+    },
     # Qwen3 with linears that are not whole 128 x 128 blocks (hidden 320, intermediate 416):
     # the block FP8 fixtures' ragged scale blocks
     "qwen3_ragged": {
