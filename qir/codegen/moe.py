@@ -48,6 +48,7 @@ def route_kernel(act: DType, experts: int, k: int, rule: str) -> Kernel:
         "softmax_topk": "weights: their softmax probabilities over all experts.",
         "softmax_topk_norm": "weights: their softmax probabilities renormalised over the k.",
         "topk_softmax": "weights: the softmax of the k.",
+        "sigmoid_topk": "weights: each one's sigmoid.",
     }[rule]
     source = render(
         "moe_route.cu.j2",
