@@ -315,26 +315,38 @@ def test_dump_for_sm_100a_decodes_nvfp4_experts_by_the_fp4_conversion(tmp_path: 
         argv = ["-q", "dump", str(checkpoint), "--block", "mlp", "--out", str(dirs[arch])]
         assert main([*argv, "--arch", arch]) == 0
 
+    def chosen(name: str) -> bool:
+        """The routed experts' GEMVs and grouped GEMMs (their 64-row tile), the dense GEMV."""
+        if name.startswith("moe_qgemm_"):
+            return "_e6top2" in name and "_64x32x32" in name
+        return name.startswith("qgemv_nvfp4") or "_e6top2_" in name
+
     def converts(arch: str) -> dict[str, bool]:
-        """Whether each expert and dense GEMV / grouped GEMM converts E2M1 in hardware."""
+        """Whether each chosen kernel converts E2M1 in hardware, and every E2M1 kernel's name
+        ends in the target (sm_100a) or none does (sm_90)."""
+        kernels = _dumped(dirs[arch])
+        e2m1 = [k.name for k in kernels if "nvfp4" in k.name]
+        assert len(e2m1) == 12 and all(n.endswith("_sm100a") == (arch == "sm_100a") for n in e2m1)
         return {
             k.name: any(
                 i.opcode == "F2FP.F16.E2M1.UNPACK_B" for i in sass.disassemble(r.cubin, k.name)
             )
-            for k in _dumped(dirs[arch])
-            if k.name.startswith(("moe_gemv_", "qgemv_nvfp4"))
-            or (k.name.startswith("moe_qgemm_") and "_64x32x32" in k.name)  # one tile each
+            for k in kernels
+            if chosen(k.name)
             for r in [nvrtc.compile_cubin(k, arch)]
         }
 
     blackwell = converts("sm_100a")
-    # the shared expert's down, the routed gate/up and down: a GEMV and a grouped GEMM each
-    assert sum(n.startswith("moe_gemv_") for n in blackwell) == 3
-    assert sum(n.startswith("moe_qgemm_") for n in blackwell) == 3
-    assert any(n.startswith("qgemv_nvfp4") and "_silumul" in n for n in blackwell)
-    assert all(blackwell.values()) and all(n.endswith("_sm100a") for n in blackwell)
+    assert sorted(n.split("_")[1] for n in blackwell) == [
+        "gemv",  # routed gate/up, down
+        "gemv",
+        "nvfp4mul",  # the shared expert's gate/up (dense)
+        "qgemm",  # routed gate/up, down
+        "qgemm",
+    ]
+    assert all(blackwell.values())
     hopper = converts("sm_90")
-    assert len(hopper) == len(blackwell) and not any(hopper.values())
+    assert len(hopper) == 5 and not any(hopper.values())
 
 
 def test_run_and_generate_emit_for_arch_on_the_host(tmp_path: Path) -> None:
