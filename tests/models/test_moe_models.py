@@ -21,7 +21,7 @@ from qir.formats.base import FormatError
 from qir.interpret import evaluate
 from qir.models import Model, load
 from qir.models.blocks import build
-from qir.models.experts import Moe, moe_of, read_experts
+from qir.models.experts import Moe, is_moe_layer, moe_of, read_experts
 from tests.conftest import DATA, greedy_prefix, max_rel
 
 MLX, AWQ = "mixtral_mlx4_g64", "mixtral_awq_gemm_g64"
@@ -408,3 +408,22 @@ def test_qwen2_moe_qkv_biases_follow_qkv_bias(tmp_path: Path) -> None:
         _ = load(path).features
     _edit_config(path, qkv_bias=False)
     assert load(path).features.biases == ()
+
+
+def test_qwen2_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers(
+    tmp_path: Path,
+) -> None:
+    """As transformers' Qwen2MoeDecoderLayer: a layer routes when it is not in mlp_only_layers
+    and its index + 1 is a multiple of decoder_sparse_step; the others are dense MLPs (here
+    their mlp.gate_proj is missing, and the refusal names it)."""
+    path = _copy(tmp_path, QWEN2)
+    for changes, routed in (
+        ({}, [True, True]),
+        ({"decoder_sparse_step": 2}, [False, True]),
+        ({"decoder_sparse_step": 1, "mlp_only_layers": [1]}, [True, False]),
+    ):
+        _edit_config(path, **changes)
+        ck = load(path)
+        assert [is_moe_layer(ck, layer) for layer in (0, 1)] == routed, changes
+    with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.gate_proj"):
+        build(ck, "mlp", 1, F32)
