@@ -8,11 +8,14 @@ families use:
   and Qwen2-MoE with `norm_topk_prob: false`);
 - "softmax_topk_norm": the same, renormalised to sum to 1 over the k (Mixtral always; Qwen3-MoE
   with `norm_topk_prob: true`);
-- "topk_softmax": the k largest logits, then the softmax over those k (gpt-oss).
+- "topk_softmax": the k largest logits, then the softmax over those k (gpt-oss);
+- "sigmoid_topk": the k largest logits, each weighted by its own sigmoid, not normalised
+  (Qwen2-MoE's shared expert: one expert, always chosen, scaled by sigmoid(shared_expert_gate
+  x); DeepSeek-V3's scores before its normalisation).
 
 The k are chosen on the logits themselves, largest first, ties to the lower expert id (what
 torch.topk returns for these inputs); the softmax is monotone, so this is the choice the
-probabilities give, except where two different logits round to one probability. Slot j of a row
+probabilities (or sigmoids) give, except where two different logits round to one probability. Slot j of a row
 is its j-th choice. The weights are float32.
 
 An expert qlinear computes, for each (row m, slot j), y[m, j] = x[m] W[ids[m, j]]^T (x[m, j]
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-RULES = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
+RULES = ("softmax_topk", "softmax_topk_norm", "topk_softmax", "sigmoid_topk")
 EPILOGUES = ("silu_mul", "combine", "combine_residual")
 
 
@@ -45,6 +48,9 @@ def route(logits: np.ndarray, k: int, rule: str) -> tuple[np.ndarray, np.ndarray
     x = np.asarray(logits, np.float32)
     ids = select(x, k)
     top = np.take_along_axis(x, ids, axis=-1)
+    if rule == "sigmoid_topk":
+        one = np.float32(1)
+        return ids, (one / (one + np.exp(-top))).astype(np.float32)
     if rule == "topk_softmax":
         e = np.exp(top - top[:, :1])
         return ids, (e / e.sum(axis=-1, keepdims=True, dtype=np.float32)).astype(np.float32)

@@ -24,6 +24,8 @@ from tests.moe_common import inputs, moe_graph, random_experts
 def _route_by_hand(row: list[float], k: int, rule: str) -> tuple[list[int], list[float]]:
     """One row in float64, written out: the ids by (value descending, id ascending)."""
     order = sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]
+    if rule == "sigmoid_topk":
+        return order, [1 / (1 + math.exp(-row[e])) for e in order]
     if rule == "topk_softmax":
         top = [math.exp(row[e] - row[order[0]]) for e in order]
         return order, [t / sum(top) for t in top]
@@ -42,7 +44,7 @@ def test_route_follows_each_rule(rng, rule, experts, k):
         want_ids, want_w = _route_by_hand(row, k, rule)
         assert ids[m].tolist() == want_ids
         np.testing.assert_allclose(weights[m], want_w, rtol=2e-6)
-    if rule != "softmax_topk":
+    if rule not in ("softmax_topk", "sigmoid_topk"):
         np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
 
 
@@ -82,7 +84,7 @@ def _graph_with(build) -> None:
     [
         (lambda b, x, lg, we: b.route(lg, 7, "softmax_topk"), r"k=7 .* in 1\.\.6"),
         (lambda b, x, lg, we: b.route(lg, 0, "softmax_topk"), r"k=0 .* in 1\.\.6"),
-        (lambda b, x, lg, we: b.route(lg, 2, "sigmoid"), "unknown rule 'sigmoid'"),
+        (lambda b, x, lg, we: b.route(lg, 2, "sparsemixer"), "unknown rule 'sparsemixer'"),
         (
             lambda b, x, lg, we: b.expert_qlinear(x, we, b.route(lg, 2, "softmax_topk")[1]),
             r"operand 2 .*f32\[M, 2\]\) must be i32\[M, k\]",

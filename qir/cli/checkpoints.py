@@ -77,9 +77,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("\n".join(_architecture(ck)))
     moe = moe_of(ck)
     if moe is not None:
+        shared = (
+            f", and a shared expert of {moe.shared} ({moe.family.shared_key}) scaled by "
+            f"sigmoid({moe.family.shared_gate})"
+            if moe.shared
+            else ""
+        )
         print(
             f"mixture of experts: {moe.experts} experts ({moe.count_key}), "
-            f"{moe.top_k} per token ({moe.rule})"
+            f"{moe.top_k} per token ({moe.rule}){shared}"
         )
     return 0
 

@@ -333,7 +333,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
             launches.append(_lower_quantize_act(graph, name))
         elif node.op in MOE_LOWERINGS:
             # Given the temps so far: launches of one router's ids share its grouping.
-            moe_launches, moe_temps = MOE_LOWERINGS[node.op](graph, name, temps)
+            moe_launches, moe_temps = MOE_LOWERINGS[node.op](graph, name, temps, target)
             launches.extend(moe_launches)
             temps.update(moe_temps)
         elif node.op in LAYER_LOWERINGS:

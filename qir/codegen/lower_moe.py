@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from qir.codegen import moe
+from qir.codegen.gemv import for_target
 from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch
 from qir.graph import Graph
 from qir.ops import expert_layout
+from qir.target import Target
 from qir.types import QExperts, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
@@ -36,7 +38,7 @@ def _results(graph: Graph, name: str, temps: dict[str, TensorType]) -> tuple[str
     return tuple(out)
 
 
-def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType]) -> Lowered:
+def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType], __: Target) -> Lowered:
     (logits,) = graph.operands(name)
     t = _tensor(graph, logits)
     experts = t.shape[1]
@@ -49,7 +51,11 @@ def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType]) -> Lowered
     return [Launch(kernel, 1, 1, args, (ids, weights), (name,))], temps
 
 
-def lower_expert_qlinear(graph: Graph, name: str, temps: Mapping[str, TensorType]) -> Lowered:
+def lower_expert_qlinear(
+    graph: Graph, name: str, temps: Mapping[str, TensorType], target: Target
+) -> Lowered:
+    """The expert GEMV below gemm_from_m rows, the grouped path from there; both specialised
+    for `target` where its FP4 conversion changes the experts' decode (as the dense kernels)."""
     node = graph.node(name)
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
@@ -64,11 +70,19 @@ def lower_expert_qlinear(graph: Graph, name: str, temps: Mapping[str, TensorType
     )
     first_gemm = node.attr("gemm_from_m")
     gemm_from = first_gemm if isinstance(first_gemm, int) else ALL_M[1] + 1
+    w0 = experts[0].expert
+    specialised = for_target(target, w0.format, w0.out_features, w0.in_features)
     launches: list[Launch] = []
     new_temps: dict[str, TensorType] = {}
     if gemm_from > 1:
         spec = moe.ExpertGemvSpec(
-            experts, _tensor(graph, name).dtype, DEFAULT_M_TILE, top, combine, x.rank == 3
+            experts,
+            _tensor(graph, name).dtype,
+            DEFAULT_M_TILE,
+            top,
+            combine,
+            x.rank == 3,
+            target=specialised,
         )
         frag = spec.fragment
         args = (
@@ -91,13 +105,13 @@ def lower_expert_qlinear(graph: Graph, name: str, temps: Mapping[str, TensorType
     if gemm_from <= ALL_M[1]:
         from qir.codegen.moe_gemm import lower_grouped
 
-        more, more_temps = lower_grouped(graph, name, temps, (gemm_from, ALL_M[1]))
+        more, more_temps = lower_grouped(graph, name, temps, (gemm_from, ALL_M[1]), specialised)
         launches += more
         new_temps.update(more_temps)
     return launches, new_temps
 
 
-MOE_LOWERINGS: dict[str, Callable[[Graph, str, Mapping[str, TensorType]], Lowered]] = {
+MOE_LOWERINGS: dict[str, Callable[[Graph, str, Mapping[str, TensorType], Target], Lowered]] = {
     "route": lower_route,
     "expert_qlinear": lower_expert_qlinear,
 }

@@ -24,11 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.codegen.fragments import Fragment, fragment_for
-from qir.codegen.gemv import MIN_BLOCKS_PER_SM, WARPS_PER_BLOCK, GemvSpec
+from qir.codegen.gemv import MIN_BLOCKS_PER_SM, WARPS_PER_BLOCK, GemvSpec, target_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import common_header, render
 from qir.dtypes import DType
 from qir.moe import RULES
+from qir.target import Target
 from qir.types import QExperts
 
 COMBINES = ("", "combine", "combine_residual")
@@ -48,6 +49,7 @@ def route_kernel(act: DType, experts: int, k: int, rule: str) -> Kernel:
         "softmax_topk": "weights: their softmax probabilities over all experts.",
         "softmax_topk_norm": "weights: their softmax probabilities renormalised over the k.",
         "topk_softmax": "weights: the softmax of the k.",
+        "sigmoid_topk": "weights: each one's sigmoid.",
     }[rule]
     source = render(
         "moe_route.cu.j2",
@@ -99,7 +101,8 @@ class ExpertGemvSpec:
     per token, and what it makes: a row per slot (combine "") or each token's combined row (with
     the residual for "combine_residual"). `per_slot`: the input holds a row per slot [M, k, K]
     (down reads gate/up's), else one per token. `count`: instrumented, for tests: each block
-    adds the weight bytes it reads to reads[expert]."""
+    adds the weight bytes it reads to reads[expert]. `target`: as GemvSpec's (E2M1 experts on a
+    target with the FP4 conversion decode through it; the name says so)."""
 
     experts: tuple[QExperts, ...]
     act: DType
@@ -108,6 +111,7 @@ class ExpertGemvSpec:
     combine: str = ""
     per_slot: bool = False
     count: bool = False
+    target: Target | None = None
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
@@ -122,7 +126,11 @@ class ExpertGemvSpec:
     def gemv(self) -> GemvSpec:
         epilogue = "silu_mul" if len(self.experts) == 2 else ""
         return GemvSpec(
-            tuple(e.expert for e in self.experts), self.act, self.m_tile, epilogue=epilogue
+            tuple(e.expert for e in self.experts),
+            self.act,
+            self.m_tile,
+            epilogue=epilogue,
+            target=self.target,
         )
 
     @property
@@ -153,6 +161,7 @@ class ExpertGemvSpec:
         fused = "_silumul" if len(self.experts) == 2 else ""
         fused += {"": "", "combine": "_combine", "combine_residual": "_combine_res"}[self.combine]
         fused += ("_slots_in" if self.per_slot else "") + ("_count" if self.count else "")
+        fused += target_suffix(self.target)
         return (
             f"moe_gemv_{e0.format.tag()}_{self.act.name}_e{e0.count}top{self.top}"
             f"_n{e0.out_features}_k{e0.in_features}_m{self.m_tile}{fused}"
@@ -230,10 +239,9 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         residual=spec.combine == "combine_residual",
         count=spec.count,
         row_bytes=row_bytes(e0) * len(spec.experts),
-        # Experts carry no biases yet, and one kernel serves every target.
-        has_bias=False,
-        target="",
-        fp4_cvt=False,
+        has_bias=False,  # experts carry no biases yet
+        target=spec.target.arch if spec.target else "",
+        fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         **frag.context,
     )
     return Kernel(

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemm import GemmSpec, GroupedGemm, bucket_ranges, gemm_kernel
+from qir.codegen.gemv import target_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.lower import Arg, Launch
 from qir.codegen.moe import expert_strides
@@ -24,6 +25,7 @@ from qir.codegen.render import common_header, render
 from qir.dtypes import I32, DType
 from qir.graph import Graph
 from qir.ops import expert_layout
+from qir.target import Target
 from qir.types import QExperts, TensorType
 
 GROUP_THREADS = 256
@@ -71,16 +73,23 @@ def combine_kernel(act: DType, top: int, n: int, residual: bool) -> Kernel:
 
 
 def grouped_gemm(
-    experts: tuple[QExperts, ...], act: DType, m_max: int, top: int, per_slot: bool
+    experts: tuple[QExperts, ...],
+    act: DType,
+    m_max: int,
+    top: int,
+    per_slot: bool,
+    target: Target | None = None,
 ) -> tuple[Kernel, GemmSpec]:
     """The grouped GEMM of `experts` (one, or gate and up: silu(g) * u) for the tile bucket
-    ending at m_max rows, and the GemmSpec whose tile and pipeline it runs."""
+    ending at m_max rows, and the GemmSpec whose tile and pipeline it runs (specialised for
+    `target` as GemmSpec.target says)."""
     e0 = experts[0]
     spec = GemmSpec(
         tuple(e.expert for e in experts),
         act,
         m_max,
         epilogue="silu_mul" if len(experts) == 2 else "",
+        target=target,
     )
     frag = fragment_for(e0.format, e0.out_features, e0.in_features)
     suffixes = [p.name.removeprefix("w_") for p in frag.params]
@@ -93,7 +102,9 @@ def grouped_gemm(
     b_args = ", ".join(
         f"(row & 8) ? ew1_{s} : ew0_{s}" if len(experts) == 2 else f"ew0_{s}" for s in suffixes
     )
-    name = f"moe_{spec.name}_e{e0.count}top{top}" + ("_slots_in" if per_slot else "")
+    suffix = target_suffix(target)  # last, as in every specialised kernel's name
+    name = f"moe_{spec.name.removesuffix(suffix)}_e{e0.count}top{top}"
+    name += ("_slots_in" if per_slot else "") + suffix
     params = (
         _buf("x", act.c_type),
         *(
@@ -130,7 +141,11 @@ def grouped_gemm(
 
 
 def lower_grouped(
-    graph: Graph, name: str, temps: Mapping[str, TensorType], when: tuple[int, int]
+    graph: Graph,
+    name: str,
+    temps: Mapping[str, TensorType],
+    when: tuple[int, int],
+    target: Target | None = None,
 ) -> Lowered:
     """The grouped path of expert_qlinear `name` for batch sizes `when`: the grouping of its
     ids (unless an earlier expert launch of the same ids and range made it: see `temps`), a
@@ -172,7 +187,7 @@ def lower_grouped(
         new[slots] = TensorType(("M", top, n), out_t.dtype)
     frag_buffers = fragment_for(experts[0].format, n, experts[0].in_features).buffers
     for bucket in bucket_ranges(*when):
-        kernel, spec = grouped_gemm(experts, out_t.dtype, bucket[1], top, x_t.rank == 3)
+        kernel, spec = grouped_gemm(experts, out_t.dtype, bucket[1], top, x_t.rank == 3, target)
         args = (
             Arg("value", operands[0]),
             *(Arg("weight", w, b) for w in operands[ws] for b in frag_buffers),

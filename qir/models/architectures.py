@@ -51,7 +51,8 @@ class Architecture:
     # the MLP).
     post_norms: bool = False
     qk_norm: bool = False  # a per-head RMSNorm of q and k (q_norm, k_norm) before RoPE
-    qkv_bias: bool = False  # q/k/v always carry biases (Qwen2), whatever attention_bias says
+    # q/k/v always carry biases (Qwen2), whatever attention_bias says (unless qkv_bias is false)
+    qkv_bias: bool = False
     # The config keys that may name the MLP activation (the first present wins), and its default.
     activation_keys: tuple[str, ...] = ("hidden_act",)
     activation: str = "silu"
@@ -90,6 +91,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("qwen3_moe",),
         ("Qwen3MoeForCausalLM",),
         qk_norm=True,
+        sliding="qwen",
+        experts=True,
+    ),
+    Architecture(
+        "qwen2_moe",
+        ("qwen2_moe",),
+        ("Qwen2MoeForCausalLM",),
+        qkv_bias=True,
         sliding="qwen",
         experts=True,
     ),
@@ -267,7 +276,7 @@ def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]
     """The sliding window of each layer and the config field it comes from."""
     n, window = ck.num_layers, family_field(arch, ck, "sliding_window")
     none: list[int | None] = [None] * n
-    if arch.sliding == "none" or window is None:
+    if arch.sliding == "none" or not window:  # None, or transformers 5's 0 for none
         return none, ""
     if arch.sliding == "all":
         return [window] * n, "sliding_window"
@@ -320,9 +329,11 @@ def features(ck: Checkpoint) -> Features:
         name = f"model.layers.0.{path}.bias"
         if name in ck.store:
             biases.append(short)
-    if arch.qkv_bias or ck.field("attention_bias"):
-        why = "model_type" if arch.qkv_bias else "attention_bias"
-        want = ("q", "k", "v") if arch.qkv_bias else ("q", "k", "v", "o")
+    # Qwen2-MoE's config may turn its q/k/v biases off (transformers 5's qkv_bias)
+    qkv_bias = arch.qkv_bias and ck.field("qkv_bias") is not False
+    if qkv_bias or ck.field("attention_bias"):
+        why = "model_type" if qkv_bias else "attention_bias"
+        want = ("q", "k", "v") if qkv_bias else ("q", "k", "v", "o")
         missing = [s for s in want if s not in biases and not _fused_holds(arch, s, ck)]
         if missing:
             name = f"model.layers.0.{arch.linears[missing[0]]}.bias"

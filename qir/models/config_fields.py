@@ -159,7 +159,8 @@ FIELDS: tuple[Field, ...] = (
     Field("architectures", list, items=str),
     Field("attention_bias", bool, default=False),
     Field("mlp_bias", bool, default=False),
-    _int("sliding_window", at_least=1),
+    # 0: none (transformers 5 writes it so for Qwen2-MoE without use_sliding_window)
+    _int("sliding_window", at_least=0),
     Field("use_sliding_window", bool, default=False),  # Qwen2/3's switch (their default)
     _int("max_window_layers", at_least=0, default=28),  # Qwen2/3: sliding from this layer on
     Field("layer_types", list, items=str),
@@ -174,6 +175,8 @@ FIELDS: tuple[Field, ...] = (
     # mixture-of-experts layers (qir.models.experts)
     _int("num_experts_per_tok", at_least=1),
     _int("moe_intermediate_size", at_least=1),
+    _int("shared_expert_intermediate_size", at_least=1),  # Qwen2-MoE's shared expert
+    Field("qkv_bias", bool),  # Qwen2-MoE (transformers 5): its q/k/v biases, default true
     Field("norm_topk_prob", bool),
     _int("decoder_sparse_step", at_least=1, default=1),
     Field("mlp_only_layers", list, items=int),

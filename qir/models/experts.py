@@ -10,6 +10,15 @@ format that reads a linear reads experts.
 
 The MoE MLP: logits = router(x); ids, weights = route(logits) by the family's rule; h = silu(x
 G_e^T) * (x U_e^T) per chosen expert; y = residual + sum_j weights_j * (h_j D_e^T).
+
+A shared expert (Qwen2-MoE: `mlp.shared_expert`, a dense MLP of shared_expert_intermediate_size
+beside the routed ones, scaled by sigmoid(shared_expert_gate x)) adds s = sigmoid(x g^T) *
+(silu(x G_s^T) * (x U_s^T)) D_s^T: it is built from the same ops, as one expert always chosen
+whose router is the shared gate. Its gate/up pair is a plain qlinear pair (merged, silu(g) * u
+as their epilogue); its gate's one logit goes through route's sigmoid_topk (k = 1 of 1: ids all
+0, weights the sigmoid); its down projection is an expert_qlinear of that one expert whose
+combine adds the residual, r' = residual + w * (h D_s^T); and the routed down's combine adds r'
+in place of the residual.
 """
 
 from __future__ import annotations
@@ -47,6 +56,11 @@ class MoeFamily:
     # Qwen-MoE: layers with experts are those not in mlp_only_layers whose index + 1 is a
     # multiple of decoder_sparse_step (the others a dense MLP); else every layer.
     sparse_step: bool = False
+    # A shared expert beside the routed ones (Qwen2-MoE): its MLP's module (gate_proj, up_proj,
+    # down_proj below it), its sigmoid gate (a linear [1, hidden]) and its size's config key.
+    shared: str = ""
+    shared_gate: str = ""
+    shared_key: str = "shared_expert_intermediate_size"
 
 
 MOE_FAMILIES: dict[str, MoeFamily] = {
@@ -72,6 +86,22 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
         norm_key="norm_topk_prob",
         sparse_step=True,
     ),
+    # transformers' Qwen2MoeSparseMoeBlock: Qwen3-MoE's routing (norm_topk_prob default false)
+    # plus the shared expert; mlx-lm's convert stacks the routed experts as switch_mlp and
+    # keeps the shared ones' names.
+    "qwen2_moe": MoeFamily(
+        ("num_experts", "num_local_experts"),
+        "mlp.gate",
+        "mlp.experts.{e}.{w}",
+        ("gate_proj", "up_proj", "down_proj"),
+        "mlp.switch_mlp.{w}",
+        "softmax_topk",
+        intermediate_key="moe_intermediate_size",
+        norm_key="norm_topk_prob",
+        sparse_step=True,
+        shared="mlp.shared_expert",
+        shared_gate="mlp.shared_expert_gate",
+    ),
 }
 
 
@@ -85,6 +115,7 @@ class Moe:
     intermediate: int
     rule: str
     count_key: str  # the config field `experts` came from
+    shared: int = 0  # the shared expert's intermediate size (0: none)
 
 
 def moe_of(ck: Checkpoint) -> Moe | None:
@@ -108,7 +139,10 @@ def moe_of(ck: Checkpoint) -> Moe | None:
     if intermediate is None:
         raise FormatError(f"{where}: lacks {fam.intermediate_key} (the experts' size)")
     rule = "softmax_topk_norm" if fam.norm_key and ck.field(fam.norm_key) else fam.rule
-    return Moe(fam, experts, top_k, intermediate, rule, count_key)
+    shared = ck.field(fam.shared_key) if fam.shared else 0
+    if shared is None:
+        raise FormatError(f"{where}: lacks {fam.shared_key} (the shared expert's size)")
+    return Moe(fam, experts, top_k, intermediate, rule, count_key, shared)
 
 
 def is_moe_layer(ck: Checkpoint, layer: int) -> bool:
@@ -226,6 +260,58 @@ def router(ck: Checkpoint, moe: Moe, layer: int) -> Linear:
     return lin
 
 
+def _shaped(lin: Linear, want: tuple[int, int], fields: str) -> Linear:
+    got = (lin.weight.out_features, lin.weight.in_features)
+    if got != want:
+        raise FormatError(
+            f"{lin.module}.weight: holds a {list(got)} linear, but config.json implies "
+            f"{list(want)} ({fields})"
+        )
+    return lin
+
+
+def shared_expert(
+    bb: _Builder, moe: Moe, x: Value, residual: Value, layer: int, prefix: str
+) -> Value:
+    """residual + sigmoid(x g^T) * the shared expert's MLP of x (the module docstring)."""
+    from qir.models.blocks import ACTIVATION_OPS, checked
+
+    ck, b, fam = bb.ck, bb.b, moe.family
+    base = f"model.layers.{layer}"
+    hidden, size = ck.hidden_size, moe.shared
+    fields = f"hidden_size, {fam.shared_key}"
+    gate_lin = _shaped(ck.linear(f"{base}.{fam.shared_gate}"), (1, hidden), "1, hidden_size")
+    bb.weights[gate_lin.module] = gate_lin.buffers
+    w_gate = b.weight(gate_lin.module, gate_lin.weight, name=f"{prefix}w_shared_expert_gate")
+    logit = b.qlinear(x, w_gate, name=f"{prefix}shared_expert_gate")
+    ids, weight = b.route(logit, 1, "sigmoid_topk", name=f"{prefix}shared_route")
+    mlp = f"{base}.{fam.shared}"
+    proj = {}
+    for name in ("gate", "up"):
+        lin = _shaped(
+            ck.linear(f"{mlp}.{name}_proj"), (size, hidden), f"{fam.shared_key}, hidden_size"
+        )
+        bb.weights[lin.module] = lin.buffers
+        proj[name] = b.qlinear(
+            x,
+            b.weight(lin.module, lin.weight, name=f"{prefix}w_shared_{name}"),
+            name=f"{prefix}shared_{name}",
+        )
+    act = ACTIVATION_OPS[checked(ck, ("activation",)).activation.value]
+    h = b.mul(
+        getattr(b, act)(proj["gate"], name=f"{prefix}shared_act"),
+        proj["up"],
+        name=f"{prefix}shared_h",
+    )
+    down = _shaped(ck.linear(f"{mlp}.down_proj"), (hidden, size), fields)
+    if down.weight.bias:  # it runs on the expert kernels, which add none
+        raise FormatError(f"{down.module}.bias: a shared expert's down_proj bias is not supported")
+    qe, bufs = stack([down])
+    bb.weights[down.module] = bufs
+    w_down = b.weight(down.module, qe, name=f"{prefix}w_shared_down")
+    return b.expert_qlinear(h, w_down, ids, weight, residual, name=f"{prefix}shared_y")
+
+
 def moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
     """residual + the layer's MoE MLP of x (the module docstring)."""
     ck, b = bb.ck, bb.b
@@ -241,5 +327,7 @@ def moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "
         key, qe, bufs = read_experts(ck, moe, layer, proj)
         bb.weights[key] = bufs
         ws[proj] = b.weight(key, qe, name=f"{prefix}w_experts_{proj}")
+    if moe.shared:  # the routed experts' combine adds it with the residual
+        residual = shared_expert(bb, moe, x, residual, layer, prefix)
     h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name=f"{prefix}experts_h")
     return b.expert_qlinear(h, ws["down"], ids, weights, residual, name=f"{prefix}y")

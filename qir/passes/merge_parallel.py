@@ -5,6 +5,8 @@ once; each original value becomes a `get` of it, so users and block outputs are 
 Preconditions: a verified graph. Scale-safe by construction: every weight keeps its own
 buffers, so per-tensor scales (NVFP4 global scales, FP8) stay per output segment; nothing is
 merged by max().
+Where a group holds a gate/up pair (`mul(silu(g), u)`, each used only there) beside other
+projections, the pair is merged apart from the rest, so silu_epilogue folds it as usual.
 Does not handle: qlinears that already carry a prologue or epilogue, or already merged ones
 (merging happens first in the pipeline); weights of different formats or widths, or W4A4 weights
 calibrated for different activation scales (not merged: one launch reads one quantized input).
@@ -15,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import ACT_SCALE_ATTRS
+from qir.ops import ACT_SCALE_ATTRS, GATE_ACTS
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 from qir.types import QWeight, TensorType, TupleType
 
@@ -38,7 +40,43 @@ def _groups(graph: Graph, x: str) -> list[list[str]]:
         # Weights calibrated for different activation scales cannot share one quantized input.
         rule = tuple((k, v) for k, v in weight.attrs if k in ACT_SCALE_ATTRS)
         by_key.setdefault((w.format, w.in_features, rule), []).append(u)
-    return [g for g in by_key.values() if len(g) > 1]
+    return [part for g in by_key.values() for part in _apart(graph, g) if len(part) > 1]
+
+
+def _sole_user(graph: Graph, value: str) -> str | None:
+    users = graph.users(value)
+    return users[0] if len(users) == 1 and graph.use_count(value) == 1 else None
+
+
+def _gated_partner(graph: Graph, u: str) -> str | None:
+    """The qlinear v where u's only use is `mul(act(u), v)` (either order), act a gate
+    activation with that one use and v used only there: a gate/up pair."""
+    act = _sole_user(graph, u)
+    if act is None or graph.node(act).op not in GATE_ACTS:
+        return None
+    mul = _sole_user(graph, act)
+    if mul is None or graph.node(mul).op != "mul":
+        return None
+    others = [o for o in graph.operands(mul) if o != act]
+    if len(others) != 1 or _sole_user(graph, others[0]) != mul:
+        return None
+    return others[0]
+
+
+def _apart(graph: Graph, group: list[str]) -> list[list[str]]:
+    """A group with a gate/up pair and other projections (Qwen2-MoE: its router, the shared
+    expert's gate and its gate/up read one input): each pair merged apart, so silu_epilogue
+    still folds it, and the rest together."""
+    if len(group) <= 2:
+        return [group]
+    pairs: list[list[str]] = []
+    taken: set[str] = set()
+    for u in group:
+        v = _gated_partner(graph, u)
+        if v is not None and v in group and u not in taken and v not in taken:
+            pairs.append(sorted((u, v), key=group.index))
+            taken.update((u, v))
+    return [*pairs, [u for u in group if u not in taken]] if pairs else [group]
 
 
 def _has_group(graph: Graph, x: str) -> bool:

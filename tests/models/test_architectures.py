@@ -39,6 +39,8 @@ def test_an_unknown_class_is_refused_by_name():
         ({"sliding_window": 8}, (None, None), ""),
         ({"model_type": "mistral", "sliding_window": 8}, (8, 8), "sliding_window"),
         ({"model_type": "mistral", "sliding_window": None}, (None, None), ""),
+        # transformers 5 writes 0 for none (Qwen2-MoE without use_sliding_window)
+        ({"model_type": "mistral", "sliding_window": 0}, (None, None), ""),
         # Qwen2/3: only with use_sliding_window (default false), from max_window_layers on
         ({"model_type": "qwen2", "sliding_window": 8}, (None, None), ""),
         (

@@ -21,7 +21,7 @@ from qir.formats.base import FormatError
 from qir.interpret import evaluate
 from qir.models import Model, load
 from qir.models.blocks import build
-from qir.models.experts import Moe, moe_of, read_experts
+from qir.models.experts import Moe, is_moe_layer, moe_of, read_experts
 from tests.conftest import DATA, greedy_prefix, max_rel
 
 MLX, AWQ = "mixtral_mlx4_g64", "mixtral_awq_gemm_g64"
@@ -279,3 +279,151 @@ def test_qwen3_moe_block_on_the_host_backend() -> None:
             x = golden[f"x.M{m}"].astype(act.np)
             want = x.astype(np.float32) + golden[f"moe.1.M{m}"]  # y = x + the MoE block
             assert max_rel(c({"x": x})["y"], want) <= tol, (act, m)
+
+
+QWEN2 = "qwen2moe_mlx4_g64"
+
+
+def test_qwen2_moe_shared_expert_and_routing_match_transformers() -> None:
+    """Both layers' MoE blocks (softmax over 6, top 2 not renormalised, plus the shared expert
+    scaled by sigmoid(shared_expert_gate x)) against transformers' Qwen2MoeSparseMoeBlock in
+    float32: the routing, the shared part on its own, the whole block; the shared expert's
+    weights decode as mlx does, and without it the block is far off."""
+    ck, golden = load(DATA / QWEN2), np.load(DATA / QWEN2 / "golden.npz")
+    spec = moe_of(ck)
+    assert spec is not None
+    assert (spec.experts, spec.top_k, spec.rule, spec.shared) == (6, 2, "softmax_topk", 128)
+    for layer in (0, 1):
+        b = build(ck, "mlp", layer, F32)
+        for m in (1, 5, 40):
+            x = golden[f"x.M{m}"].astype(np.float32)
+            env = evaluate(b.graph, {"x": x}, b.weights)
+            np.testing.assert_array_equal(env["route.ids"], golden[f"route_ids.{layer}.M{m}"])
+            np.testing.assert_allclose(
+                env["route.weights"], golden[f"route_weights.{layer}.M{m}"], rtol=1e-5
+            )
+            np.testing.assert_array_equal(env["shared_route.ids"], 0)
+            assert max_rel(env["shared_y"] - x, golden[f"shared.{layer}.M{m}"]) <= 1e-5
+            assert max_rel(env["y"] - x, golden[f"moe.{layer}.M{m}"]) <= 1e-5
+            assert max_rel(env["y"] - env["shared_y"], golden[f"moe.{layer}.M{m}"]) > 0.1
+    # layer 0's shared expert as mlx decodes it, and its gate's sigmoid as route weighs it
+    base = "model.layers.0.mlp"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = ck.linear(f"{base}.shared_expert.{name}")
+        w = lin.weight.format.dequantize(lin.buffers, lin.weight.out_features, 128)
+        np.testing.assert_array_equal(w, golden[f"W.0.shared.{name}"])
+    x, b = golden["x.M40"].astype(np.float32), build(ck, "mlp", 0, F32)
+    env = evaluate(b.graph, {"x": x}, b.weights)
+    gate = x.astype(np.float64) @ golden["W.0.shared_gate"].T.astype(np.float64)
+    np.testing.assert_allclose(env["shared_route.weights"], 1 / (1 + np.exp(-gate)), rtol=1e-5)
+
+
+def test_qwen2_moe_host_f32_logits_and_greedy_ids_match_transformers() -> None:
+    golden = np.load(DATA / QWEN2 / "golden_model.npz")
+    model = Model.load(DATA / QWEN2, act=F32, backend="host")
+    assert max_rel(model.logits(golden["tokens"]), golden["logits"]) <= 1e-3
+    gen = model.generate(golden["tokens"], 8, do_sample=False)
+    assert max_rel(gen.logits, golden["step_logits"]) <= 1e-3
+    np.testing.assert_array_equal(gen.tokens, golden["greedy"])
+
+
+def test_qwen2_moe_block_in_bf16_on_both_kernel_families() -> None:
+    """The MoE block with its shared expert in the checkpoint's bf16 on the host: the expert
+    GEMVs at M = 1 and the grouped path (the shared expert as a group of one) at M = 40, within
+    the layer bound of transformers' float32 and of the interpreter. (x.M5's row 0 has two
+    router logits 7.6e-5 apart: bf16 sums choose either.)"""
+    ck, golden = load(DATA / QWEN2), np.load(DATA / QWEN2 / "golden.npz")
+    b = build(ck, "mlp", 1, ck.act_dtype)
+    c = qir.compile(b.graph, b.weights, backend="host")
+    ref = qir.compile(b.graph, b.weights, backend="reference")
+    assert c.plan is not None
+    names = {la.kernel.name for la in c.plan.launches}
+    assert {"moe_route_bf16_e1_top1_sigmoid_topk", "moe_group_e1_top1"} <= names
+    for m in (1, 40):
+        x = golden[f"x.M{m}"].astype(ck.act_dtype.np)
+        y = c({"x": x})["y"]
+        assert max_rel(y, x.astype(np.float32) + golden[f"moe.1.M{m}"]) <= GOLDEN_TOL, m
+        assert max_rel(y, ref({"x": x})["y"]) <= GOLDEN_TOL, m
+
+
+def test_qwen2_moe_decode_layer_is_13_launches(tmp_path: Path) -> None:
+    """Mixtral's 10, plus the shared expert's three: its gate/up pair (merged apart from the
+    router, silu(g) * u its epilogue), its gate's sigmoid (route), its down (an expert GEMV of
+    one expert whose combine adds the residual; the routed down then adds that). The router and
+    the shared expert's gate share one launch."""
+    plan = _plan(tmp_path, QWEN2, "--m", "1")
+    per_layer = [k for k in plan["kernels"] if k["nodes"][0].startswith("l0.")]
+    assert len(per_layer) == 13, [k["name"] for k in per_layer]
+    mlp = {k["name"].split("_k")[0]: k["nodes"][0] for k in per_layer[5:]}
+    assert mlp == {
+        "rms_norm_bf16_n128_wbf16": "l0.mlp_norm",
+        "qgemv_mlx4g64bf16_bf16_n128_128": "l0.shared_h",
+        "qgemv_mlx4g64bf16_bf16_n6_1": "l0.router_l0.shared_expert_gate",
+        "moe_route_bf16_e6_top2_softmax_topk": "l0.route",
+        "moe_route_bf16_e1_top1_sigmoid_topk": "l0.shared_route",
+        "moe_gemv_mlx4g64bf16_bf16_e1top1_n128": "l0.shared_y",
+        "moe_gemv_mlx4g64bf16_bf16_e6top2_n64": "l0.experts_h",
+        "moe_gemv_mlx4g64bf16_bf16_e6top2_n128": "l0.y",
+    }
+
+
+def test_bad_shared_experts_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _copy(tmp_path, QWEN2)
+    _edit_config(path, shared_expert_intermediate_size=96)
+    assert (
+        "mlp.shared_expert.gate_proj.weight: holds a [128, 128] linear, but config.json implies "
+        "[96, 128] (shared_expert_intermediate_size, hidden_size)"
+    ) in _refused(path, capsys)
+    _edit_config(path, shared_expert_intermediate_size=None)
+    assert "lacks shared_expert_intermediate_size" in _refused(path, capsys)
+    _edit_config(path, shared_expert_intermediate_size=128)
+
+    def wide_gate(t: dict) -> None:  # a gate of two rows
+        for part in ("weight", "scales", "biases"):
+            name = f"model.layers.1.mlp.shared_expert_gate.{part}"
+            t[name] = np.concatenate([t[name], t[name]])
+
+    _edit_tensors(path, wide_gate)
+    assert (
+        "model.layers.1.mlp.shared_expert_gate.weight: holds a [2, 128] linear, but config.json "
+        "implies [1, 128]"
+    ) in _refused(path, capsys)
+
+
+def test_qwen2_moe_qkv_biases_follow_qkv_bias(tmp_path: Path) -> None:
+    """q/k/v biases are implied (transformers 5's qkv_bias, default true): without them the
+    checkpoint is refused naming the tensor, unless qkv_bias is false."""
+    path = _copy(tmp_path, QWEN2)
+    assert load(path).features.biases == ("q", "k", "v")
+
+    def unbiased(t: dict) -> None:
+        for name in [n for n in t if n.endswith("_proj.bias")]:
+            del t[name]
+
+    _edit_tensors(path, unbiased)
+    (path / "model.safetensors.index.json").unlink()  # it lists the biases
+    with pytest.raises(FormatError, match=r"q_proj.bias: missing \(model_type 'qwen2_moe'"):
+        _ = load(path).features
+    _edit_config(path, qkv_bias=False)
+    assert load(path).features.biases == ()
+
+
+def test_qwen2_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers(
+    tmp_path: Path,
+) -> None:
+    """As transformers' Qwen2MoeDecoderLayer: a layer routes when it is not in mlp_only_layers
+    and its index + 1 is a multiple of decoder_sparse_step; the others are dense MLPs (here
+    their mlp.gate_proj is missing, and the refusal names it)."""
+    path = _copy(tmp_path, QWEN2)
+    for changes, routed in (
+        ({}, [True, True]),
+        ({"decoder_sparse_step": 2}, [False, True]),
+        ({"decoder_sparse_step": 1, "mlp_only_layers": [1]}, [True, False]),
+    ):
+        _edit_config(path, **changes)
+        ck = load(path)
+        assert [is_moe_layer(ck, layer) for layer in (0, 1)] == routed, changes
+    with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.gate_proj"):
+        build(ck, "mlp", 1, F32)

@@ -139,6 +139,39 @@ def test_merge_parallel_merges_three_with_different_widths(rng):
     assert_same_numbers(text, after, rng)
 
 
+SHARED_EXPERT = MLP.replace(
+    "  output y = %y",
+    f"""  %w_router = weight {{key="router"}} : {W4}[6, 128]
+  %w_sg = weight {{key="shared_gate"}} : {W4}[1, 128]
+  %router = qlinear %x, %w_router : f16[M, 6]
+  %sg = qlinear %x, %w_sg : f16[M, 1]
+  output y = %y
+  output router = %router
+  output sg = %sg""",
+)
+
+
+def test_merge_parallel_keeps_a_gate_up_pair_apart_from_other_projections(rng):
+    """Qwen2-MoE's router, shared expert gate and shared gate/up read one input in one format:
+    the pair merges on its own (silu_epilogue then folds it) and the other two together; the
+    whole pipeline gives gate/up their epilogue, not down a silu prologue."""
+    after, fired = run_pass(SHARED_EXPERT, "merge_parallel")
+    assert fired == 2
+    assert '%gate_up = qlinear %x, %w_gate, %w_up {fused=["gate", "up"]}' in after
+    assert '%router_sg = qlinear %x, %w_router, %w_sg {fused=["router", "sg"]}' in after
+    assert_same_numbers(SHARED_EXPERT, after, rng)
+    g, records = run_pipeline(parse(SHARED_EXPERT), "default", options=PassOptions())
+    fired_all = {r.name: r.matches for r in records if r.name != "select_kernels" and r.matches}
+    assert fired_all == {"merge_parallel": 2, "silu_epilogue": 1, "residual_epilogue": 1}
+    assert '%h = qlinear %x, %w_gate, %w_up {epilogue="silu_mul"' in print_graph(g)
+    # A pair whose silu has another reader is no pair: all four merge, as before.
+    text = SHARED_EXPERT.replace("  output sg = %sg", "  output sg = %sg\n  output act = %act")
+    after, fired = run_pass(text, "merge_parallel")
+    assert (
+        fired == 1 and "%gate_up_router_sg = qlinear %x, %w_gate, %w_up, %w_router, %w_sg" in after
+    )
+
+
 @pytest.mark.parametrize(
     ("second_weight", "why"),
     [

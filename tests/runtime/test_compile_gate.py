@@ -308,6 +308,29 @@ def moe(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
     return graph(make, keep)
 
 
+def shared_expert(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
+    """Qwen2-MoE's shared expert at a checkpoint's shapes: its gate's sigmoid (route's
+    sigmoid_topk, one of one) and its down projection as an expert qlinear of one expert whose
+    combine adds the residual (the expert GEMV on a row per token, the grouping, the 64-row
+    grouped GEMM, the combine of one slot)."""
+
+    def make() -> Graph:
+        b = Builder("shared_expert")
+        x = b.input("x", ("M", CHECKPOINT.hidden), BF16)
+        h = b.input("h", ("M", CHECKPOINT.inter), BF16)
+        gate = b.weight("gate", QWeight(fmt, 1, CHECKPOINT.hidden), name="w_gate")
+        ids, w = b.route(b.qlinear(x, gate, name="logit"), 1, "sigmoid_topk", name="route")
+        down = QExperts(QWeight(fmt, CHECKPOINT.hidden, CHECKPOINT.inter), 1)
+        b.output("y", b.expert_qlinear(h, b.weight("down", down, name="w_down"), ids, w, x))
+        return b.graph
+
+    def keep(la: Launch) -> bool:
+        name = la.kernel.name
+        return name.startswith("moe_") and (not name.startswith("moe_qgemm") or la.when[1] <= 64)
+
+    return graph(make, keep)
+
+
 def expert_gemvs(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
     """A format's fragment in both expert GEMVs (its pointers move per expert)."""
     act = BF16 if isinstance(fmt, Nvfp4) else F16
@@ -619,6 +642,17 @@ GATE: tuple[Entry, ...] = (
         ("moe_gemv_",),
     ),
     Entry("moe-nvfp4mul-checkpoint", moe(Nvfp4("mul", 16)), ("moe_gemv_", "moe_qgemm_")),
+    Entry(
+        "moe-shared-expert-mlx4-checkpoint",
+        shared_expert(MlxAffine(4, 64, BF16)),
+        (
+            "moe_route_bf16_e1_top1_sigmoid_topk",
+            "moe_gemv_mlx4g64bf16_bf16_e1top1_n512_k1408_m8_combine_res",
+            "moe_group_e1_top1",
+            "moe_qgemm_",
+            "moe_combine_bf16_top1",
+        ),
+    ),
     # Every format of the zoo in the expert GEMVs, the formats taking the gate archs in turn.
     *(
         Entry(

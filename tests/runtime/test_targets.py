@@ -9,16 +9,19 @@ import sys
 import types
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 import qir
 from qir.cli import main
 from qir.codegen.kernel import Kernel
 from qir.codegen.lower import lower
-from qir.dtypes import BF16
+from qir.dtypes import BF16, F16
 from qir.errors import UsageError
 from qir.formats.awq import Awq
+from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.passes.manager import run_pipeline
@@ -29,10 +32,12 @@ from qir.runtime.executor import CompiledBlock
 from qir.runtime.resources import kernel_costs
 from qir.target import DEFAULT, Target
 from tests.conftest import DATA
+from tests.moe_common import moe_graph
 from tests.runtime.test_compile_gate import CHECKPOINT, mlp
 from tests.runtime.test_cuda import FakeDevice, fake_cupy
 from tests.runtime.test_every_format import block, close, inputs, w4a4
 from tests.runtime.test_gemm_kernels import projections
+from tests.runtime.test_moe_kernels import close as moe_close
 
 W4A4 = DATA / "ct_nvfp4_w4a4_S"
 needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
@@ -213,6 +218,135 @@ def test_dump_for_sm_120a_writes_block_scaled_fp4_gemms(tmp_path: Path) -> None:
     assert len(hopper) == 2 and not any(hopper.values())
     files = {p.name: p.read_bytes() for p in dirs["sm_90"].iterdir()}
     assert files == {p.name: p.read_bytes() for p in dirs[None].iterdir()}
+
+
+def _moe_plan(fmt, arch: str, act=BF16):
+    graph, _ = moe_graph(np.random.default_rng(0), 128, 64, 6, 2, fmt, act)
+    return lower(run_pipeline(graph, "default")[0], target=Target(arch))
+
+
+def test_expert_kernels_follow_the_target() -> None:
+    """The expert GEMVs and grouped GEMMs take the plan's target as the dense kernels do: E2M1
+    experts (NVFP4, MXFP4) decode through sm_100a's and sm_120a's FP4 conversion (their names
+    say the target), sm_80 and sm_90 share one plan, and experts without E2M1 codes get the same
+    kernels on every target."""
+    for fmt in (Nvfp4("mul", 16), Mxfp4()):
+        plans = {a: _plan_kernels(_moe_plan(fmt, a)) for a in nvrtc.GATE_ARCHS}
+        assert plans["sm_80"] == plans["sm_90"]
+        experts = {
+            a: [k for k in p if k.name.startswith(("moe_gemv_", "moe_qgemm_"))]
+            for a, p in plans.items()
+        }
+        assert len(experts["sm_90"]) == 6  # gate/up and down: a GEMV and two GEMM tiles each
+        assert not any("QIR_FP4_CVT 1" in k.source for k in experts["sm_90"])
+        for a in ("sm_100a", "sm_120a"):
+            assert all(k.name.endswith(f"_{Target(a).tag}") for k in experts[a])
+            assert all("#define QIR_FP4_CVT 1" in k.source for k in experts[a])
+            others = [k for k in plans[a] if k not in experts[a]]  # route, grouping, combine
+            assert others == [k for k in plans["sm_90"] if k not in experts["sm_90"]]
+    mlx = {a: _plan_kernels(_moe_plan(MlxAffine(4, 64, BF16), a)) for a in nvrtc.GATE_ARCHS}
+    assert all(kernels == mlx["sm_90"] for kernels in mlx.values())
+
+
+def _plan_kernels(plan) -> list[Kernel]:
+    return [la.kernel for la in plan.launches]
+
+
+def test_sm_100a_expert_kernels_run_on_the_host() -> None:
+    """NVFP4 experts with sm_100a's FP4 conversion (emulated on the host): the expert GEMVs
+    (M = 1) and the grouped GEMMs (M = 40) equal the interpreter (summation order aside)."""
+    graph, weights = moe_graph(np.random.default_rng(3), 128, 64, 6, 2, Nvfp4("mul", 16), F16)
+    c = qir.compile(graph, weights, backend="host", target="sm_100a")
+    ref = qir.compile(graph, weights, backend="reference")
+    assert c.plan is not None
+    specialised = [la for la in c.plan.launches if la.kernel.name.endswith("_sm100a")]
+    assert {la.kernel.name.split("_")[1] for la in specialised} == {"gemv", "qgemm"}
+    rng = np.random.default_rng(4)
+    for m in (1, 40):
+        x = {"x": rng.standard_normal((m, 128)).astype(np.float16)}
+        moe_close(c(x), ref(x))
+
+
+def _nvfp4_moe_checkpoint(path: Path) -> Path:
+    """Layer 0's MoE MLP of the Qwen2-MoE fixture's config in ModelOpt's NVFP4 layout (W4A16),
+    one module per expert as the Hub stores them, the router and the shared expert's gate left
+    bf16: random weights through qir's NVFP4 quantizer (the dump does not depend on values)."""
+    config = json.loads((DATA / "qwen2moe_mlx4_g64" / "config.json").read_text())
+    config.pop("quantization")
+    config["qkv_bias"] = False  # no attention here
+    config["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "ignore": ["lm_head", "model.embed_tokens", "*.mlp.gate", "*.mlp.shared_expert_gate"],
+        "config_groups": {
+            "group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}
+        },
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    rng, fmt, pre = np.random.default_rng(0), Nvfp4("mul", 16), "model.layers.0.mlp"
+    tensors: dict[str, np.ndarray] = {}
+    for module, shape in (
+        *((f"{pre}.experts.{e}.{w}_proj", (64, 128)) for e in range(6) for w in ("gate", "up")),
+        *((f"{pre}.experts.{e}.down_proj", (128, 64)) for e in range(6)),
+        *((f"{pre}.shared_expert.{w}_proj", (128, 128)) for w in ("gate", "up", "down")),
+    ):
+        bufs = fmt.quantize(rng.standard_normal(shape, dtype=np.float32))
+        tensors[f"{module}.weight"] = bufs["weight"]
+        tensors[f"{module}.weight_scale"] = bufs["block_scale"].view(ml_dtypes.float8_e4m3fn)
+        tensors[f"{module}.weight_scale_2"] = bufs["global_scale"].reshape(())
+    for module, rows in ((f"{pre}.gate", 6), (f"{pre}.shared_expert_gate", 1)):
+        w = rng.standard_normal((rows, 128), dtype=np.float32)
+        tensors[f"{module}.weight"] = w.astype(ml_dtypes.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@needs_nvrtc
+@needs_sass
+def test_dump_for_sm_100a_decodes_nvfp4_experts_by_the_fp4_conversion(tmp_path: Path) -> None:
+    """`qir dump --arch sm_100a` of NVFP4 experts (Qwen2-MoE's MLP: routed experts and the
+    shared expert's dense gate/up): the expert kernels' SASS converts E2M1 pairs in hardware
+    (F2FP.F16.E2M1.UNPACK_B) as the dense GEMV beside them does; for sm_90 none has it."""
+    checkpoint = _nvfp4_moe_checkpoint(tmp_path / "ck")
+    dirs = {}
+    for arch in ("sm_100a", "sm_90"):
+        dirs[arch] = tmp_path / arch
+        argv = ["-q", "dump", str(checkpoint), "--block", "mlp", "--out", str(dirs[arch])]
+        assert main([*argv, "--arch", arch]) == 0
+
+    def chosen(name: str) -> bool:
+        """The routed experts' GEMVs and grouped GEMMs (their 64-row tile), the dense GEMV."""
+        if name.startswith("moe_qgemm_"):
+            return "_e6top2" in name and "_64x32x32" in name
+        return name.startswith("qgemv_nvfp4") or "_e6top2_" in name
+
+    def converts(arch: str) -> dict[str, bool]:
+        """Whether each chosen kernel converts E2M1 in hardware, and every E2M1 kernel's name
+        ends in the target (sm_100a) or none does (sm_90)."""
+        kernels = _dumped(dirs[arch])
+        e2m1 = [k.name for k in kernels if "nvfp4" in k.name]
+        assert len(e2m1) == 12 and all(n.endswith("_sm100a") == (arch == "sm_100a") for n in e2m1)
+        return {
+            k.name: any(
+                i.opcode == "F2FP.F16.E2M1.UNPACK_B" for i in sass.disassemble(r.cubin, k.name)
+            )
+            for k in kernels
+            if chosen(k.name)
+            for r in [nvrtc.compile_cubin(k, arch)]
+        }
+
+    blackwell = converts("sm_100a")
+    assert sorted(n.split("_")[1] for n in blackwell) == [
+        "gemv",  # routed gate/up, down
+        "gemv",
+        "nvfp4mul",  # the shared expert's gate/up (dense)
+        "qgemm",  # routed gate/up, down
+        "qgemm",
+    ]
+    assert all(blackwell.values())
+    hopper = converts("sm_90")
+    assert len(hopper) == 5 and not any(hopper.values())
 
 
 def test_run_and_generate_emit_for_arch_on_the_host(tmp_path: Path) -> None:

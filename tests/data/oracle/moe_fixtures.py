@@ -1,4 +1,4 @@
-"""The mixture-of-experts fixtures (tests/data/mixtral_*, qwen3moe_*): tiny random models of a
+"""The mixture-of-experts fixtures (tests/data/mixtral_*, qwen3moe_*, qwen2moe_*): tiny random models of a
 family, quantized by the real tools, with goldens from transformers' own modelling code in
 float32 on the tool-decoded weights. Steps (each in the venv named; each case's ORACLE.md records
 the exact commands):
@@ -11,10 +11,12 @@ the exact commands):
                         and layer outputs, from the decoded weights of golden.npz
 
 golden.npz: `W.<l>.<q|k|v|o>`, `W.<l>.router`, `W.<l>.experts.<e>.<name>` (the family's names:
-w1/w3/w2, gate_proj/up_proj/down_proj), `W.<l>.<gate|up|down>` of a dense MLP layer (float32
-[out, in], as the tool decodes them), `W.embed_tokens` / `W.lm_head` where the tool quantized
-them; `x.M1/M5/M40` (float16 [M, 256], the shared fixtures' inputs); per MoE layer
-`moe.<l>.M<m>` (float32: the sparse MoE block alone on x, no norm, no residual),
+w1/w3/w2, gate_proj/up_proj/down_proj), `W.<l>.<gate|up|down>` of a dense MLP layer,
+`W.<l>.shared.<name>` / `W.<l>.shared_gate` of a shared expert and its gate (float32 [out, in],
+as the tool decodes them; only the family's `keep_layers` where it names them),
+`W.embed_tokens` / `W.lm_head` where the tool quantized them; `x.M1/M5/M40` (float16 [M,
+hidden], the shared fixtures' inputs); per MoE layer `moe.<l>.M<m>` (float32: the sparse MoE
+block alone on x, no norm, no residual; with a shared expert, `shared.<l>.M<m>` its gated part),
 `router.<l>.M<m>` (its router logits), `route_ids.<l>.M<m>` / `route_weights.<l>.M<m>` (torch's
 softmax, topk and renormalisation); the shared fixtures' layer-0 block keys `q/k/v/o.0.M<m>`
 (x W^T), `mlp.0.M<m>` (x + layer 0's MLP, dense or MoE) and `mlpd.0.M<m>` (the MLP alone).
@@ -82,6 +84,35 @@ FAMILIES = {
         "stacked": "mlp.switch_mlp",
         "moe_layers": (1,),
     },
+    # Qwen2-MoE: a shared expert (a dense MLP of shared_expert_intermediate_size) beside the
+    # routed ones, scaled by sigmoid(shared_expert_gate(x)); q/k/v biases. Smaller than the
+    # others (hidden 128) to stay under 1 MB with its goldens; every layer routes (mlx-lm's
+    # qwen2_moe has no dense layers).
+    "qwen2_moe": {
+        "config": {
+            "hidden_size": 128,
+            "head_dim": 32,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": False,
+        },
+        "experts": "num_experts",
+        "router": "mlp.gate",
+        "expert": "mlp.experts.{e}.{w}",
+        "names": ("gate_proj", "up_proj", "down_proj"),
+        "stacked": "mlp.switch_mlp",
+        "moe_layers": (0, 1),
+        "shared": "mlp.shared_expert",
+        "shared_gate": "mlp.shared_expert_gate",
+        # golden.npz keeps only these layers' decoded MoE weights (its size)
+        "keep_layers": (0,),
+    },
 }
 DENSE = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 PROMPT, STEPS, MS = 12, 8, (1, 5, 40)
@@ -118,6 +149,10 @@ def modules(fam: dict, config: dict) -> dict[str, str]:
             out.update({f"W.{layer}.{p}": f"{pre}.{m}" for p, m in DENSE.items()})
             continue
         out[f"W.{layer}.router"] = f"{pre}.{fam['router']}"
+        if "shared" in fam:
+            for w in fam["names"]:
+                out[f"W.{layer}.shared.{w}"] = f"{pre}.{fam['shared']}.{w}"
+            out[f"W.{layer}.shared_gate"] = f"{pre}.{fam['shared_gate']}"
         for e in range(config[fam["experts"]]):
             for w in fam["names"]:
                 out[f"W.{layer}.experts.{e}.{w}"] = f"{pre}.{fam['expert'].format(e=e, w=w)}"
@@ -132,7 +167,7 @@ def source(family: str, out: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family]["config"])
+    cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]["config"]})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -144,6 +179,8 @@ def source(family: str, out: str) -> None:
                 p.copy_(torch.randn_like(p) * 2.0 * p.shape[-1] ** -0.5)
             elif p.ndim >= 2:  # linears and stacked experts [E, out, in]: std in^-1/2
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            elif name.endswith(".bias"):  # Qwen2-MoE's q/k/v biases: large enough to matter
+                p.copy_(0.5 * torch.randn_like(p))
     tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
@@ -152,10 +189,11 @@ def source(family: str, out: str) -> None:
     for dtype, where in ((torch.bfloat16, out), (torch.float16, f"{out}_fp16")):
         model.to(dtype).save_pretrained(where, safe_serialization=True)
         fast.save_pretrained(where)
-        if family == "qwen3_moe":  # the keys the Hub's Qwen3-MoE configs (and mlx-lm) use
+        if family in ("qwen3_moe", "qwen2_moe"):  # the keys the Hub's configs (and mlx-lm) use
             path = Path(where) / "config.json"
             config = json.loads(path.read_text())
-            config["num_experts"] = config.pop("num_local_experts")
+            if "num_local_experts" in config:
+                config["num_experts"] = config.pop("num_local_experts")
             config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
             path.write_text(json.dumps(config, indent=2))
 
@@ -206,7 +244,8 @@ def decode_mlx(case: str) -> None:
     stacked = dict(zip(fam["names"], ("gate_proj", "up_proj", "down_proj"), strict=True))
     for key, module in modules(fam, config).items():
         if ".experts." not in key:
-            golden[key] = dequant(flat[module])
+            if hasattr(flat[module], "scales"):  # else left unquantized: `goldens` reads it
+                golden[key] = dequant(flat[module])
             continue
         layer, e, w = key.split(".")[1], int(key.split(".")[3]), key.split(".")[4]
         name = f"model.layers.{layer}.{fam['stacked']}.{stacked[w]}"
@@ -267,7 +306,7 @@ def goldens(case_dir: str) -> None:
             golden[key] if key in golden else stored[f"{name}.weight"].float().numpy()
         )
     for name, t in stored.items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", ".bias")):  # norms, Qwen2-MoE's q/k/v biases
             dense[name] = t.float().numpy()
     config = json.loads((case / "config.json").read_text())
     for k in ("quantization_config", "quantization"):
@@ -284,7 +323,8 @@ def goldens(case_dir: str) -> None:
         ).eval()
     rng = np.random.default_rng(1234)
     for m in MS:
-        golden[f"x.M{m}"] = rng.standard_normal((m, HIDDEN), dtype=np.float32).astype(np.float16)
+        shape = (m, config["hidden_size"])
+        golden[f"x.M{m}"] = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
     out: dict[str, np.ndarray] = {}
     with torch.no_grad():
         for layer in range(LAYERS):
@@ -298,12 +338,16 @@ def goldens(case_dir: str) -> None:
                     golden[f"route_ids.{layer}.M{m}"] = ids.numpy().astype(np.int64)
                     golden[f"route_weights.{layer}.M{m}"] = scores.numpy()
                     golden[f"moe.{layer}.M{m}"] = y
+                    if "shared" in fam:  # sigmoid(shared_expert_gate(x)) * shared_expert(x)
+                        gate = torch.sigmoid(mlp.shared_expert_gate(x))
+                        golden[f"shared.{layer}.M{m}"] = (gate * mlp.shared_expert(x)).numpy()
                 if layer == 0:  # the shared fixtures' block keys: mlp is x + layer 0's MLP
                     golden[f"mlpd.0.M{m}"] = y
                     golden[f"mlp.0.M{m}"] = x.numpy() + y
-                    for p, module in PROJ.items():
-                        w = model.get_submodule(f"model.layers.0.{module}").weight
-                        golden[f"{p}.0.M{m}"] = (x @ w.T).numpy()
+                    for p, module in PROJ.items():  # x W^T (+ b where the family has one)
+                        golden[f"{p}.0.M{m}"] = model.get_submodule(f"model.layers.0.{module}")(
+                            x
+                        ).numpy()
                 out[f"layer.{layer}.M{m}"] = layer_alone(model, layer, golden[f"x.M{m}"])
         tokens = torch.tensor([[(7 * j + 3) % VOCAB for j in range(PROMPT)]])
         captured: list[torch.Tensor] = []
@@ -332,6 +376,14 @@ def goldens(case_dir: str) -> None:
         )
         out["greedy"] = gen.sequences[0, PROMPT:].numpy().astype(np.int64)
         out["step_logits"] = torch.stack(gen.logits)[:, 0].numpy()
+    keep = fam.get("keep_layers")
+    if keep is not None:  # only the MoE block's weights of those layers (router, experts, shared)
+        golden = {
+            k: v
+            for k, v in golden.items()
+            if not k.startswith("W.")
+            or (k.split(".")[1] in map(str, keep) and k.split(".")[2] not in PROJ)
+        }
     save_npz(case / "golden.npz", golden)
     save_npz(case / "golden_model.npz", out)
 
