@@ -31,7 +31,7 @@ from qir.models.checkpoint_dir import find, read_bytes
 from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
 from qir.models.safetensors_io import TensorStore
-from qir.rope import REQUIRED, rope_problem
+from qir.rope import REQUIRED, rope_problem, yarn_attention_factor
 from qir.types import QWeight
 
 # Gemma 3's sliding layers' RoPE base where its config names none (transformers' default).
@@ -204,11 +204,26 @@ class Checkpoint:
             "theta": float(theta),
             "rope_type": kind,
         }
+        if kind == "yarn":  # the defaults transformers' _compute_yarn_parameters fills in
+            factor = params.get("factor")
+            params = {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+                **{k: v for k, v in params.items() if v is not None},
+            }
+            if isinstance(factor, int | float) and params.get("attention_factor") is None:
+                params["attention_factor"] = yarn_attention_factor(
+                    float(factor), params.get("mscale"), params.get("mscale_all_dim")
+                )
         for p in REQUIRED[kind]:
             v = params.get(p)
             if v is None:
                 raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p}")
-            attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
+            if p == "truncate":
+                attrs[p] = v
+            else:
+                attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
         problem = rope_problem(attrs)
         if problem:
             raise FormatError(f"{self._where()}: {where}: {problem}")

@@ -147,6 +147,13 @@ FIELDS: tuple[Field, ...] = (
             Field(f"{section}.high_freq_factor", float, above=0),
             _int(f"{section}.original_max_position_embeddings", at_least=1),
             Field(f"{section}.partial_rotary_factor", float, above=0),
+            # yarn (gpt-oss: truncate false)
+            Field(f"{section}.beta_fast", float, above=0),
+            Field(f"{section}.beta_slow", float, above=0),
+            Field(f"{section}.truncate", bool),
+            Field(f"{section}.attention_factor", float, above=0),
+            Field(f"{section}.mscale", float, above=0),
+            Field(f"{section}.mscale_all_dim", float, above=0),
         )
     ),
     # the family (qir.models.architectures) and what its layers use
@@ -172,6 +179,9 @@ FIELDS: tuple[Field, ...] = (
     Field("norm_topk_prob", bool),
     _int("decoder_sparse_step", at_least=1, default=1),
     Field("mlp_only_layers", list, items=int),
+    # gpt-oss's clamped SwiGLU in its experts
+    Field("swiglu_limit", float, above=0),
+    Field("swiglu_alpha", float, above=0),
     # where each producer writes its quantization (the families' matchers look at these)
     Field("quantization_config", dict),
     Field("quantization", dict),  # mlx-lm

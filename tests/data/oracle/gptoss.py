@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_fixtures import layer_alone, save_npz  # noqa: E402
+from moe_fixtures import layer_alone, save_npz
 
 HIDDEN, LAYERS, VOCAB, EXPERTS, INTER = 128, 3, 256, 4, 64
 CONFIG = {
@@ -83,9 +83,7 @@ def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     amax = np.abs(g).max(-1)
     e = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 2.0**-126))) - 2, -127)
     e = np.clip(e, -127, 127)
-    codes = (
-        np.clip(g / np.exp2(e)[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
-    )
+    codes = np.clip(g / np.exp2(e)[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return blocks, (e + 127).astype(np.uint8)
 
