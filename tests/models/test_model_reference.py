@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 27
+    assert len(FIXTURES) == 28
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

@@ -11,11 +11,13 @@ Hub's MXFP4 layout, with goldens from transformers' own modelling code. Steps (v
                   eager attention: golden.npz holds its decoded experts and the MoE block's keys,
                   golden_model.npz the shared whole-model keys (tests/data/README.md).
 
-golden.npz: `W.<l>.gate_up` [E, 2*I, H] / `W.<l>.down` [E, H, I] (float32, transformers'
+golden.npz: `W.0.gate_up` [E, 2*I, H] / `W.0.down` [E, H, I] (layer 0's; float32, transformers'
 dequantized parameters transposed back to [out, in], rows in the checkpoint's interleaved
-order), `x.M1/M5/M20` (float16 [M, H]), per layer `router.<l>.M<m>`, `route_ids.<l>.M<m>`,
+order), `x.M1/M5/M40` (float16 [M, H]), per layer `router.<l>.M<m>`, `route_ids.<l>.M<m>`,
 `route_weights.<l>.M<m>` (torch's topk then softmax over the k), `moe.<l>.M<m>` (the MoE block
-alone on x), `layer.<l>.M<m>` (the whole layer on x at positions 0..m-1).
+alone on x); the shared fixtures' layer-0 block keys `q/k/v.0.M<m>` (with their biases),
+`mlp.0.M<m>` (x + the MoE block). golden_model.npz's
+`layer.<l>.M<m>` is the whole layer on x at positions 0..m-1.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ QUANT = {
         "lm_head",
     ],
 }
-PROMPT, STEPS, MS = 20, 8, (1, 5, 20)
+PROMPT, STEPS, MS = 20, 8, (1, 5, 40)
 
 
 def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,10 +93,7 @@ def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def source(case_dir: str) -> None:
     import torch
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     case = Path(case_dir)
     torch.manual_seed(0)
@@ -134,12 +133,6 @@ def source(case_dir: str) -> None:
     config["quantization_config"] = QUANT
     config["dtype"] = "bfloat16"
     (case / "config.json").write_text(json.dumps(config, indent=2))
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0", pad_token="t0"
-    )
-    fast.save_pretrained(case)
 
 
 def goldens(case_dir: str) -> None:
@@ -161,8 +154,9 @@ def goldens(case_dir: str) -> None:
     with torch.no_grad():
         for layer in range(LAYERS):
             mlp = model.model.layers[layer].mlp
-            golden[f"W.{layer}.gate_up"] = mlp.experts.gate_up_proj.transpose(1, 2).numpy()
-            golden[f"W.{layer}.down"] = mlp.experts.down_proj.transpose(1, 2).numpy()
+            if layer == 0:  # one layer's decode (the fixture stays under 1 MB)
+                golden["W.0.gate_up"] = mlp.experts.gate_up_proj.transpose(1, 2).numpy()
+                golden["W.0.down"] = mlp.experts.down_proj.transpose(1, 2).numpy()
             for m in MS:
                 x = torch.from_numpy(golden[f"x.M{m}"].astype(np.float32))
                 logits, scores, ids = mlp.router(x)
@@ -170,6 +164,11 @@ def goldens(case_dir: str) -> None:
                 golden[f"route_ids.{layer}.M{m}"] = ids.numpy().astype(np.int64)
                 golden[f"route_weights.{layer}.M{m}"] = scores.numpy()
                 golden[f"moe.{layer}.M{m}"] = mlp(x[None])[0][0].numpy()
+                if layer == 0:  # the shared fixtures' block keys: q/k/v with their biases
+                    golden[f"mlp.0.M{m}"] = x.numpy() + golden[f"moe.0.M{m}"]
+                    attn = model.model.layers[0].self_attn
+                    for p in "qkv":
+                        golden[f"{p}.0.M{m}"] = getattr(attn, f"{p}_proj")(x).numpy()
                 out[f"layer.{layer}.M{m}"] = layer_alone(model, layer, golden[f"x.M{m}"])
         tokens = torch.tensor([[(7 * j + 3) % VOCAB for j in range(PROMPT)]])
         captured: list[torch.Tensor] = []
