@@ -204,13 +204,18 @@ class Checkpoint:
             "theta": float(theta),
             "rope_type": kind,
         }
-        if kind == "yarn":  # the defaults transformers' _compute_yarn_parameters fills in
+        if kind == "yarn":  # the defaults transformers fills in (standardize_rope_params and
+            # _compute_yarn_parameters): a top-level original_max_position_embeddings first, else
+            # max_position_embeddings
             factor = params.get("factor")
+            old = self.config.get("original_max_position_embeddings")
             params = {
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,
                 "truncate": True,
+                "original_max_position_embeddings": self.field("max_position_embeddings"),
                 **{k: v for k, v in params.items() if v is not None},
+                **({"original_max_position_embeddings": old} if old is not None else {}),
             }
             if isinstance(factor, int | float) and params.get("attention_factor") is None:
                 params["attention_factor"] = yarn_attention_factor(

@@ -132,6 +132,7 @@ FIELDS: tuple[Field, ...] = (
     _int("vocab_size", at_least=1),
     Field("tie_word_embeddings", bool, default=False),  # transformers' Llama default
     _int("max_position_embeddings", at_least=1),
+    _int("original_max_position_embeddings", at_least=1),  # Phi-3's; yarn takes it first
     Field("rope_theta", float, above=0, default=10000.0),  # transformers' Llama default
     Field("partial_rotary_factor", float, above=0),
     *(

@@ -19,7 +19,7 @@ from qir.dtypes import F32
 from qir.interpret import evaluate
 from qir.models import Model, load
 from qir.models.blocks import build
-from qir.models.experts import moe_of, read_experts
+from qir.models.experts import gate_act, moe_of, read_experts
 from tests.conftest import DATA, max_rel
 
 GPTOSS = "gptoss_mxfp4"
@@ -185,6 +185,17 @@ def test_bad_gpt_oss_checkpoints_are_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = _copy(tmp_path)
+    # absent, the limit and alpha are transformers' GptOssConfig defaults, as it reads them
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["swiglu_limit"], cfg["swiglu_alpha"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    ck = load(path)
+    spec = moe_of(ck)
+    assert spec is not None
+    assert gate_act(ck, spec) == {"act": "swiglu_clamp", "limit": 7.0, "alpha": 1.702}
+    _edit_config(path, swiglu_limit=3.0)
+    ck = load(path)
+    assert gate_act(ck, spec)["limit"] == 3.0
     _edit_config(path, swiglu_limit="7")
     assert "swiglu_limit is '7', expected" in _refused(path, capsys)
     _edit_config(path, swiglu_limit=-1.0)
@@ -221,3 +232,31 @@ def test_bad_gpt_oss_checkpoints_are_refused_in_one_line(
     _edit_config(path, intermediate_size=32)
     err = _refused(path, capsys)
     assert "gate_up_proj_blocks: holds [64, 128] experts (gate rows" in err
+
+
+def test_yarn_reads_transformers_defaults(tmp_path: Path) -> None:
+    """What transformers fills into a yarn config: beta_fast 32, beta_slow 1, truncate true,
+    attention_factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio), and
+    original_max_position_embeddings from the top level first, else max_position_embeddings."""
+    path = _copy(tmp_path)
+    assert load(path).rope == {
+        "head_dim": 32,
+        "theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "attention_factor": pytest.approx(0.1 * np.log(4.0) + 1.0),
+    }
+    bare = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0}
+    _edit_config(path, rope_parameters=bare)
+    rope = load(path).rope
+    assert (rope["truncate"], rope["beta_fast"], rope["beta_slow"]) == (True, 32.0, 1.0)
+    assert rope["original_max_position_embeddings"] == 256  # max_position_embeddings
+    _edit_config(path, original_max_position_embeddings=128)
+    assert load(path).rope["original_max_position_embeddings"] == 128
+    _edit_config(path, rope_parameters={**bare, "mscale": 2.0, "mscale_all_dim": 1.0})
+    want = (0.2 * np.log(4.0) + 1.0) / (0.1 * np.log(4.0) + 1.0)
+    assert load(path).rope["attention_factor"] == pytest.approx(want)
