@@ -159,16 +159,23 @@ class Builder:
         page_size: int | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Value | None = None,
     ) -> Value:
         """Causal grouped-query attention of each row over its positions 0..positions[m] (through
         the block table `pages` where given; the last `window` of them with a sliding window, of
         a ring as kv_append wrote it); `scale` defaults to 1/sqrt(head_dim); with `softcap` the
-        scaled scores are soft-capped (tanh(s / softcap) * softcap) before the softmax."""
+        scaled scores are soft-capped (tanh(s / softcap) * softcap) before the softmax; `sinks`
+        f32[heads] join each head's softmax denominator (gpt-oss)."""
         head_dim = k_cache.type.shape[2] if isinstance(k_cache.type, TensorType) else 1
         assert isinstance(head_dim, int)
         s = float(scale) if scale is not None else float(head_dim) ** -0.5
         operands = (q, k_cache, v_cache, positions, *((pages,) if pages else ()))
-        attrs = {**_paging(pages, page_size), **({"window": window} if window else {})}
+        operands += (sinks,) if sinks is not None else ()
+        attrs: dict[str, AttrValue] = {
+            **_paging(pages, page_size),
+            **({"window": window} if window else {}),
+            **({"sinks": True} if sinks is not None else {}),
+        }
         if softcap is not None:
             attrs["softcap"] = float(softcap)
         return self._op("attention", operands, name, scale=s, **attrs)
@@ -221,14 +228,17 @@ class Builder:
         weights: Value | None = None,
         residual: Value | None = None,
         name: str | None = None,
+        act: dict[str, AttrValue] | None = None,
     ) -> Value:
         """Each row's slots through their chosen experts (qir.moe): one stacked weight gives
-        [M, k, N]; (gate, up) gives silu(g) * u [M, k, N]; with the router's `weights` the slots
-        are combined into [M, N] (plus `residual`)."""
+        [M, k, N]; (gate, up) gives act(g) * u [M, k, N] (`act`: the node's act attributes, e.g.
+        {"act": "swiglu_clamp", "limit": 7.0, "alpha": 1.702}; default silu); with the router's
+        `weights` the slots are combined into [M, N] (plus `residual`)."""
         ws = experts if isinstance(experts, tuple) else (experts,)
         attrs: dict[str, AttrValue] = {}
         if len(ws) == 2:
             attrs["epilogue"] = "silu_mul"
+            attrs.update(act or {})
         if weights is not None:
             attrs["epilogue"] = "combine" if residual is None else "combine_residual"
         extra = tuple(v for v in (weights, residual) if v is not None)

@@ -16,7 +16,7 @@ from qir import moe, rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, cache_operands, qlinear_layout
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, cache_operands, qlinear_layout, sinks_operand
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
@@ -105,6 +105,8 @@ def weight_buffers(node: Node, weights: Weights) -> Mapping[str, np.ndarray]:
 def bias(node: Node, weights: Weights) -> np.ndarray | None:
     """The float32 bias a weight node carries, or None."""
     w = node.type
+    if isinstance(w, QExperts):  # stacked: [E, out]
+        w = w.expert
     if not isinstance(w, QWeight) or not w.bias:
         return None
     return np.asarray(weights[node.attr("key")]["bias"], np.float32)
@@ -337,7 +339,8 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
 def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
     """float32 softmax(q k^T * scale) v per head, row m over its positions 0..positions[m]
     (zeros for a padding row, at -1); q through its prologues (head norm, rope) first; with
-    `softcap` the scaled scores soft-capped before the softmax."""
+    `softcap` the scaled scores soft-capped before the softmax; sinks join each head's
+    denominator."""
     q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
     rows = _pages(node, args, kc)
@@ -356,6 +359,9 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
     scale = np.float32(node.attr("scale"))
     window, cap = node.attr("window"), node.attr("softcap")
+    at = sinks_operand(attrs)
+    # [1, kv_heads, group, 1], as the scores' heads
+    sinks = None if at is None else _f32(args[at]).reshape(1, kv_heads, -1, 1)
     for members, where in groups:
         keys, values = _f32(kc[where]), _f32(vc[where])  # [S, kv_heads, D]
         scores = np.einsum("mkgd,ckd->mkgc", qh[members], keys) * scale
@@ -369,8 +375,12 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
             visible = (pm - slot) % len(where) < np.minimum(window, pm + 1)
         scores = np.where(visible[:, None, None, :], scores, -np.inf)
         top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:  # one more logit per head in the denominator
+            top = np.maximum(top, sinks)
         p = np.exp(scores - np.where(np.isfinite(top), top, 0))
         total = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total = total + np.where(pm[:, :, None, None] >= 0, np.exp(sinks - top), 0)
         p = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
         out[members] = np.einsum("mkgc,ckd->mkgd", p, values)
     result: np.ndarray = out.reshape(m, -1)
@@ -459,7 +469,8 @@ def evaluate(
         elif node.op == "route":
             env[name] = moe.route(args[0], node.attr("k"), node.attr("rule"))
         elif node.op == "expert_qlinear":
-            env[name] = expert_qlinear(node, args)
+            ws = slice(1, 3 if node.attr("epilogue") == "silu_mul" else 2)
+            env[name] = expert_qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
         elif node.op == "softcap":
@@ -474,10 +485,14 @@ def evaluate(
     return env
 
 
-def expert_qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    """qir.moe's semantics: each slot's row through its expert, rounded to the activation type
-    as a qlinear's result (silu_mul: g, u, silu(g) and the product each rounded, as qlinear's
-    epilogue); combined in float32, rounded once, then the residual added and rounded again."""
+def expert_qlinear(
+    node: Node, args: list[np.ndarray], biases: list[np.ndarray | None] | None = None
+) -> np.ndarray:
+    """qir.moe's semantics: each slot's row through its expert (plus the expert's bias, in the
+    float32 sums), rounded to the activation type as a qlinear's result (silu_mul: g, u, act(g)
+    and the product each rounded, as qlinear's epilogue; swiglu_clamp rounds its gate and up
+    factors so); combined in float32, rounded once, then the residual added and rounded
+    again."""
     epilogue = node.attr("epilogue")
     t = node.type
     assert isinstance(t, TensorType)
@@ -490,9 +505,16 @@ def expert_qlinear(node: Node, args: list[np.ndarray]) -> np.ndarray:
             f"{ws[0].shape[0]} experts"
         )
     xs = moe.per_slot(x, ids.shape[1])
-    ys = [moe.expert_matmul(xs, w, ids).astype(dt) for w in ws]
+    bs = biases or [None] * len(ws)
+    ys = [moe.expert_matmul(xs, w, ids, b).astype(dt) for w, b in zip(ws, bs, strict=True)]
     if epilogue == "silu_mul":
-        return _silu_mul(ys[0], ys[1], dt)
+        act = str(node.attr("act") or "silu")
+        if act == "swiglu_clamp":
+            limit, alpha = node.attr("limit"), node.attr("alpha")
+            g = moe.swiglu_gate(_f32(ys[0]), limit, alpha).astype(dt)
+            u = moe.swiglu_up(_f32(ys[1]), limit).astype(dt)
+            return (_f32(g) * _f32(u)).astype(dt)
+        return _silu_mul(ys[0], ys[1], dt, GATE_ACTS[act])
     if epilogue in ("combine", "combine_residual"):
         out = moe.combine(ys[0], args[2 + n_w]).astype(dt)
         if epilogue == "combine_residual":

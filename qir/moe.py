@@ -19,8 +19,10 @@ probabilities (or sigmoids) give, except where two different logits round to one
 is its j-th choice. The weights are float32.
 
 An expert qlinear computes, for each (row m, slot j), y[m, j] = x[m] W[ids[m, j]]^T (x[m, j]
-where the input holds one row per slot), rounded to the activation type as a plain qlinear's
-result; with the silu_mul epilogue, silu(g) * u of a gate/up pair as qlinear's; with "combine",
+where the input holds one row per slot; plus expert ids[m, j]'s bias where the experts carry
+one), rounded to the activation type as a plain qlinear's result; with the silu_mul epilogue,
+act(g) * u of a gate/up pair as qlinear's (act: silu, gelu_tanh, or gpt-oss's "swiglu_clamp":
+swiglu_gate(g) * swiglu_up(u) with the node's limit and alpha); with "combine",
 sum_j w[m, j] * y[m, j] in float32, slot 0 first, rounded once ("combine_residual": then r plus
 that, rounded again, as a separate add would)."""
 
@@ -32,6 +34,23 @@ import numpy as np
 
 RULES = ("softmax_topk", "softmax_topk_norm", "topk_softmax", "sigmoid_topk")
 EPILOGUES = ("silu_mul", "combine", "combine_residual")
+# The gate activations of an expert gate/up pair (the node's `act`); swiglu_clamp takes the
+# attributes limit and alpha.
+GATE_ACTS = ("silu", "gelu_tanh", "swiglu_clamp")
+
+
+def swiglu_gate(g: np.ndarray, limit: float, alpha: float) -> np.ndarray:
+    """gpt-oss's gate factor, float32: min(g, limit) * sigmoid(alpha * min(g, limit))."""
+    c = np.minimum(np.asarray(g, np.float32), np.float32(limit))
+    out: np.ndarray = c / (np.float32(1) + np.exp(-np.float32(alpha) * c))
+    return out
+
+
+def swiglu_up(u: np.ndarray, limit: float) -> np.ndarray:
+    """gpt-oss's up factor, float32: clamp(u, -limit, limit) + 1."""
+    lim = np.float32(limit)
+    out: np.ndarray = np.clip(np.asarray(u, np.float32), -lim, lim) + np.float32(1)
+    return out
 
 
 def select(logits: np.ndarray, k: int) -> np.ndarray:

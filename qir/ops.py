@@ -454,13 +454,22 @@ def cache_operands(op: str, attrs: Mapping[str, Any]) -> tuple[int | None, int |
     return pages, norm
 
 
+def sinks_operand(attrs: Mapping[str, Any]) -> int | None:
+    """Where attention's sinks (attribute sinks true) sit: after its other optional operands."""
+    if not attrs.get("sinks"):
+        return None
+    pages, norm = cache_operands("attention", attrs)
+    return 4 + (pages is not None) + (norm is not None)
+
+
 def _count_operands(op: str, types: Sequence[ValueType], attrs: Mapping[str, Any]) -> None:
     pages, norm = cache_operands(op, attrs)
     want = (5 if op == "kv_append" else 4) + (pages is not None) + (norm is not None)
+    want += op == "attention" and sinks_operand(attrs) is not None
     if len(types) != want:
         raise IRTypeError(
             f"{op}: takes {want} operands (a block table with page_size, a head-norm weight "
-            f"with norm_eps), got {len(types)}"
+            f"with norm_eps{', sinks with sinks' if op == 'attention' else ''}), got {len(types)}"
         )
 
 
@@ -608,7 +617,8 @@ def _infer_attention(
     q as it is read; a head-norm prologue (q_norm [head_dim], norm_eps) normalises each head of
     q first. With a window W, row m reads positions positions[m] - W + 1..positions[m] of a
     ring (_check_window). With `softcap` (Gemma 2's attn_logit_softcapping) each scaled score s
-    becomes tanh(s / softcap) * softcap before the softmax."""
+    becomes tanh(s / softcap) * softcap before the softmax. With sinks (f32[heads], attribute sinks), head h's softmax has one
+    more logit, sinks[h], in its denominator and none of the values (gpt-oss)."""
     _count_operands("attention", types, attrs)
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
@@ -630,6 +640,18 @@ def _infer_attention(
     cap = attrs.get("softcap")
     if cap is not None and (not isinstance(cap, float) or not cap > 0):
         raise IRTypeError(f"attention: softcap must be a positive float, got {cap!r}")
+    if attrs.get("sinks") not in (None, True):
+        raise IRTypeError(
+            f"attention: sinks must be true (with a sinks operand), got {attrs['sinks']!r}"
+        )
+    at = sinks_operand(attrs)
+    if at is not None:
+        sinks = types[at]
+        if sinks != TensorType((heads,), dtypes.F32):
+            raise IRTypeError(
+                f"attention: sinks {_desc(names[at], sinks)} must be f32[{heads}] (a logit per "
+                "query head)"
+            )
     if "rope_type" in attrs or "theta" in attrs:
         problem = rope_problem(attrs)
         if problem or attrs["head_dim"] != head_dim:
@@ -764,6 +786,17 @@ def _infer_expert_qlinear(
             f"[{BATCH}, k, K] with a row per slot"
         )
     _check_kernel_label(attrs, x.dtype)
+    act = attrs.get("act")
+    if act is not None and (epilogue != "silu_mul" or act not in moe.GATE_ACTS):
+        raise IRTypeError(
+            f"{op}: act {act!r} needs epilogue silu_mul and one of {', '.join(moe.GATE_ACTS)}"
+        )
+    for key in ("limit", "alpha"):
+        v = attrs.get(key)
+        if (act == "swiglu_clamp") != (v is not None):
+            raise IRTypeError(f"{op}: {key} goes with act swiglu_clamp (and it needs one)")
+        if v is not None and (not isinstance(v, float) or not v > 0):
+            raise IRTypeError(f"{op}: {key} must be a positive float, got {v!r}")
     ws, at = expert_layout(types)
     want = 2 if epilogue == "silu_mul" else 1
     if ws.stop - ws.start != want:
@@ -877,7 +910,8 @@ OPS: dict[str, OpSpec] = {
             "attention",
             VARIADIC,
             _infer_attention,
-            frozenset({"scale", "page_size", "norm_eps", "window", "softcap"}) | ROPE_ATTRS,
+            frozenset({"scale", "page_size", "norm_eps", "window", "softcap", "sinks"})
+            | ROPE_ATTRS,
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
         OpSpec("sample", 4, _infer_sample),
@@ -886,7 +920,7 @@ OPS: dict[str, OpSpec] = {
             "expert_qlinear",
             VARIADIC,
             _infer_expert_qlinear,
-            frozenset({"epilogue", "kernel", "gemm_from_m"}),
+            frozenset({"epilogue", "kernel", "gemm_from_m", "act", "limit", "alpha"}),
         ),
     )
 }

@@ -7,7 +7,12 @@ per type, the parameters REQUIRED lists. Frequencies follow transformers' Llama:
 low frequencies by `factor` and blends the middle band (Llama 3.1's rope_scaling), `longrope`
 (Phi-3's LongRoPE) divides pair i's by `factors[i]` and scales cos and sin by
 `attention_factor` (which of the checkpoint's short or long factors a block takes is the model
-builder's choice: qir.models.checkpoint.Checkpoint.rope_of)."""
+builder's choice: qir.models.checkpoint.Checkpoint.rope_of),
+`yarn` blends interpolated (divided by `factor`) and original frequencies along a linear ramp
+between the dimensions that turn `beta_fast` and `beta_slow` times in `original_max_position_embeddings`
+positions (floored / ceiled to whole dimensions unless `truncate` is false, as gpt-oss has it)
+and scales cos and sin by `attention_factor` (transformers' `_compute_yarn_parameters`; the
+loader fills the defaults it fills: beta 32 / 1, truncate true, the factor's mscale)."""
 
 from __future__ import annotations
 
@@ -17,12 +22,20 @@ from typing import Any
 
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("factors", "attention_factor"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "attention_factor",
+    ),
 }
 # Every attribute a rope op may carry.
 ATTRS = frozenset({"head_dim", "theta", "rope_type"} | {p for ps in REQUIRED.values() for p in ps})
@@ -51,6 +64,9 @@ def rope_problem(attrs: Mapping[str, Any]) -> str | None:
         elif p == "original_max_position_embeddings":
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 return f"rope_type {kind} needs {p} as an int >= 1, got {v!r}"
+        elif p == "truncate":
+            if not isinstance(v, bool):
+                return f"rope_type {kind} needs {p} as a bool, got {v!r}"
         elif not isinstance(v, float) or not v > 0:
             return f"rope_type {kind} needs {p} as a positive float, got {v!r}"
     if kind == "llama3" and not attrs["high_freq_factor"] > attrs["low_freq_factor"]:
@@ -83,7 +99,48 @@ def inv_freq(attrs: Mapping[str, Any]) -> np.ndarray:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return np.where(medium, blended, scaled).astype(np.float32)
+    if kind == "yarn":
+        return _yarn(freq, power, attrs)
     return freq
+
+
+def yarn_attention_factor(
+    factor: float, mscale: float | None, mscale_all_dim: float | None
+) -> float:
+    """transformers' default `attention_factor` of a yarn config that sets none."""
+
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get(factor, mscale) / get(factor, mscale_all_dim)
+    return get(factor)
+
+
+def _yarn(freq: np.ndarray, pos: np.ndarray, attrs: Mapping[str, Any]) -> np.ndarray:
+    d, base = int(attrs["head_dim"]), float(attrs["theta"])
+    old = int(attrs["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times in `old`
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(float(attrs["beta_fast"])), dim_of(float(attrs["beta_slow"]))
+    if attrs["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip(
+        (np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1
+    ).astype(np.float32)
+    keep = np.float32(1) - ramp  # the share of the original (extrapolated) frequency
+    interpolated = (np.float32(1) / (np.float32(attrs["factor"]) * pos)).astype(np.float32)
+    return (interpolated * (np.float32(1) - keep) + freq * keep).astype(np.float32)
+
+
+def cos_sin_scale(attrs: Mapping[str, Any]) -> float:
+    """The factor cos and sin are scaled by (yarn's attention_factor; 1 otherwise)."""
+    return float(attrs.get("attention_factor", 1.0))
 
 
 def rotate(x: np.ndarray, positions: np.ndarray, attrs: Mapping[str, Any]) -> np.ndarray:
@@ -93,10 +150,8 @@ def rotate(x: np.ndarray, positions: np.ndarray, attrs: Mapping[str, Any]) -> np
     d = int(attrs["head_dim"])
     m = x.shape[0]
     angles = positions.astype(np.float32)[:, None] * inv_freq(attrs)[None, :]
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-    scale = attrs.get("attention_factor")
-    if scale is not None:  # longrope: cos and sin scaled (rounded) before they rotate
-        cos, sin = cos * np.float32(scale), sin * np.float32(scale)
+    scale = np.float32(cos_sin_scale(attrs))
+    cos, sin = (np.cos(angles) * scale)[:, None, :], (np.sin(angles) * scale)[:, None, :]
     h = x.astype(np.float32).reshape(m, -1, d)
     a, b = h[..., : d // 2], h[..., d // 2 :]
     out = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)

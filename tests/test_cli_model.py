@@ -106,7 +106,7 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     ("config", "message"),
     [
         ({"rms_norm_eps": None}, "lacks rms_norm_eps"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic' is not"),
         (
             {"attn_logit_softcapping": 50.0},
             "attn_logit_softcapping 50.0 (attention logit soft-capping, which this family's "

@@ -15,6 +15,11 @@ from tests.conftest import BACKENDS, DATA, format_fixtures, max_rel, rel_err
 
 FIXTURES = format_fixtures()
 GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
+# Kernels vs reference: the GEMV's 16-bit pair sums (about 1e-3 of a row's largest output).
+# gpt-oss's MLP multiplies two such sums through the clamped SwiGLU ((u + 1) up to 8, gates up
+# to 7: h to ~30, where f16 steps by 1/64) and its down adds up k of them: measured 2.4e-3 at
+# M = 1 with the router's choices equal (tests/runtime/test_moe_kernels.py's bound for h).
+KERNEL_TOL = {"gptoss_mxfp4": 4e-3}
 
 
 def _x(golden: np.lib.npyio.NpzFile, m: int) -> tuple[np.ndarray, str]:
@@ -22,7 +27,7 @@ def _x(golden: np.lib.npyio.NpzFile, m: int) -> tuple[np.ndarray, str]:
 
 
 def test_every_fixture_is_covered():
-    assert len(FIXTURES) == 18
+    assert len(FIXTURES) == 19
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -46,5 +51,5 @@ def test_kernels_reference_and_golden_agree(fixture, block, passes, backend):
         ours, theirs = ours_block({"x": x}), ref({"x": x})
         for name, value in ours.items():
             want = golden[f"{GOLDEN[name]}{suffix}.0.{key}"][:m]
-            assert max_rel(value, theirs[name]) <= 2e-3, (name, m)
+            assert max_rel(value, theirs[name]) <= KERNEL_TOL.get(fixture, 2e-3), (name, m)
             assert rel_err(value, want) <= 1e-2, (name, m)

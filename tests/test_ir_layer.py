@@ -12,12 +12,22 @@ from qir import parse, print_graph
 from qir.builder import Builder
 from qir.dtypes import BF16, F16, F32, I32, I64
 from qir.ops import IRTypeError
-from qir.rope import inv_freq
+from qir.rope import inv_freq, rotate, yarn_attention_factor
 from qir.types import QWeight, TensorType
 from qir.verify import VerifyError
 from tests.conftest import FMT4
 
 CACHE = TensorType((16, 2, 32), F16)
+# gpt-oss-20b's yarn (head_dim 64 there, 32 here)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "attention_factor": 0.1 * math.log(32.0) + 1.0,
+}
 ROPE = {"head_dim": 32, "theta": 10000.0, "rope_type": "default"}
 
 
@@ -122,7 +132,13 @@ def test_head_norm_prologues_are_checked(text, message):
 @pytest.mark.parametrize(
     ("attrs", "message"),
     [
-        ({"rope_type": "yarn"}, "rope_type 'yarn' is not supported"),
+        ({"rope_type": "longrope"}, "rope_type 'longrope' is not supported"),
+        ({"rope_type": "yarn"}, "yarn needs factor"),
+        (
+            {**YARN, "truncate": "false"},
+            "rope_type yarn needs truncate as a bool, got 'false'",
+        ),
+        ({**YARN, "attention_factor": 0.0}, "yarn needs attention_factor as a positive float"),
         ({"rope_type": "linear"}, "linear needs factor"),
         ({"factor": 2.0}, "rope_type default takes no factor"),
         ({"theta": 0.0}, "theta must be a positive float"),
@@ -207,3 +223,84 @@ def test_index_input_dtype_and_float_activations_keep_their_rules():
         b.input("p2", (4,), I32)
     with pytest.raises(IRTypeError, match="batch dim spelled M"):
         b.input("x", ("M",), F32)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_and_scale_follow_the_published_formula(truncate):
+    """YaRN (transformers' _compute_yarn_parameters) written out in float64: the correction
+    range from beta_fast / beta_slow rotations in the original context (whole dimensions only
+    with truncate), a linear ramp between interpolated (divided by factor) and original
+    frequencies; cos and sin scaled by 0.1 ln(factor) + 1."""
+    d, theta = 64, 150000.0
+    attrs = {"head_dim": d, "theta": theta, **YARN, "truncate": truncate}
+    assert attrs["attention_factor"] == yarn_attention_factor(32.0, None, None)
+    assert yarn_attention_factor(4.0, 1.0, 1.0) == 1.0  # mscale / mscale_all_dim cancel
+
+    def dim_of(rot: float) -> float:
+        return d * math.log(4096 / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(32.0), dim_of(1.0)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ours = inv_freq(attrs)
+    for i, f in enumerate(ours):
+        base = theta ** -(2 * i / d)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        want = base / 32.0 * ramp + base * (1 - ramp)
+        assert f == pytest.approx(want, rel=2e-6), i
+    assert ours.dtype == np.float32 and ours.shape == (32,)
+    # truncate matters where the ends fall between dimensions (they do here)
+    other = inv_freq({**attrs, "truncate": not truncate})
+    assert np.abs(other / ours - 1).max() > 1e-2
+    x = np.random.default_rng(0).standard_normal((3, 2 * d)).astype(np.float32)
+    pos = np.array([0, 5, 17], np.int32)
+    y = rotate(x, pos, attrs)
+    # at position 0 the rotation is the identity times the attention factor
+    np.testing.assert_allclose(y[0], x[0] * attrs["attention_factor"], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.linalg.norm(y[1:].reshape(2, 2, 2, 32), axis=2),
+        np.linalg.norm(x[1:].reshape(2, 2, 2, 32), axis=2) * attrs["attention_factor"],
+        rtol=1e-5,
+    )
+
+
+def test_attention_sinks_join_the_denominator_only():
+    """A sink per head: softmax over the row's scores and the sink, the sink's share dropped
+    (float64 by hand); checked to be f32[heads]; a sink of -1e30 is plain attention."""
+    b, v = layer_core()
+    sinks = b.param("sinks", TensorType((4,), F32), name="sinks")
+    kv = b.kv_append(v["kc"], v["vc"], v["k"], v["v"], v["pos"])
+    b.output("y", b.attention(v["q"], *kv, v["pos"], 0.3, sinks=sinks))
+    b.output("plain", b.attention(v["q"], *kv, v["pos"], 0.3, name="plain"))
+    rng = np.random.default_rng(2)
+    feed = {
+        "q": rng.standard_normal((5, 128)).astype(np.float16),
+        "k": rng.standard_normal((5, 64)).astype(np.float16),
+        "v": rng.standard_normal((5, 64)).astype(np.float16),
+        "pos": np.array([0, 1, 2, 3, -1], np.int32),
+    }
+    s = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    from qir.interpret import interpret
+
+    out = interpret(b.graph, feed, {"sinks": {"weight": s}})
+    q, k, vv = (feed[n].astype(np.float64).reshape(5, -1, 32) for n in ("q", "k", "v"))
+    want = np.zeros((5, 4, 32))
+    for m in range(4):
+        for h in range(4):
+            scores = [0.3 * q[m, h] @ k[t, h // 2] for t in range(m + 1)]
+            e = np.exp(np.array([*scores, s[h]]) - max(*scores, s[h]))
+            want[m, h] = (e[:-1] / e.sum()) @ vv[: m + 1, h // 2]
+    np.testing.assert_allclose(out["y"].reshape(5, 4, 32), want, atol=2e-3)
+    assert not out["y"][4].any()  # a padding row stays zeros
+    assert np.abs(out["y"] - out["plain"]).max() > 0.05
+    drowned = interpret(b.graph, feed, {"sinks": {"weight": np.full(4, -1e30, np.float32)}})
+    assert drowned["y"].tobytes() == drowned["plain"].tobytes()
+    for bad, msg in (
+        (TensorType((2,), F32), r"sinks %s2: f32\[2\] must be f32\[4\]"),
+        (TensorType((4,), F16), r"sinks %s2: f16\[4\] must be f32\[4\]"),
+    ):
+        wrong = b.param("s2", bad, name="s2")
+        with pytest.raises(IRTypeError, match=msg):
+            b.attention(v["q"], *kv, v["pos"], 0.3, sinks=wrong, name="bad")
+        b.graph.remove("s2")

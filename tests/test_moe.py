@@ -139,6 +139,33 @@ def _graph_with(build) -> None:
             lambda b, x, lg, we: b.qlinear(x, we),
             r"operand 1 \(%w_e: experts<6, .*\) must be a weight",
         ),
+        (  # gpt-oss's clamped SwiGLU needs its limit (and alpha)
+            lambda b, x, lg, we: b.expert_qlinear(
+                x, (we, we), b.route(lg, 2, "topk_softmax")[0], act={"act": "swiglu_clamp"}
+            ),
+            "limit goes with act swiglu_clamp",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x,
+                (we, we),
+                b.route(lg, 2, "topk_softmax")[0],
+                act={"act": "swiglu_clamp", "limit": -7.0, "alpha": 1.702},
+            ),
+            "limit must be a positive float, got -7.0",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x, (we, we), b.route(lg, 2, "topk_softmax")[0], act={"limit": 7.0}
+            ),
+            "limit goes with act swiglu_clamp",
+        ),
+        (
+            lambda b, x, lg, we: b.expert_qlinear(
+                x, (we, we), b.route(lg, 2, "topk_softmax")[0], act={"act": "relu"}
+            ),
+            "act 'relu' needs epilogue silu_mul and one of silu, gelu_tanh, swiglu_clamp",
+        ),
     ],
 )
 def test_moe_ops_refuse_bad_operands_naming_them(build, message):
@@ -236,3 +263,52 @@ def test_expert_ids_outside_the_experts_are_refused(rng):
     feed = {"x": np.zeros((1, 64), np.float16), "ids": np.array([[0, 3]], np.int32)}
     with pytest.raises(BindError, match=r"expert ids 0\.\.3 are outside the 3 experts"):
         interpret(b.graph, feed, {"e": bufs})
+
+
+def test_clamped_swiglu_experts_with_biases_match_a_per_token_reference(rng):
+    """gpt-oss's expert MLP in float64 by hand: each chosen expert's gate and up plus their
+    biases, min(g, L) * sigmoid(alpha min(g, L)) * (clamp(u, -L, L) + 1), down plus its bias,
+    combined; against the interpreter (float32). The limit clamps some gates and ups."""
+    limit, alpha = 0.5, 1.702
+    b = Builder("gptoss")
+    x = b.input("x", ("M", 64), F32)
+    ids = b.input("ids", ("M", 2), I32)
+    rw = b.input("rw", ("M", 2), F32)
+    weights, ws, w64, b64 = {}, {}, {}, {}
+    for name, (o, i) in {"gate": (64, 64), "up": (64, 64), "down": (64, 64)}.items():
+        _, bufs = random_experts(rng, 5, o, i, FMT4)
+        bufs["bias"] = rng.standard_normal((5, o)).astype(np.float32) * 0.3
+        weights[name] = bufs
+        biased = QExperts(QWeight(FMT4, o, i, bias=True), 5)
+        ws[name] = b.weight(name, biased, name=f"w_{name}")
+        w64[name] = np.stack(
+            [
+                FMT4.dequantize({k: v[e] for k, v in bufs.items() if k != "bias"}, o, i)
+                for e in range(5)
+            ]
+        ).astype(np.float64)
+        b64[name] = bufs["bias"].astype(np.float64)
+    act = {"act": "swiglu_clamp", "limit": limit, "alpha": alpha}
+    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h", act=act)
+    b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, name="y"))
+    assert 'act="swiglu_clamp"' in print_graph(b.graph)
+    assert print_graph(parse(print_graph(b.graph))) == print_graph(b.graph)
+    feed = {
+        "x": rng.standard_normal((7, 64)).astype(np.float32),
+        "ids": rng.integers(0, 5, (7, 2)).astype(np.int32),
+        "rw": rng.random((7, 2)).astype(np.float32),
+    }
+    ours = interpret(b.graph, feed, weights)["y"]
+    want = np.zeros((7, 64))
+    clamped = 0
+    for m in range(7):
+        xm = feed["x"][m].astype(np.float64)
+        for j, e in enumerate(feed["ids"][m]):
+            g = w64["gate"][e] @ xm + b64["gate"][e]
+            u = w64["up"][e] @ xm + b64["up"][e]
+            clamped += int((g > limit).sum() + (np.abs(u) > limit).sum())
+            g = np.minimum(g, limit)
+            hm = g / (1 + np.exp(-alpha * g)) * (np.clip(u, -limit, limit) + 1)
+            want[m] += feed["rw"][m, j] * (w64["down"][e] @ hm + b64["down"][e])
+    assert clamped > 100
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -13,10 +13,11 @@ import numpy as np
 
 from qir.formats.base import FormatError
 from qir.models import Checkpoint, load
-from qir.models.experts import moe_of, stack, stacked_experts
+from qir.models.experts import Moe, gate_act, moe_of, stack, stacked_experts
 from qir.types import QWeight
 
-_WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed")
+# gpt-oss's stacked MXFP4 experts are <module>_blocks (qir.models.families.hf_mxfp4)
+_WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed", "_blocks")
 
 
 def _natural(name: str) -> list[Any]:
@@ -85,9 +86,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         print(
             f"mixture of experts: {moe.experts} experts ({moe.count_key}), "
-            f"{moe.top_k} per token ({moe.rule}){shared}"
+            f"{moe.top_k} per token ({moe.rule}){shared}{_gate(ck, moe)}"
         )
     return 0
+
+
+def _gate(ck: Checkpoint, moe: Moe) -> str:
+    """The experts' gate/up activation where it is not silu (gpt-oss's clamped SwiGLU)."""
+    act = gate_act(ck, moe)
+    if not act:
+        return ""
+    return f", gate/up {act['act']} (swiglu_limit {act['limit']}, swiglu_alpha {act['alpha']})"
 
 
 def _architecture(ck: Checkpoint) -> list[str]:
@@ -129,6 +138,12 @@ def _read(ck: Checkpoint, module: str) -> tuple[QWeight, dict[str, np.ndarray], 
     weight = f"{module}.weight"
     if weight in ck.store and len(ck.store.shape(weight)) == 3:
         qe, bufs = stack(stacked_experts(ck, module))
+        return qe.expert, bufs, qe.count
+    blocks = f"{module}_blocks"
+    if blocks in ck.store and f"{module}.weight" not in ck.store:
+        from qir.models.families.hf_mxfp4 import stacked_experts as hub_experts
+
+        qe, bufs = hub_experts(ck, module, ck.store.shape(blocks)[0])
         return qe.expert, bufs, qe.count
     lin = ck.linear(module)
     return lin.weight, lin.buffers, 0

@@ -447,7 +447,7 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         b_args=b_args,
         paired=f.paired,
         epilogue=f.epilogue,
-        gate_fn=GATE_ACTS[f.gate_act],
+        pair_value=pair_value(GATE_ACTS[f.gate_act]),
         cap=c_cap(f.cap),
         target=f.target.arch if f.target else "",
         fp4_cvt=bool(f.target and f.target.fp4_cvt and frag.e2m1),
@@ -464,6 +464,19 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         tuple(params),
         (tile.threads, 1, 1),
         (common_header(), mma_header(), gemm_header()),
+    )
+
+
+def pair_value(gate_fn: str, swiglu: tuple[str, str] | None = None) -> str:
+    """A gate/up pair's result from its sums v (gate) and uv (up), before the store rounds it:
+    act(g) * u, or gpt-oss's clamped SwiGLU with (limit, alpha); each factor rounded as the
+    separate ops store it."""
+    if swiglu is None:
+        return f"qir_round<act_t>({gate_fn}(qir_round<act_t>(v))) * qir_round<act_t>(uv)"
+    limit, alpha = swiglu
+    return (
+        f"qir_round<act_t>(qir_swiglu_gate(qir_round<act_t>(v), {limit}, {alpha})) * "
+        f"qir_round<act_t>(qir_swiglu_up(qir_round<act_t>(uv), {limit}))"
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -80,6 +80,9 @@ class RopeSpec:
         if "factors" in a:  # longrope: its per-pair factors (a digest) and cos/sin scale
             digest = zlib.crc32(np.asarray(a["factors"], np.float32).tobytes())
             tag += f"_f{digest:08x}_m{a['attention_factor']:.4g}".replace(".", "p")
+        if a["rope_type"] == "yarn":  # its ramp's ends (and whether they are whole dims)
+            tag += f"_b{a['beta_fast']:g}_{a['beta_slow']:g}{'t' if a['truncate'] else ''}"
+            tag = tag.replace(".", "p")
         return tag
 
     @property
@@ -91,12 +94,6 @@ class RopeSpec:
     @property
     def table(self) -> str:
         return ", ".join(c_float(f) for f in rope.inv_freq(dict(self.attrs)))
-
-    @property
-    def mscale(self) -> str:
-        """cos and sin's scale (longrope's attention_factor) as a C float, "" where none."""
-        m = dict(self.attrs).get("attention_factor")
-        return "" if m is None else c_float(m)
 
 
 @dataclass(frozen=True)
@@ -118,8 +115,21 @@ def _norm_context(n: HeadNorm | None) -> dict[str, Any]:
 
 def _rope_context(r: RopeSpec | None) -> dict[str, Any]:
     if r is None:
-        return {"rope": False, "rope_desc": "", "inv_freq": "", "rope_mscale": ""}
-    return {"rope": True, "rope_desc": r.desc, "inv_freq": r.table, "rope_mscale": r.mscale}
+        return {"rope": False, "rope_desc": "", "inv_freq": "", **_rope_scale(1.0)}
+    return {
+        "rope": True,
+        "rope_desc": r.desc,
+        "inv_freq": r.table,
+        **_rope_scale(rope.cos_sin_scale(dict(r.attrs))),
+    }
+
+
+def _rope_scale(scale: float) -> dict[str, str]:
+    """cos and sin's factor (yarn's attention_factor) as the templates take it: an argument of
+    qir_rotate and a product; nothing where it is 1."""
+    if scale == 1.0:
+        return {"rope_scale_arg": "", "rope_scale_mul": ""}
+    return {"rope_scale_arg": f", {c_float(scale)}", "rope_scale_mul": f" * {c_float(scale)}"}
 
 
 def rms_norm_kernel(
@@ -238,6 +248,9 @@ class AttentionSpec:
     rope: RopeSpec | None
     norm: HeadNorm | None = None  # each head of q normed before the rotation
     softcap: float | None = None  # scaled scores s -> tanh(s / softcap) * softcap (Gemma 2)
+    # a logit per head (f32 [heads]) in the softmax denominator (gpt-oss): the combine and the
+    # prefill kernels take it
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.cache.head_dim not in HEAD_DIMS:
@@ -273,6 +286,7 @@ class AttentionSpec:
             f"{c.act.name}_h{self.heads}_kv{c.kv_heads}_d{c.head_dim}{c.tag}"
             f"{self.rope.tag if self.rope else ''}{self.norm.tag('q') if self.norm else ''}"
             f"{'_softcap' + cap_suffix(self.softcap) if self.softcap is not None else ''}"
+            f"{'_sinks' if self.sinks else ''}"
         )
 
     def _context(self, name: str) -> dict[str, Any]:
@@ -293,12 +307,14 @@ class AttentionSpec:
             if self.softcap is None
             else c_float(self.scale * 2 * math.log2(math.e) / self.softcap),
             "threads": THREADS,
+            "sinks": self.sinks,
             **_rope_context(self.rope),
             **_norm_context(self.norm),
         }
 
 
-def _attention_inputs(a: AttentionSpec) -> tuple[KernelParam, ...]:
+def _attention_inputs(a: AttentionSpec, sinks: bool = False) -> tuple[KernelParam, ...]:
+    """The operands' parameters (the sinks only where `sinks`: the split kernel has none)."""
     t = a.cache.act.c_type
     return (
         _buf("q", t),
@@ -307,10 +323,12 @@ def _attention_inputs(a: AttentionSpec) -> tuple[KernelParam, ...]:
         _buf("pos", "int32_t"),
         *a.cache.table_param(),
         *((_buf("qn", a.norm.dtype.c_type),) if a.norm else ()),
+        *((_buf("sinks", "float"),) if sinks and a.sinks else ()),
     )
 
 
 def attention_split_kernel(a: AttentionSpec) -> Kernel:
+    a = replace(a, sinks=False)  # the combine adds them: the splits are plain attention's
     name = f"attn_split_{a._tag()}_s{a.split_keys}"
     source = render(
         "attention_split.cu.j2", split_keys=a.split_keys, splits=a.splits, **a._context(name)
@@ -322,6 +340,7 @@ def attention_split_kernel(a: AttentionSpec) -> Kernel:
 def attention_combine_kernel(a: AttentionSpec) -> Kernel:
     c = a.cache
     name = f"attn_combine_{c.act.name}_h{a.heads}_d{c.head_dim}_n{a.splits}"
+    name += "_sinks" if a.sinks else ""
     source = render(
         "attention_combine.cu.j2",
         name=name,
@@ -330,15 +349,17 @@ def attention_combine_kernel(a: AttentionSpec) -> Kernel:
         head_dim=c.head_dim,
         splits=a.splits,
         threads=THREADS,
+        sinks=a.sinks,
     )
-    params = (_buf("part", "float"), _buf("y", c.act.c_type, False), _M)
+    sinks = (_buf("sinks", "float"),) if a.sinks else ()
+    params = (_buf("part", "float"), *sinks, _buf("y", c.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 
 
 def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
     name = f"attn_prefill_{a._tag()}_r{PREFILL_ROWS}"
     source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
-    params = (*_attention_inputs(a), _buf("y", a.cache.act.c_type, False), _M)
+    params = (*_attention_inputs(a, sinks=True), _buf("y", a.cache.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 
 

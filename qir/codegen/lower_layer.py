@@ -29,7 +29,7 @@ from qir.codegen.layer_kernels import (
 from qir.codegen.lower import ALL_M, Arg, Launch
 from qir.dtypes import F32
 from qir.graph import Graph
-from qir.ops import W4A4_MAX_M, cache_operands
+from qir.ops import W4A4_MAX_M, cache_operands, sinks_operand
 from qir.types import QWeight, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
@@ -106,9 +106,11 @@ def _cache_args(graph: Graph, name: str) -> tuple[HeadNorm | None, tuple[Arg, ..
     arguments in order (the values; the block table; the norm's weight)."""
     node = graph.node(name)
     at = cache_operands(node.op, dict(node.attrs))[1]
+    sinks = sinks_operand(dict(node.attrs)) if node.op == "attention" else None
     operands = graph.operands(name)
     args = tuple(
-        Arg("weight", o, "weight") if i == at else Arg("value", o) for i, o in enumerate(operands)
+        Arg("weight", o, "weight") if i in (at, sinks) else Arg("value", o)
+        for i, o in enumerate(operands)
     )
     if at is None:
         return None, args
@@ -139,15 +141,25 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
     cache = _cache(graph, name)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
     norm, reads = _cache_args(graph, name)
-    rope = RopeSpec.of(dict(node.attrs))
-    spec = AttentionSpec(cache, heads, node.attr("scale"), rope, norm, node.attr("softcap"))
+    sinks = sinks_operand(dict(node.attrs)) is not None
+    spec = AttentionSpec(
+        cache,
+        heads,
+        node.attr("scale"),
+        RopeSpec.of(dict(node.attrs)),
+        norm,
+        softcap=node.attr("softcap"),
+        sinks=sinks,
+    )
+    # the sinks (the last operand) go to the combine and the prefill kernels, not the splits
+    split_reads, sink_args = (reads[:-1], reads[-1:]) if sinks else (reads, ())
     part = graph.fresh(f"{name}.partials")
     launches = [
         Launch(
             attention_split_kernel(spec),
             cache.kv_heads * spec.splits,
             1,
-            (*reads, Arg("value", part), Arg("M")),
+            (*split_reads, Arg("value", part), Arg("M")),
             (part,),
             (name,),
             ALL_M,
@@ -157,7 +169,7 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
             attention_combine_kernel(spec),
             heads,
             1,
-            (Arg("value", part), Arg("value", name), Arg("M")),
+            (Arg("value", part), *sink_args, Arg("value", name), Arg("M")),
             (name,),
             (name,),
             ALL_M,

@@ -6,7 +6,7 @@ for a combine, a combine launch)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from qir.codegen import moe
 from qir.codegen.gemv import for_target
@@ -51,6 +51,21 @@ def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType], __: Target
     return [Launch(kernel, 1, 1, args, (ids, weights), (name,))], temps
 
 
+def expert_weight_args(
+    names: Sequence[str], experts: Sequence[QExperts], buffers: Sequence[str]
+) -> tuple[Arg, ...]:
+    """Each stacked weight's format buffers, then its bias where it has one (the expert
+    kernels' parameter order)."""
+    return tuple(
+        arg
+        for w, e in zip(names, experts, strict=True)
+        for arg in (
+            *(Arg("weight", w, b) for b in buffers),
+            *((Arg("weight", w, "bias"),) if e.expert.bias else ()),
+        )
+    )
+
+
 def lower_expert_qlinear(
     graph: Graph, name: str, temps: Mapping[str, TensorType], target: Target
 ) -> Lowered:
@@ -83,11 +98,11 @@ def lower_expert_qlinear(
             combine,
             x.rank == 3,
             target=specialised,
+            gate_act=moe.expert_act(dict(node.attrs)),
         )
-        frag = spec.fragment
         args = (
             Arg("value", operands[0]),
-            *(Arg("weight", w, b) for w in operands[ws] for b in frag.buffers),
+            *expert_weight_args(operands[ws], experts, spec.fragment.buffers),
             *(Arg("value", v) for v in operands[at:]),
             Arg("value", name),
             Arg("M"),

@@ -21,11 +21,20 @@ Prefill (the grouped path) is in qir/codegen/moe_gemm.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from qir.codegen.fragments import Fragment, fragment_for
-from qir.codegen.gemv import MIN_BLOCKS_PER_SM, WARPS_PER_BLOCK, GemvSpec, target_suffix
+from qir.codegen.gemv import (
+    GATE_ACTS,
+    MIN_BLOCKS_PER_SM,
+    WARPS_PER_BLOCK,
+    GemvSpec,
+    target_suffix,
+)
 from qir.codegen.kernel import Kernel, KernelParam
+from qir.codegen.layer_kernels import c_float
 from qir.codegen.render import common_header, render
 from qir.dtypes import DType
 from qir.moe import RULES
@@ -112,6 +121,8 @@ class ExpertGemvSpec:
     per_slot: bool = False
     count: bool = False
     target: Target | None = None
+    # the gate/up pair's activation: ("silu",), ("gelu_tanh",) or ("swiglu_clamp", limit, alpha)
+    gate_act: tuple[Any, ...] = ("silu",)
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
@@ -158,7 +169,8 @@ class ExpertGemvSpec:
     @property
     def name(self) -> str:
         e0 = self.experts[0]
-        fused = "_silumul" if len(self.experts) == 2 else ""
+        fused = act_tag(self.gate_act) if len(self.experts) == 2 else ""
+        fused += "_bias" if self.experts[0].expert.bias else ""
         fused += {"": "", "combine": "_combine", "combine_residual": "_combine_res"}[self.combine]
         fused += ("_slots_in" if self.per_slot else "") + ("_count" if self.count else "")
         fused += target_suffix(self.target)
@@ -170,9 +182,15 @@ class ExpertGemvSpec:
     def params(self) -> list[KernelParam]:
         act = self.act.c_type
         weights = [
-            KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
-            for j in range(len(self.experts))
-            for p in self.fragment.params
+            param
+            for j, e in enumerate(self.experts)
+            for param in (
+                *(
+                    KernelParam(f"w{j}_{p.name.removeprefix('w_')}", p.c_type, "buffer")
+                    for p in self.fragment.params
+                ),
+                *((_buf(f"w{j}_bias", "float"),) if e.expert.bias else ()),
+            )
         ]
         router = [_buf("rw", "float")] if self.combine else []
         residual = [_buf("r", act)] if self.combine == "combine_residual" else []
@@ -189,6 +207,24 @@ class ExpertGemvSpec:
         ]
 
 
+def act_tag(act: tuple[Any, ...]) -> str:
+    """The kernel-name part of a gate/up pair's activation."""
+    if act[0] == "swiglu_clamp":
+        return f"_swiglu{act[1]:g}a{act[2]:g}".replace(".", "p")
+    return {"silu": "_silumul", "gelu_tanh": "_gelumul"}[act[0]]
+
+
+def swiglu_consts(act: tuple[Any, ...]) -> tuple[str, str] | None:
+    """The clamped SwiGLU's (limit, alpha) as C floats, or None for another activation."""
+    return (c_float(act[1]), c_float(act[2])) if act[0] == "swiglu_clamp" else None
+
+
+def expert_act(attrs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """An expert_qlinear's gate activation as the kernels' spec takes it."""
+    act = attrs.get("act") or "silu"
+    return (act, attrs["limit"], attrs["alpha"]) if act == "swiglu_clamp" else (act,)
+
+
 def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
     g, frag = spec.gemv, spec.fragment
     e0 = spec.experts[0]
@@ -199,10 +235,19 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         + "}, b.base)"
         for j in range(len(spec.experts))
     ]
+    expert_biases = [
+        f"w{j}_bias + (size_t)e * {e0.out_features} + b.base" if w.expert.bias else "nullptr"
+        for j, w in enumerate(spec.experts)
+    ]
     params = spec.params()
     x = "x[m, j]" if spec.per_slot else "x[m]"
+    plus = " + b_e" if e0.expert.bias else ""
+    pair = f"{spec.gate_act[0]}({x} G_e^T{plus}) * ({x} U_e^T{plus})"
+    if spec.gate_act[0] == "swiglu_clamp":
+        limit, alpha = spec.gate_act[1:]
+        pair = f"swiglu_gate({x} G_e^T{plus}) * swiglu_up({x} U_e^T{plus}), limit {limit}, alpha {alpha}"
     what = (
-        (f"silu({x} G_e^T) * ({x} U_e^T)" if len(spec.experts) == 2 else f"{x} W_e^T")
+        (pair if len(spec.experts) == 2 else f"{x} W_e^T{plus}")
         + f", e = ids[m, j]; experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}"
     )
     header = [
@@ -230,7 +275,9 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         chunks_per_row=frag.chunks_per_row(e0.in_features),
         path=("packed", "float", "a4").index(g.path(frag)),
         epilogue=2 if len(spec.experts) == 2 else 0,
-        gate_fn="qir_silu",  # the families with experts (Mixtral, Qwen3-MoE) gate by silu
+        gate_fn=GATE_ACTS.get(spec.gate_act[0], ""),
+        swiglu=swiglu_consts(spec.gate_act),
+        expert_biases=expert_biases,
         cap="1.0f",  # no softcap epilogue here
         kind=spec.kind,
         blocks_per_expert=spec.blocks_per_expert,
@@ -239,7 +286,7 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         residual=spec.combine == "combine_residual",
         count=spec.count,
         row_bytes=row_bytes(e0) * len(spec.experts),
-        has_bias=False,  # experts carry no biases yet
+        has_bias=e0.expert.bias,
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         **frag.context,

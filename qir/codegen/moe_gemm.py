@@ -14,13 +14,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemm import GemmSpec, GroupedGemm, bucket_ranges, gemm_kernel
-from qir.codegen.gemv import target_suffix
+from qir.codegen.gemm import GemmSpec, GroupedGemm, bucket_ranges, gemm_kernel, pair_value
+from qir.codegen.gemv import GATE_ACTS, target_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.lower import Arg, Launch
-from qir.codegen.moe import expert_strides
+from qir.codegen.lower_moe import expert_weight_args
+from qir.codegen.moe import act_tag, expert_act, expert_strides, swiglu_consts
 from qir.codegen.render import common_header, render
 from qir.dtypes import I32, DType
 from qir.graph import Graph
@@ -78,19 +80,25 @@ def grouped_gemm(
     m_max: int,
     top: int,
     per_slot: bool,
+    gate_act: tuple[Any, ...] = ("silu",),
     target: Target | None = None,
 ) -> tuple[Kernel, GemmSpec]:
-    """The grouped GEMM of `experts` (one, or gate and up: silu(g) * u) for the tile bucket
-    ending at m_max rows, and the GemmSpec whose tile and pipeline it runs (specialised for
-    `target` as GemmSpec.target says)."""
+    """The grouped GEMM of `experts` (one, or gate and up: act(g) * u, `gate_act` as
+    qir.codegen.moe.ExpertGemvSpec's) for the tile bucket ending at m_max rows, and the
+    GemmSpec whose tile and pipeline it runs (specialised for `target` as GemmSpec.target says).
+    Biased experts add expert e's bias to its sums."""
     e0 = experts[0]
+    paired = len(experts) == 2
     spec = GemmSpec(
         tuple(e.expert for e in experts),
         act,
         m_max,
-        epilogue="silu_mul" if len(experts) == 2 else "",
+        epilogue="silu_mul" if paired else "",
         target=target,
+        # the clamped SwiGLU replaces the gate function (the swiglu context below)
+        gate_act="silu" if gate_act[0] == "swiglu_clamp" else gate_act[0],
     )
+    bias = e0.expert.bias
     frag = fragment_for(e0.format, e0.out_features, e0.in_features)
     suffixes = [p.name.removeprefix("w_") for p in frag.params]
     strides = expert_strides(e0)
@@ -99,25 +107,39 @@ def grouped_gemm(
         for j in range(len(experts))
         for p, s in zip(frag.params, suffixes, strict=True)
     ]
+    if bias:
+        pointers += [
+            f"const float* __restrict__ ew{j}_bias = w{j}_bias + (size_t)e * {e0.out_features};"
+            for j in range(len(experts))
+        ]
     b_args = ", ".join(
         f"(row & 8) ? ew1_{s} : ew0_{s}" if len(experts) == 2 else f"ew0_{s}" for s in suffixes
     )
+    # the GEMM's name says silumul for its pair: the clamped SwiGLU spells itself instead
     suffix = target_suffix(target)  # last, as in every specialised kernel's name
-    name = f"moe_{spec.name.removesuffix(suffix)}_e{e0.count}top{top}"
-    name += ("_slots_in" if per_slot else "") + suffix
+    base = spec.name.removesuffix(suffix)
+    base = base.replace("_silumul", act_tag(gate_act)) if paired else base
+    name = f"moe_{base}_e{e0.count}top{top}" + ("_slots_in" if per_slot else "") + suffix
     params = (
         _buf("x", act.c_type),
         *(
-            KernelParam(f"w{j}_{s}", p.c_type, "buffer")
+            param
             for j in range(len(experts))
-            for p, s in zip(frag.params, suffixes, strict=True)
+            for param in (
+                *(
+                    KernelParam(f"w{j}_{s}", p.c_type, "buffer")
+                    for p, s in zip(frag.params, suffixes, strict=True)
+                ),
+                *((_buf(f"w{j}_bias", "float"),) if bias else ()),
+            )
         ),
         _buf("order", "int32_t"),
         _buf("offsets", "int32_t"),
         _buf("y0", act.c_type, False),
         _M,
     )
-    what = "silu(x G_e^T) * (x U_e^T)" if len(experts) == 2 else "x W_e^T"
+    plus = " + b_e" if bias else ""
+    what = f"{gate_act[0]}(x G_e^T{plus}) * (x U_e^T{plus})" if paired else f"x W_e^T{plus}"
     doc = [
         f"Grouped: y[p] = {what} for each (token, slot) pair p of expert e (moe_group's lists);",
         f"experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}, {top} per token.",
@@ -135,6 +157,10 @@ def grouped_gemm(
             "b_args": b_args,
             "a_loader": render("gemm/a_gather.cuh.j2").rstrip("\n"),
             "doc": "\n".join(f"// {line}" for line in doc),
+            "pair_value": pair_value(GATE_ACTS.get(gate_act[0], ""), swiglu_consts(gate_act)),
+            # expert e's biases join the float sums (the pointers above)
+            "g_value": "acc[mt][nt][i]" + (" + ew0_bias[n]" if bias else ""),
+            "u_value": "acc[mt][nt + 1][i]" + (" + ew1_bias[n]" if bias and paired else ""),
         },
     )
     return gemm_kernel(spec, grouped), spec
@@ -187,10 +213,18 @@ def lower_grouped(
         new[slots] = TensorType(("M", top, n), out_t.dtype)
     frag_buffers = fragment_for(experts[0].format, n, experts[0].in_features).buffers
     for bucket in bucket_ranges(*when):
-        kernel, spec = grouped_gemm(experts, out_t.dtype, bucket[1], top, x_t.rank == 3, target)
+        kernel, spec = grouped_gemm(
+            experts,
+            out_t.dtype,
+            bucket[1],
+            top,
+            x_t.rank == 3,
+            expert_act(dict(node.attrs)),
+            target,
+        )
         args = (
             Arg("value", operands[0]),
-            *(Arg("weight", w, b) for w in operands[ws] for b in frag_buffers),
+            *expert_weight_args(operands[ws], experts, frag_buffers),
             Arg("value", order),
             Arg("value", offsets),
             Arg("value", slots),

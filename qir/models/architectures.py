@@ -60,7 +60,8 @@ class Architecture:
     # Where sliding windows come from: "none" (transformers ignores sliding_window), "all"
     # (Mistral: sliding_window, when set, on every layer), "qwen" (only with use_sliding_window:
     # layer_types, or the layers from max_window_layers on), "layer_types" (Gemma: layer_types,
-    # or every sliding_window_pattern-th layer full).
+    # or every sliding_window_pattern-th layer full), "types" (gpt-oss: layer_types, or sliding
+    # and full alternating from a sliding layer 0, as GptOssConfig fills it).
     sliding: str = "none"
     # Gemma: query_pre_attn_scalar, where set, is the attention scale's (its -1/2 power).
     attn_scalar: bool = False
@@ -78,6 +79,7 @@ class Architecture:
     # Routed experts in place of the MLP: where they live is a row of qir.models.experts'
     # MOE_FAMILIES; without it, a config that counts experts is refused.
     experts: bool = False
+    sinks: bool = False  # gpt-oss: a learned logit per head (self_attn.sinks) in attention
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -101,6 +103,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         qkv_bias=True,
         sliding="qwen",
         experts=True,
+    ),
+    Architecture(
+        "gpt_oss",
+        ("gpt_oss",),
+        ("GptOssForCausalLM",),
+        sliding="types",
+        experts=True,
+        sinks=True,
     ),
     Architecture(
         "phi3",
@@ -179,6 +189,7 @@ FEATURES: Mapping[str, str] = {
     "sliding_window": "sliding-window attention",
     "local_rope": "a RoPE base of its own for sliding layers",
     "fused_linears": "fused projections",
+    "sinks": "attention sinks",
 }
 
 
@@ -292,6 +303,8 @@ def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]
         if types is None:
             first = ck.field("max_window_layers")
             return [window if i >= first else None for i in range(n)], "max_window_layers"
+    elif types is None and arch.sliding == "types":  # gpt-oss: every other layer
+        return [None if i % 2 else window for i in range(n)], "sliding_window"
     elif types is None:  # Gemma: every pattern-th layer is a full one
         pattern = family_field(arch, ck, "sliding_window_pattern")
         return [window if (i + 1) % pattern else None for i in range(n)], "sliding_window_pattern"
@@ -348,6 +361,8 @@ def features(ck: Checkpoint) -> Features:
         uses.append(Use("bias", where_bias, ",".join(biases)))
     if arch.embed_scale:
         uses.append(Use("embed_scale", "model_type", ck.field("model_type")))
+    if arch.sinks:
+        uses.append(Use("sinks", "model.layers.0.self_attn.sinks", f"[{ck.num_heads}]"))
     scale = float(ck.head_dim) ** -0.5
     scalar = family_field(arch, ck, "query_pre_attn_scalar")
     if scalar is not None and arch.attn_scalar:
@@ -363,7 +378,7 @@ def features(ck: Checkpoint) -> Features:
     windows, window_key = _windows(arch, ck)
     types = ck.field("layer_types") or []
     unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
-    if unknown and arch.sliding in ("qwen", "layer_types"):
+    if unknown and arch.sliding in ("qwen", "layer_types", "types"):
         raise FormatError(f"{where}: layer_types {unknown[0]!r} is not supported")
     if any(w is not None for w in windows):
         sliding = sum(w is not None for w in windows)

@@ -116,6 +116,7 @@ SUPPORTED: frozenset[str] = frozenset(
         "local_rope",
         "final_softcap",
         "attn_softcap",
+        "sinks",
     }
 )
 # The MLP activations (config names) and the op each is.
@@ -276,11 +277,33 @@ class _Builder:
             paging.update(pages=self.pages, page_size=PAGE_SIZE)
         kc, vc = b.kv_append(kc, vc, k, v, pos, name=f"{prefix}kv", **paging)
         cap = f.value("attn_softcap")  # Gemma 2: scores tanh(s / cap) * cap before the softmax
+        sinks = self.sinks(layer, prefix) if f.arch.sinks else None
         a = b.attention(
-            q, kc, vc, pos, f.attention_scale, name=f"{prefix}attn", softcap=cap, **paging
+            q,
+            kc,
+            vc,
+            pos,
+            f.attention_scale,
+            name=f"{prefix}attn",
+            softcap=cap,
+            sinks=sinks,
+            **paging,
         )
         r = self.attn_out(x, a, layer, prefix)
         return self.mlp(self.mlp_norm(r, layer, prefix), r, layer, prefix)
+
+    def sinks(self, layer: int, prefix: str = "") -> Value:
+        """gpt-oss's attention sinks of `layer`: a logit per query head, widened to f32."""
+        module = f"model.layers.{layer}.self_attn.sinks"
+        w = self.ck.tensor(module)
+        heads = self.ck.num_heads
+        if w.shape != (heads,):
+            raise FormatError(
+                f"{module}: shape {list(w.shape)}, expected [{heads}] (num_attention_heads)"
+            )
+        _param_dtype(w, module)  # a float tensor (refused in one line otherwise)
+        self.weights[module] = {"weight": w.astype(np.float32)}
+        return self.b.param(module, TensorType((heads,), F32), name=f"{prefix}sinks")
 
     def positions(self) -> Value:
         return self.b.input("pos", ("M",), I32)

@@ -34,7 +34,7 @@ from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
 from qir.models.multimodal import text_model
 from qir.models.safetensors_io import TensorStore
-from qir.rope import REQUIRED, rope_problem
+from qir.rope import REQUIRED, rope_problem, yarn_attention_factor
 from qir.types import QWeight
 
 # Gemma 3's sliding layers' RoPE base where its config names none (transformers' default).
@@ -226,11 +226,31 @@ class Checkpoint:
 
                 positions = default_max_seq(self)
             attrs.update(self._longrope(params, where, positions))
+        if kind == "yarn":  # the defaults transformers fills in (standardize_rope_params and
+            # _compute_yarn_parameters): a top-level original_max_position_embeddings first, else
+            # max_position_embeddings
+            factor = params.get("factor")
+            old = self.config.get("original_max_position_embeddings")
+            params = {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+                "original_max_position_embeddings": self.field("max_position_embeddings"),
+                **{k: v for k, v in params.items() if v is not None},
+                **({"original_max_position_embeddings": old} if old is not None else {}),
+            }
+            if isinstance(factor, int | float) and params.get("attention_factor") is None:
+                params["attention_factor"] = yarn_attention_factor(
+                    float(factor), params.get("mscale"), params.get("mscale_all_dim")
+                )
         for p in REQUIRED[kind] if kind != "longrope" else ():
             v = params.get(p)
             if v is None:
                 raise FormatError(f"{self._where()}: {where} of type {kind} lacks {p}")
-            attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
+            if p == "truncate":
+                attrs[p] = v
+            else:
+                attrs[p] = int(v) if p == "original_max_position_embeddings" else float(v)
         problem = rope_problem(attrs)
         if problem:
             raise FormatError(f"{self._where()}: {where}: {problem}")

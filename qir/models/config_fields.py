@@ -132,6 +132,7 @@ FIELDS: tuple[Field, ...] = (
     _int("vocab_size", at_least=1),
     Field("tie_word_embeddings", bool, default=False),  # transformers' Llama default
     _int("max_position_embeddings", at_least=1),
+    _int("original_max_position_embeddings", at_least=1),  # Phi-3's; yarn takes it first
     Field("rope_theta", float, above=0, default=10000.0),  # transformers' Llama default
     Field("partial_rotary_factor", float, above=0),
     *(
@@ -151,6 +152,12 @@ FIELDS: tuple[Field, ...] = (
             Field(f"{section}.short_factor", list, items=float),
             Field(f"{section}.long_factor", list, items=float),
             Field(f"{section}.attention_factor", float, above=0),
+            # yarn (gpt-oss: truncate false)
+            Field(f"{section}.beta_fast", float, above=0),
+            Field(f"{section}.beta_slow", float, above=0),
+            Field(f"{section}.truncate", bool),
+            Field(f"{section}.mscale", float, above=0),
+            Field(f"{section}.mscale_all_dim", float, above=0),
         )
     ),
     _int("original_max_position_embeddings", at_least=1),  # Phi-3's, outside rope_scaling
@@ -180,6 +187,9 @@ FIELDS: tuple[Field, ...] = (
     Field("norm_topk_prob", bool),
     _int("decoder_sparse_step", at_least=1, default=1),
     Field("mlp_only_layers", list, items=int),
+    # gpt-oss's clamped SwiGLU in its experts
+    Field("swiglu_limit", float, above=0),
+    Field("swiglu_alpha", float, above=0),
     # where each producer writes its quantization (the families' matchers look at these)
     Field("quantization_config", dict),
     Field("quantization", dict),  # mlx-lm

@@ -8,8 +8,9 @@ tensor with a leading expert dim). Either way the experts become one stacked wei
 projection (qir.types.QExperts), each expert read by the checkpoint's own format family, so every
 format that reads a linear reads experts.
 
-The MoE MLP: logits = router(x); ids, weights = route(logits) by the family's rule; h = silu(x
-G_e^T) * (x U_e^T) per chosen expert; y = residual + sum_j weights_j * (h_j D_e^T).
+The MoE MLP: logits = router(x); ids, weights = route(logits) by the family's rule; h = act(x
+G_e^T) * (x U_e^T) per chosen expert (silu; gpt-oss's clamped SwiGLU, with expert biases); y =
+residual + sum_j weights_j * (h_j D_e^T).
 
 A shared expert (Qwen2-MoE: `mlp.shared_expert`, a dense MLP of shared_expert_intermediate_size
 beside the routed ones, scaled by sigmoid(shared_expert_gate x)) adds s = sigmoid(x g^T) *
@@ -61,6 +62,12 @@ class MoeFamily:
     shared: str = ""
     shared_gate: str = ""
     shared_key: str = "shared_expert_intermediate_size"
+    # gpt-oss: the Hub's stacked MXFP4 experts (qir.models.families.hf_mxfp4), gate and up
+    # interleaved by rows in one module ({w}: gate_up_proj, down_proj), each with a bias; and
+    # its clamped SwiGLU (qir.moe.swiglu_gate / swiglu_up) with config.json's swiglu_limit and
+    # swiglu_alpha.
+    hub_mxfp4: str = ""
+    act: str = "silu"
 
 
 MOE_FAMILIES: dict[str, MoeFamily] = {
@@ -102,7 +109,21 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
         shared="mlp.shared_expert",
         shared_gate="mlp.shared_expert_gate",
     ),
+    # transformers' GptOssTopKRouter: top k of the logits (a linear with bias), softmax over
+    # the k
+    "gpt_oss": MoeFamily(
+        ("num_local_experts",),
+        "mlp.router",
+        "mlp.experts.{e}.{w}",
+        ("gate_proj", "up_proj", "down_proj"),
+        "mlp.experts.{w}",
+        "topk_softmax",
+        hub_mxfp4="mlp.experts.{w}",
+        act="swiglu_clamp",
+    ),
 }
+# transformers' GptOssConfig defaults for a config without them
+SWIGLU_DEFAULTS = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 
 
 @dataclass(frozen=True)
@@ -217,6 +238,8 @@ def read_experts(
     the shape config.json implies."""
     fam = moe.family
     base = f"model.layers.{layer}"
+    if fam.hub_mxfp4:
+        return _hub_mxfp4(ck, moe, layer, proj)
     name = fam.names[PROJECTIONS.index(proj)]
     stacked = f"{base}.{fam.stacked.format(w=f'{proj}_proj')}"
     if any(k.startswith(f"{stacked}.") for k in ck.store):
@@ -236,16 +259,45 @@ def read_experts(
                 f"{lin.module}.weight: holds a {[w.out_features, w.in_features]} expert, but "
                 f"config.json implies {list(want)} (hidden_size, {fam.intermediate_key})"
             )
-        if w.bias:  # the expert kernels add none: refuse rather than answer without it
-            raise FormatError(
-                f"{lin.module}.bias: expert biases are not supported yet (gpt-oss's, issue 22)"
-            )
         if w != first:
             raise FormatError(
                 f"{lin.module}: {w.format.spell()} differs from {experts[0].module}'s "
                 f"{first.format.spell()} (one projection's experts share one format)"
             )
     return (key, *stack(experts))
+
+
+def _hub_mxfp4(
+    ck: Checkpoint, moe: Moe, layer: int, proj: str
+) -> tuple[str, QExperts, dict[str, np.ndarray]]:
+    """gpt-oss's stacked MXFP4 experts: gate rows 0::2 and up rows 1::2 of gate_up_proj (as
+    transformers' GptOssExperts splits them), down_proj whole."""
+    from qir.models.families.hf_mxfp4 import stacked_experts
+
+    fused = "down_proj" if proj == "down" else "gate_up_proj"
+    key = f"model.layers.{layer}.{moe.family.hub_mxfp4.format(w=fused)}"
+    rows = slice(None) if proj == "down" else slice(PROJECTIONS.index(proj), None, 2)
+    qe, bufs = stacked_experts(ck, key, moe.experts, rows)
+    hidden = ck.hidden_size
+    want = (hidden, moe.intermediate) if proj == "down" else (moe.intermediate, hidden)
+    got = (qe.out_features, qe.in_features)
+    if got != want:
+        rows_of = "" if proj == "down" else f" ({proj} rows of the interleaved gate/up)"
+        raise FormatError(
+            f"{key}_blocks: holds {list(got)} experts{rows_of}, but config.json implies "
+            f"{list(want)} (hidden_size, {moe.family.intermediate_key})"
+        )
+    return f"{key}.{proj}" if proj != "down" else key, qe, bufs
+
+
+def gate_act(ck: Checkpoint, moe: Moe) -> dict[str, Any]:
+    """The expert gate/up pair's act attributes (qir.moe.GATE_ACTS)."""
+    if moe.family.act != "swiglu_clamp":
+        return {}
+    limit, alpha = (
+        float(ck.field(k) if ck.field(k) is not None else d) for k, d in SWIGLU_DEFAULTS.items()
+    )
+    return {"act": "swiglu_clamp", "limit": limit, "alpha": alpha}
 
 
 def router(ck: Checkpoint, moe: Moe, layer: int) -> Linear:
@@ -329,5 +381,7 @@ def moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "
         ws[proj] = b.weight(key, qe, name=f"{prefix}w_experts_{proj}")
     if moe.shared:  # the routed experts' combine adds it with the residual
         residual = shared_expert(bb, moe, x, residual, layer, prefix)
-    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name=f"{prefix}experts_h")
+    h = b.expert_qlinear(
+        x, (ws["gate"], ws["up"]), ids, name=f"{prefix}experts_h", act=gate_act(ck, moe)
+    )
     return b.expert_qlinear(h, ws["down"], ids, weights, residual, name=f"{prefix}y")

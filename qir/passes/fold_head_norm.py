@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import Graph
+from qir.ops import sinks_operand
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 from qir.types import TensorType
 
@@ -41,7 +42,10 @@ def _fold(rw: Rewriter, m: Match) -> bool:
         return False  # groups other than heads: not this kernel's prologue
     eps = graph.node(m["n"]).attr("eps")
     operands = [m["x"] if o == m["n"] else o for o in graph.operands(m.root)]
-    rw.redefine(m.root, node.with_attrs(norm_eps=eps), [*operands, m["w"]])
+    # the norm weight goes before attention's sinks, the last optional operand
+    at = len(operands) - (sinks_operand(dict(node.attrs)) is not None)
+    operands.insert(at, m["w"])
+    rw.redefine(m.root, node.with_attrs(norm_eps=eps), operands)
     return True
 
 

@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def test_every_fixture_has_a_model_golden():
-    assert len(FIXTURES) == 30
+    assert len(FIXTURES) == 31
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -150,7 +150,7 @@ def test_tied_embeddings_and_linear_rope(tmp_path):
     ("overrides", "message"),
     [
         ({"rms_norm_eps": None}, r"lacks rms_norm_eps"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_type 'yarn' is not"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"rope_type 'dynamic' is not"),
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": None}}, r"llama3 lacks low_freq_factor"),
         (
             {"attn_logit_softcapping": 50.0},

@@ -151,6 +151,21 @@ def test_fold_head_norm_does_not_fire_on_row_norms_shared_norms_or_twice(rng):
     assert run_pass(folded, "fold_head_norm") == (folded, 0)
 
 
+def test_fold_head_norm_keeps_attention_sinks_last(rng):
+    """Head norms and sinks together (no family has both yet): the folded q norm goes before
+    the sinks, which stay attention's last operand; the numbers are the unfolded graph's."""
+    before = (
+        HEAD_NORMS.replace("@POS", "pos")
+        .replace("  %kc = state", '  %sinks = weight {key="sinks"} : f32[4]\n  %kc = state')
+        .replace("%pos {scale=0.2}", "%pos, %sinks {scale=0.2, sinks=true}")
+    )
+    rotated, _ = run_pass(before, "fold_rope")
+    after, fired = run_pass(rotated, "fold_head_norm")
+    assert fired == 2
+    assert "%attn = attention %q, %kv.k, %kv.v, %pos, %wqn, %sinks {" in after
+    assert_same_numbers(before, after, rng)
+
+
 A4 = "qweight<nvfp4<scale_mode=div,act_bits=4>>"
 NORM = f"""
 graph norm {{

@@ -355,6 +355,66 @@ def paged_attention() -> Callable[[str], list[Kernel]]:
     ]
 
 
+# gpt-oss-20b: 24 layers of 64 q heads on 8 kv heads of 64, YaRN (truncate false), sliding
+# layers of window 128, 32 MXFP4 experts of 2880 x 2880 with biases, 4 a token.
+GPTOSS_ROPE = RopeSpec.of(
+    {
+        "head_dim": 64,
+        "theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "attention_factor": 0.1 * np.log(32.0) + 1.0,
+    }
+)
+
+
+def gptoss_20b() -> Callable[[str], list[Kernel]]:
+    """gpt-oss-20b's layer kernels: the sinks in the combine and the prefill attention (a full
+    and a sliding layer's cache: a ring of the window plus a prefill chunk), YaRN in the append
+    and attention's q load; the router (bf16 with a bias), top-4-then-softmax of 32, the biased
+    MXFP4 expert GEMVs with the clamped SwiGLU, the grouped GEMMs of the 64-row bucket."""
+    hidden, experts = 2880, 32
+    caches = (CacheShape(BF16, 4096, 8, 64), CacheShape(BF16, 128 + 255, 8, 64, window=128))
+    specs = [AttentionSpec(c, 64, 64**-0.5, GPTOSS_ROPE, sinks=True) for c in caches]
+
+    def make() -> Graph:
+        b = Builder("gptoss_moe")
+        x = b.input("x", ("M", hidden), BF16)
+        router = b.weight("router", QWeight(Dense(BF16), experts, hidden, bias=True))
+        ids, rw = b.route(b.qlinear(x, router, name="logits"), 4, "topk_softmax", name="route")
+        ws = {
+            n: b.weight(n, QExperts(QWeight(Mxfp4(), hidden, hidden, bias=True), experts))
+            for n in ("gate", "up", "down")
+        }
+        act = {"act": "swiglu_clamp", "limit": 7.0, "alpha": 1.702}
+        h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h", act=act)
+        b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, x, name="y"))
+        return b.graph
+
+    def keep(la: Launch) -> bool:
+        name = la.kernel.name
+        return name.startswith("moe_") and (not name.startswith("moe_qgemm") or la.when[1] <= 64)
+
+    experts_kernels = graph(make, keep)
+    return lambda arch: [
+        *(
+            k
+            for a in specs
+            for k in (
+                kv_append_kernel(a.cache, GPTOSS_ROPE),
+                attention_split_kernel(a),
+                attention_combine_kernel(a),
+                attention_prefill_kernel(a),
+            )
+        ),
+        *experts_kernels(arch),
+    ]
+
+
 @dataclass(frozen=True)
 class Entry:
     id: str
@@ -662,6 +722,26 @@ GATE: tuple[Entry, ...] = (
             archs=(nvrtc.GATE_ARCHS[i % len(nvrtc.GATE_ARCHS)],),
         )
         for i, fmt in enumerate(FORMAT_ZOO)
+    ),
+    # gpt-oss: the fixture's whole model (the router's biased GEMV, every kernel it plans but
+    # its attention: head_dim 32's prefill attention spills 56 bytes on sm_100a with or without
+    # sinks, as main's does; gpt-oss's own head_dim 64 is gptoss-20b's) and gpt-oss-20b's
+    # shapes (sinks, YaRN, biased MXFP4 experts with the clamped SwiGLU).
+    Entry(
+        "model-gptoss-mxfp4",
+        lambda arch: [k for k in model("gptoss_mxfp4")(arch) if not k.name.startswith("attn_")],
+        ("moe_route_", "_swiglu7a1p702_bias", "kv_append_bf16_c256_p16x16_w8"),
+    ),
+    Entry(
+        "gptoss-20b",
+        gptoss_20b(),
+        (
+            "attn_combine_bf16_h64_d64_n32_sinks",
+            "_ropeyarn150000x32_b32_1_sinks",
+            "moe_gemv_mxfp4_bf16_e32top4_n2880_k2880_m8_swiglu7a1p702_bias",
+            "moe_qgemm_mxfp4_bf16_n2880b",
+            "moe_route_bf16_e32_top4_topk_softmax",
+        ),
     ),
     # Qwen's vocabulary: the loops' trip counts do not change the code, the dtype does.
     Entry(

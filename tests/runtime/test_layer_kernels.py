@@ -407,3 +407,69 @@ def test_a_post_norm_and_its_residual_in_the_next_projections_prologue(
             monkeypatch.delenv("QIR_HOST_SCHEDULE")
             for key in keys:
                 assert host_array(again[key]).tobytes() == host_array(got[key]).tobytes(), m
+
+
+YARN = (
+    'head_dim=32, rope_type="yarn", theta=150000.0, factor=4.0, '
+    "original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0, truncate=false, "
+    "attention_factor=1.1386294364929199"
+)
+SINKS = """
+graph sinks {{
+  %q = input : f16[M, 128]
+  %k = input : f16[M, 64]
+  %v = input : f16[M, 64]
+  %pos = input : i32[M]
+  %sinks = weight {{key="sinks"}} : f32[4]
+  %kc = state {{key="k"}} : f16[40, 2, 32]
+  %vc = state {{key="v"}} : f16[40, 2, 32]
+  %q_rot = rope %q, %pos {{{yarn}}} : f16[M, 128]
+  %k_rot = rope %k, %pos {{{yarn}}} : f16[M, 64]
+  %kv = kv_append %kc, %vc, %k_rot, %v, %pos{window} : (f16[40, 2, 32], f16[40, 2, 32])
+  %kv.k = get %kv {{index=0}} : f16[40, 2, 32]
+  %kv.v = get %kv {{index=1}} : f16[40, 2, 32]
+  %attn = attention %q_rot, %kv.k, %kv.v, %pos, %sinks {{scale=0.2, sinks=true{window_attr}}} : f16[M, 128]
+  output y = %attn
+}}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("passes", ["default", "none"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_sinks_and_yarn_in_decode_and_prefill_attention(backend, passes, window):
+    """gpt-oss's attention: YaRN RoPE (truncate false: cos and sin scaled by its attention
+    factor) fused into the append and attention's q load or as its own launches, a sink per
+    head in the softmax's denominator in the decode combine and the prefill kernel, with and
+    without a sliding window; decode and prefill (21 rows: a partial tile) against the
+    interpreter. Sinks of -1e30 give plain attention (the interpreter without them)."""
+    w = "" if window is None else f" {{window={window}}}"
+    text = SINKS.format(yarn=YARN, window=w, window_attr="" if window is None else ", window=8")
+    g = qir.parse(text)
+    rng = np.random.default_rng(11)
+    sinks = (1 + rng.standard_normal(4)).astype(np.float32)
+    ours, ref = (
+        qir.compile(g, {"sinks": {"weight": sinks}}, backend=be, passes=passes)
+        for be in (backend, "reference")
+    )
+    names = [la.kernel.name for la in ours.plan.launches]
+    assert any(n.startswith("attn_combine_") and n.endswith("_sinks") for n in names), names
+    assert any(n.startswith("attn_prefill_") and "_sinks_" in n for n in names), names
+    # q's and k's rotations: their own launches, or the append's and attention's prologues
+    assert sum("_ropeyarn150000x4_b32_1" in n for n in names) >= 2, names
+    plain = qir.parse(text.replace(", %sinks {scale=0.2, sinks=true", " {scale=0.2"))
+    no_sinks = qir.compile(plain, {}, backend="reference")
+    drowned = qir.compile(g, {"sinks": {"weight": np.full(4, -1e30, np.float32)}}, "reference")
+    for start, m in ((0, 21), (21, 1), (22, 3)):
+        inputs = {
+            # scores of about the sinks' size, so that the sinks take a share of each row
+            "q": (0.5 * rng.standard_normal((m, 128), dtype=np.float32)).astype(F16.np),
+            "k": rng.standard_normal((m, 64), dtype=np.float32).astype(F16.np),
+            "v": rng.standard_normal((m, 64), dtype=np.float32).astype(F16.np),
+            "pos": np.arange(start, start + m, dtype=np.int32),
+        }
+        want = ref(inputs)["y"]
+        assert max_rel(host_array(ours(inputs)["y"]), want) <= TOL[F16], start
+        base = no_sinks(inputs)["y"]
+        assert drowned(inputs)["y"].tobytes() == base.tobytes()
+        assert max_rel(base, want) > 1e-2  # the sinks move every row

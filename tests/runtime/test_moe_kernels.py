@@ -9,6 +9,7 @@ blocks read: each chosen expert's once, the others' never (poisoned, they leave 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -24,9 +25,11 @@ from qir.dtypes import BF16, F16, F32, I32, DType
 from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.formats.gptq import Gptq
+from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
 from qir.runtime.backend import get_backend
+from qir.types import QExperts
 from tests.conftest import FMT4, max_rel
 from tests.moe_common import random_experts
 
@@ -298,3 +301,49 @@ def test_plans_count_the_bytes_of_the_chosen_experts_only() -> None:
     assert {m: moved[m] - activations[m] for m in moved} == {
         m: min(6, 2 * m) * (one["gate"] + one["up"]) for m in moved
     }
+
+
+def biased_swiglu_graph(fmt: WeightFormat, top: int) -> tuple[Graph, Any]:
+    """gpt-oss's experts: every expert with a bias, gate/up through the clamped SwiGLU with a
+    limit that clamps about half the gates and ups (0.6), down combined with the residual."""
+    rng = np.random.default_rng(3)
+    b = Builder("gptoss_experts")
+    x = b.input("x", ("M", K_IN), F16)
+    ids = b.input("ids", ("M", top), I32)
+    rw = b.input("rw", ("M", top), F32)
+    r = b.input("r", ("M", N_OUT), F16)
+    ws, weights = {}, {}
+    for name, (o, i) in {"gate": (64, K_IN), "up": (64, K_IN), "down": (N_OUT, 64)}.items():
+        qe, bufs = random_experts(rng, E, o, i, fmt)
+        bufs["bias"] = rng.standard_normal((E, o), dtype=np.float32) * 0.5
+        weights[name] = bufs
+        ws[name] = b.weight(name, QExperts(replace(qe.expert, bias=True), E), name=f"w_{name}")
+    act = {"act": "swiglu_clamp", "limit": 0.6, "alpha": 1.702}
+    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h", act=act)
+    b.output("h", h)
+    b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, r, name="y"))
+    return b.graph, weights
+
+
+@pytest.mark.parametrize("gemm", [False, True], ids=["gemv", "grouped"])
+def test_expert_biases_and_the_clamped_swiglu_match_the_interpreter(gemm: bool) -> None:
+    """MXFP4 experts with biases (gpt-oss's) through the expert GEMVs (decode) and the grouped
+    GEMMs (prefill): each chosen expert's bias in its rows' sums, the clamped gate and up in
+    the gate/up epilogue; ragged N (37), experts chosen by many tokens and by none."""
+    graph, weights = biased_swiglu_graph(Mxfp4(), 2)
+    c = qir.compile(graph, weights, backend="host", gemm_from_m=1 if gemm else None)
+    ref = qir.compile(graph, weights, backend="reference")
+    names = [la.kernel.name for la in c.plan.launches if la.runs_for(17 if gemm else 1)]
+    experts = [n for n in names if n.startswith(("moe_gemv", "moe_qgemm"))]
+    assert len(experts) == 2 and "_swiglu0p6a1p702" in experts[0], names
+    # the names spell the biases: "_bias" (GEMV), "n64b" (GEMM: a biased weight's rows)
+    assert all("_bias" in n or "n64b" in n or "n37b" in n for n in experts), names
+    for m in (1, 9) if not gemm else (17, 40):
+        x = feed(m, 2)
+        close(c(x), ref(x))
+    # the bias and the clamp are in the reference the kernels met: without them it differs
+    h = ref(x)["h"]
+    plain = {k: dict(v) for k, v in weights.items()}
+    for k in plain:
+        plain[k]["bias"] = np.zeros_like(plain[k]["bias"])
+    assert max_rel(qir.compile(graph, plain, backend="reference")(x)["h"], h) > 0.1

@@ -70,6 +70,16 @@ __device__ __forceinline__ float qir_gelu_tanh(float v) {
   return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
 }
 
+// gpt-oss's clamped SwiGLU (qir.moe.swiglu_gate / swiglu_up): the gate factor
+// min(g, limit) * sigmoid(alpha * min(g, limit)) and the up factor clamp(u, -limit, limit) + 1.
+__device__ __forceinline__ float qir_swiglu_gate(float g, float limit, float alpha) {
+  const float c = fminf(g, limit);
+  return c / (1.0f + expf(-alpha * c));
+}
+__device__ __forceinline__ float qir_swiglu_up(float u, float limit) {
+  return fminf(fmaxf(u, -limit), limit) + 1.0f;
+}
+
 // ---- Bit tricks -------------------------------------------------------------------------------
 
 // Any three-input bitwise function in one instruction; LUT is the function's truth table over

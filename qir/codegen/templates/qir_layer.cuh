@@ -33,8 +33,9 @@ __device__ __forceinline__ void qir_rotate_cs(float& a, float& b, float c, float
   b = b * c + a * s;
   a = ra;
 }
-__device__ __forceinline__ void qir_rotate(float& a, float& b, float angle) {
-  qir_rotate_cs(a, b, cosf(angle), sinf(angle));
+// `s` scales cos and sin (yarn's attention_factor; 1 is exact for the other RoPE types).
+__device__ __forceinline__ void qir_rotate(float& a, float& b, float angle, float s = 1.0f) {
+  qir_rotate_cs(a, b, cosf(angle) * s, sinf(angle) * s);
 }
 // The same with cos and sin scaled by m first (LongRoPE's attention_factor).
 __device__ __forceinline__ void qir_rotate(float& a, float& b, float angle, float m) {
