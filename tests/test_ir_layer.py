@@ -132,7 +132,8 @@ def test_head_norm_prologues_are_checked(text, message):
 @pytest.mark.parametrize(
     ("attrs", "message"),
     [
-        ({"rope_type": "longrope"}, "rope_type 'longrope' is not supported"),
+        ({"rope_type": "dynamic"}, "rope_type 'dynamic' is not supported"),
+        ({"rope_type": "longrope"}, "longrope needs factors as 16 positive floats"),
         ({"rope_type": "yarn"}, "yarn needs factor"),
         (
             {**YARN, "truncate": "false"},

@@ -33,13 +33,10 @@ __device__ __forceinline__ void qir_rotate_cs(float& a, float& b, float c, float
   b = b * c + a * s;
   a = ra;
 }
-// `s` scales cos and sin (yarn's attention_factor; 1 is exact for the other RoPE types).
+// `s` scales cos and sin (yarn's and LongRoPE's attention_factor; 1 is exact for the other
+// RoPE types).
 __device__ __forceinline__ void qir_rotate(float& a, float& b, float angle, float s = 1.0f) {
   qir_rotate_cs(a, b, cosf(angle) * s, sinf(angle) * s);
-}
-// The same with cos and sin scaled by m first (LongRoPE's attention_factor).
-__device__ __forceinline__ void qir_rotate(float& a, float& b, float angle, float m) {
-  qir_rotate_cs(a, b, cosf(angle) * m, sinf(angle) * m);
 }
 
 // The cache row of position p (>= 0) of a sequence whose block table is `table`: page
