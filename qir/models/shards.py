@@ -1,0 +1,53 @@
+"""The weights of one tensor-parallel rank: each weight node the tensor_parallel pass sharded
+(attribute `shard`) gets its part of the checkpoint weight's kernel-layout buffers, cut exactly by
+its format (WeightFormat.rows for rows, .columns for inputs; an inexact cut is refused naming
+the tensor and the group size). Rows are views; inputs are views where the layout allows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from qir.formats.base import FormatError
+from qir.graph import Graph
+from qir.types import QWeight
+
+Weights = Mapping[str, Mapping[str, np.ndarray]]
+
+
+def shard_buffers(
+    part: QWeight, bufs: Mapping[str, np.ndarray], shard: tuple[str, str, int, int, int]
+) -> dict[str, np.ndarray]:
+    """The buffers of `part`, the shard `shard` = (source, axis, start, stop, whole) of a weight
+    whose buffers are `bufs`."""
+    source, axis, start, stop, whole = shard
+    fmt = part.format
+    if axis == "out":
+        out_features, in_features = whole, part.in_features
+        cut = fmt.rows(bufs, out_features, in_features, start, stop)
+        if part.bias:
+            cut["bias"] = bufs["bias"][start:stop]
+    elif axis == "in":
+        out_features, in_features = part.out_features, whole
+        cut = fmt.columns(bufs, out_features, in_features, start, stop, where=source)
+        if part.bias:
+            cut["bias"] = bufs["bias"]
+    else:
+        raise FormatError(f"{source}: unknown shard axis {axis!r}")
+    return cut
+
+
+def shard_weights(graph: Graph, weights: Weights) -> dict[str, Mapping[str, np.ndarray]]:
+    """The weights `graph` (one rank's, after tensor_parallel) reads, from the whole model's."""
+    out: dict[str, Mapping[str, np.ndarray]] = {}
+    for w in graph.weights:
+        node = graph.node(w)
+        key = node.attr("key")
+        shard = node.attr("shard")
+        if shard is None:
+            out[key] = weights[key]
+            continue
+        assert isinstance(node.type, QWeight)
+        out[key] = shard_buffers(node.type, weights[shard[0]], tuple(shard))
+    return out
