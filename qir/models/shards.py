@@ -6,12 +6,18 @@ the tensor and the group size). Rows are views; inputs are views where the layou
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qir.formats.base import FormatError
 from qir.graph import Graph
+from qir.passes.tensor_parallel import TensorParallel
 from qir.types import QWeight
+
+if TYPE_CHECKING:
+    from qir.models.blocks import Block
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
 
@@ -38,16 +44,23 @@ def shard_buffers(
     return cut
 
 
-def shard_weights(graph: Graph, weights: Weights) -> dict[str, Mapping[str, np.ndarray]]:
+def shard_weights(graph: Graph, weights: Weights) -> dict[str, dict[str, np.ndarray]]:
     """The weights `graph` (one rank's, after tensor_parallel) reads, from the whole model's."""
-    out: dict[str, Mapping[str, np.ndarray]] = {}
+    out: dict[str, dict[str, np.ndarray]] = {}
     for w in graph.weights:
         node = graph.node(w)
         key = node.attr("key")
         shard = node.attr("shard")
         if shard is None:
-            out[key] = weights[key]
+            out[key] = dict(weights[key])
             continue
         assert isinstance(node.type, QWeight)
         out[key] = shard_buffers(node.type, weights[shard[0]], tuple(shard))
     return out
+
+
+def tensor_parallel(block: Block, ranks: int, rank: int) -> Block:
+    """Rank `rank`'s part of `block` split across `ranks` ranks: its graph and its weights."""
+    graph = block.graph.copy()
+    TensorParallel(ranks, rank).run(graph)
+    return replace(block, graph=graph, weights=shard_weights(graph, block.weights))
