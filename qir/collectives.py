@@ -8,9 +8,10 @@ the same next id) and the numpy interpreter, the thread group and MPI agree bit 
 all_gather concatenates the ranks' buffers along an axis in rank order.
 
 Communicators: `LocalGroup(n)` runs n ranks as threads of one process (the interpreter's and
-the tests' multi-rank runs, no MPI needed); `MpiComm` (qir.runtime.mpi) runs one rank per
-process. Both time out: a rank that waits longer than `timeout` seconds for the others raises
-CollectiveTimeout naming the collective, so a dead rank ends its peers instead of hanging them.
+the tests' multi-rank runs, no MPI needed); `MpiComm` (qir.runtime.collectives) runs one rank
+per process. Both time out: a rank that waits longer than `timeout` seconds for the others
+raises CollectiveTimeout naming the collective (MpiComm: prints it and aborts the MPI job), so
+a dead rank ends its peers instead of hanging them.
 """
 
 from __future__ import annotations

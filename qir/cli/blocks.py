@@ -13,6 +13,7 @@ import numpy as np
 
 from qir.api import compile
 from qir.audit import audit
+from qir.cli import tp
 from qir.cli.options import (
     add_block_options,
     block_of,
@@ -53,6 +54,8 @@ def _read_input(path: Path, block: Block) -> np.ndarray:
 def cmd_run(args: argparse.Namespace) -> int:
     if args.block == "model":
         return _run_model(args)
+    if args.tp != 1:
+        raise UsageError(f"--tp is for --block model, not --block {args.block}")
     if args.tokens is not None:
         raise UsageError(f"--tokens is for --block model; --block {args.block} takes --input")
     if args.input is None:
@@ -93,7 +96,10 @@ def _run_model(args: argparse.Namespace) -> int:
     if args.audit:
         raise UsageError("--audit takes blocks with an --input, not --block model")
     tokens = token_ids(args.tokens)
-    logits = model_of(args, args.backend).logits(tokens)
+    launched = tp.launch(args)
+    if launched is not None:
+        return launched
+    logits = model_of(args, args.backend, tp.comm_of(args)).logits(tokens)
     np.savez(args.out, logits=logits)
     print(f"wrote {args.out}: logits {list(logits.shape)}")
     return 0
@@ -165,6 +171,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="per W4A4 projection: error vs its W4A16 twin and vs a float32 reference",
     )
+    tp.add_tp(run)
     run.set_defaults(func=cmd_run)
 
     dmp = sub.add_parser("dump", help="write the IR and the generated CUDA of a block")

@@ -11,6 +11,7 @@ backend's buffers, in program order between the kernels.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 
 from qir import collectives
 from qir.codegen.collectives import CollectiveKernel
-from qir.collectives import DEFAULT_TIMEOUT, CollectiveTimeout, Comm
+from qir.collectives import DEFAULT_TIMEOUT, Comm
 from qir.dtypes import by_name
 from qir.errors import UsageError
 
@@ -63,10 +64,15 @@ def collective_runner(kernel: CollectiveKernel, backend: Any, comm: Any) -> Coll
     return CollectiveRunner(kernel, comm, backend.name == "cuda")
 
 
+# The exit status of a job a rank ended because a collective timed out.
+EXIT_TIMEOUT = 3
+
+
 class MpiComm:
     """One rank per MPI process (mpi4py). An exchange is an Iallgather polled until `timeout`
-    seconds: a rank that died or hangs makes the others raise CollectiveTimeout (and `qir`
-    exits with its message) instead of waiting forever."""
+    seconds: where a rank died or hangs, the first rank to give up prints why (naming itself
+    and the collective) and aborts the job (MPI_Abort: every rank exits), instead of waiting
+    forever."""
 
     def __init__(self, mpi_comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         from mpi4py import MPI
@@ -101,12 +107,19 @@ class MpiComm:
         pause = 1e-5
         while not req.Test():
             if time.monotonic() > deadline:
-                raise CollectiveTimeout(
-                    f"rank {self.rank}: {what} timed out after {self.timeout:g} s waiting for "
-                    f"the other {self.size - 1} rank(s) (one died or hangs)"
+                self._abort(
+                    f"{what} timed out after {self.timeout:g} s waiting for the other "
+                    f"{self.size - 1} rank(s) (one died or hangs)"
                 )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _abort(self, message: str) -> None:
+        """Say why and end every rank of the job: a clean exit would wait in MPI_Finalize for
+        the collective that never completes."""
+        sys.stderr.write(f"qir: error: rank {self.rank}: {message}\n")
+        sys.stderr.flush()
+        self.c.Abort(EXIT_TIMEOUT)
 
 
 class NcclComm:

@@ -1,0 +1,109 @@
+"""`--tp N`: ranks as MPI processes (mpiexec from the mpich wheel). The CLI's logits and greedy
+ids equal --tp 1, a split that cannot be made is refused with exit 2, and a rank that hangs or
+dies ends the others (a collective's timeout) instead of hanging the job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.conftest import DATA
+
+QIR = [sys.executable, "-m", "qir.cli"]
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+COMMON = ["--backend", "host", "--act-dtype", "f32", "--max-seq", "32"]
+
+
+def _qir(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*QIR, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_and_run_on_mpi_ranks_equal_one_rank(tmp_path):
+    ck = str(DATA / "autogptq_g64_llama")
+    gen = ["generate", ck, "--tokens", "3,10,17,24,31", "--max-new-tokens", "3", "--greedy"]
+    outs = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"g{n}.npz"
+        p = _qir(*gen, *COMMON, "--tp", str(n), "--out", str(out))
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.count("wrote ") == 1  # rank 0 alone prints
+        outs[n] = np.load(out)
+    for n in (2, 4):
+        np.testing.assert_array_equal(outs[n]["tokens"], outs[1]["tokens"])
+        ref = outs[1]["logits"]
+        assert np.abs(outs[n]["logits"] - ref).max() / np.abs(ref).max() <= 1e-5
+    run = ["run", ck, "--block", "model", "--tokens", "3,10,17", *COMMON]
+    p = _qir(*run, "--tp", "2", "--out", str(tmp_path / "r2.npz"))
+    assert p.returncode == 0, p.stderr
+    q = _qir(*run, "--out", str(tmp_path / "r1.npz"))
+    a, b = np.load(tmp_path / "r1.npz")["logits"], np.load(tmp_path / "r2.npz")["logits"]
+    assert np.abs(a - b).max() / np.abs(a).max() <= 1e-5, q.stderr
+
+
+def test_a_split_that_cannot_be_made_is_refused():
+    ck = str(DATA / "autogptq_g64_llama")
+    p = _qir("generate", ck, "--tokens", "3", "--max-new-tokens", "1", *COMMON, "--tp", "3")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 3  # one line per rank, each naming itself
+    for r in range(3):
+        assert (
+            f"qir: error: rank {r}: tensor_parallel: %l0.attn has 4 heads and 2 KV heads; "
+            "3 ranks must divide the heads" in p.stderr
+        )
+
+
+RANK = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    from qir.collectives import all_reduce
+    from qir.runtime.collectives import MpiComm
+
+    comm = MpiComm(timeout=120)  # the ranks start at their own pace on a loaded machine
+    x = np.ones(4, np.float32)
+    assert all_reduce(comm, x, "warm-up").tolist() == [comm.size] * 4
+    comm.timeout = float(sys.argv[2])
+    if comm.rank == 1:
+        if sys.argv[1] == "hang":
+            time.sleep(60)
+        os._exit(3)
+    all_reduce(comm, x, "%l0.o.all_reduce")
+    """
+)
+
+
+def _job(tmp_path: Path, what: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, str(script), what, "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    return p, time.perf_counter() - t0
+
+
+def test_a_rank_that_hangs_makes_the_others_exit_with_a_message(tmp_path):
+    p, seconds = _job(tmp_path, "hang")
+    assert p.returncode != 0
+    assert (
+        "qir: error: rank 0: %l0.o.all_reduce timed out after 1.5 s waiting for the other 1 "
+        "rank(s) (one died or hangs)" in p.stderr
+    )
+    assert seconds < 40  # not rank 1's 60 s sleep
+
+
+def test_a_rank_that_dies_ends_the_job(tmp_path):
+    p, seconds = _job(tmp_path, "die")
+    assert p.returncode != 0
+    assert seconds < 40
