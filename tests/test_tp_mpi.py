@@ -4,6 +4,7 @@ dies ends the others (a collective's timeout) instead of hanging the job."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,3 +108,40 @@ def test_a_rank_that_dies_ends_the_job(tmp_path):
     p, seconds = _job(tmp_path, "die")
     assert p.returncode != 0
     assert seconds < 40
+
+
+def test_compile_reports_each_ranks_bytes_and_collectives(tmp_path, capsys):
+    from qir.cli import main
+    from qir.models import load
+    from qir.models.blocks import build
+
+    ck = DATA / "autogptq_g64_llama"  # 2 layers, hidden 256, vocab 256, 2 KV heads, biases
+    argv = ["-q", "compile", str(ck), "--block", "model", "--act-dtype", "f32", "--max-seq", "32"]
+    assert main([*argv, "--m", "1", "--json", str(tmp_path / "one.json")]) == 0
+    one = json.loads((tmp_path / "one.json").read_text())["memory"]
+    assert main([*argv, "--tp", "2", "--json", str(tmp_path / "tp.json")]) == 0
+    report = json.loads((tmp_path / "tp.json").read_text())
+    assert report["tp"] == 2 and len(report["ranks"]) == 2
+    b = build(load(ck), "model", 0)
+    graph = b.graph
+    embed = sum(a.nbytes for a in b.weights["model.embed_tokens"].values())
+    norms = sum(
+        graph.node(w).type.shape[0] * 2
+        for w in graph.weights
+        if graph.node(w).op == "weight" and not hasattr(graph.node(w).type, "format")
+    )
+    row_biases = 4 * 256 * 4  # o_proj and down_proj of 2 layers, f32: kept on rank 0 only
+    mems = [r["memory"] for r in report["ranks"]]
+    # the sharded weights split in two (row-parallel biases on rank 0 alone), the replicated
+    # ones (embedding, norms) on both
+    assert sum(m["weights_bytes"] for m in mems) == one["weights_bytes"] + embed + norms
+    assert mems[0]["weights_bytes"] - mems[1]["weights_bytes"] == row_biases
+    for r, rank in enumerate(report["ranks"]):
+        assert rank["graph"] == f"model.rank{r}of2"
+        assert rank["memory"]["kv_cache_bytes"] == one["kv_cache_bytes"] // 2  # 1 KV head each
+        ops = [c["op"] for c in rank["collectives"]]
+        assert ops == ["all_reduce"] * 4 + ["all_gather"]
+        # 4 all_reduces of a 256-float row, 1 all_gather of a rank's 128 logits
+        assert rank["collective_bytes_per_token"] == {"payload": 4 * 1024 + 512, "sent": 4608}
+    err = capsys.readouterr().err
+    assert "rank 1/2: weights" in err and "5 collectives move 4608 B per token" in err

@@ -25,9 +25,10 @@ from qir.cli.options import (
 )
 from qir.codegen.lower import Plan, lower
 from qir.draw import SUFFIXES, draw
-from qir.dump import dump, plan_json
+from qir.dump import collectives_json, dump, plan_json
 from qir.errors import UsageError
 from qir.models.blocks import Block
+from qir.models.shards import tensor_parallel
 from qir.runtime.backend import BACKENDS
 
 
@@ -121,6 +122,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     block = block_of(args)
+    if args.tp != 1:
+        return _compile_tp(args, block)
     after, _ = pipeline(args, block)
     plan = lower(after, target=target_of(args))
     text = json.dumps(plan_json(plan, args.m), indent=2) + "\n"
@@ -130,6 +133,46 @@ def cmd_compile(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.resources:
         _print_resources(plan, args.m or 1)
+    return 0
+
+
+def _compile_tp(args: argparse.Namespace, block: Block) -> int:
+    """Each rank's plan (tensor_parallel, then the pipeline) with its memory at --m (default 1)
+    and its collectives' bytes per token; a line per rank on stderr; --resources: each rank's
+    static cost table."""
+    if isinstance(args.tp, bool) or not isinstance(args.tp, int) or args.tp < 1:
+        raise UsageError(f"--tp must be a positive int, got {args.tp!r}")
+    m = args.m or 1
+    ranks = []
+    for r in range(args.tp):
+        part = tensor_parallel(block, args.tp, r)
+        after, _ = pipeline(args, part)
+        plan = lower(after, target=target_of(args))
+        entry = plan_json(plan, m)
+        coll = collectives_json(plan)
+        entry["collectives"] = coll
+        entry["collective_bytes_per_token"] = {
+            "payload": sum(int(c["payload_bytes"]) for c in coll),  # type: ignore[call-overload]
+            "sent": sum(int(c["sent_bytes"]) for c in coll),  # type: ignore[call-overload]
+        }
+        ranks.append(entry)
+        mem: Any = entry["memory"]
+        moved: Any = entry["collective_bytes_per_token"]
+        print(
+            f"rank {r}/{args.tp}: weights {mem['weights_bytes']} B, KV cache "
+            f"{mem['kv_cache_bytes']} B, arena {mem['arena_bytes']} B at M={m}; "
+            f"{len(coll)} collectives move {moved['payload']} B per token "
+            f"({moved['sent']} B sent by a ring)",
+            file=sys.stderr,
+        )
+        if args.resources:
+            print(f"rank {r}: ", end="")
+            _print_resources(plan, m)
+    text = json.dumps({"tp": args.tp, "ranks": ranks}, indent=2) + "\n"
+    if args.json:
+        args.json.write_text(text)
+    elif not args.resources:
+        sys.stdout.write(text)
     return 0
 
 
@@ -188,6 +231,14 @@ def register(sub: Any) -> None:
         action="store_true",
         help="print each kernel's static cost on --arch (registers, spills, occupancy, SASS "
         "instructions and bytes in flight per 512 B of weights, the bandwidth bound) at --m",
+    )
+    cmp_.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each of N tensor-parallel ranks' plan: weight, KV and arena bytes per rank and "
+        "the bytes its collectives move per token",
     )
     cmp_.set_defaults(func=cmd_compile)
 

@@ -35,9 +35,9 @@ from qir.api import Compiled, compile
 from qir.collectives import Comm
 from qir.dtypes import DType
 from qir.errors import UsageError
-from qir.models.blocks import Block, build
+from qir.models.blocks import build
 from qir.models.checkpoint import Checkpoint, load
-from qir.models.shards import tensor_parallel
+from qir.models.shard_read import ShardReader, load_rank
 from qir.sampling import Sampling, seed_row
 from qir.types import TensorType
 
@@ -122,10 +122,15 @@ class Model:
         rank's end of a tensor-parallel group (qir.collectives); the model is then its rank's
         part (qir.passes.tensor_parallel), every rank running the same calls in step."""
         self.checkpoint = ck
-        self.block: Block = build(ck, "model", 0, act, max_seq, kv_pages, prefill_chunk)
         self.comm = comm
+        # A tensor-parallel rank reads only its shards (qir.models.shard_read), counted here.
+        self.shard_reader: ShardReader | None = None
         if comm is not None and comm.size > 1:
-            self.block = tensor_parallel(self.block, comm.size, comm.rank)
+            self.block, self.shard_reader = load_rank(
+                ck, comm.size, comm.rank, act, max_seq, kv_pages, prefill_chunk
+            )
+        else:
+            self.block = build(ck, "model", 0, act, max_seq, kv_pages, prefill_chunk)
         if self.block.kv_pages < self.block.table_pages:
             raise UsageError(
                 f"kv_pages {self.block.kv_pages} hold less than one sequence of {self.block.max_seq} "
