@@ -3,9 +3,9 @@ processes, one rank each) against --tp 1, side by side, medians.
 
     python benchmarks/tp.py [--tp 1 2 4] [--hidden 1024] [--layers 2] [--tokens 16] [--repeat 3]
 
-Measured on the 2-core development machine (three developers sharing it), --hidden 512
---layers 2 --tokens 8 --repeat 1: tp 1 0.6 tokens/s, tp 2 1.5 (2.5x: each rank's GEMVs are
-half as wide, and the host runtime's fibers scale worse than linearly with width).
+Measured on the 2-core development machine while two other developers' tests ran on it,
+--tp 1 2 4 --hidden 512 --layers 2 --tokens 8 --repeat 3: 1.6, 1.7 and 2.3 tokens/s (1.00,
+1.06, 1.44): noisy, and a CPU says little about what a split buys on GPUs.
 
 The model is a synthetic Llama in MLX 4-bit (group 64) written to a temporary directory, sized
 by --hidden (intermediate 2.75x, head_dim 64, a KV head per 4 heads, --vocab 4096) so

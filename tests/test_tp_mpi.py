@@ -145,3 +145,34 @@ def test_compile_reports_each_ranks_bytes_and_collectives(tmp_path, capsys):
         assert rank["collective_bytes_per_token"] == {"payload": 4 * 1024 + 512, "sent": 4608}
     err = capsys.readouterr().err
     assert "rank 1/2: weights" in err and "5 collectives move 4608 B per token" in err
+
+
+def test_graph_and_dump_show_one_ranks_part(tmp_path):
+    from qir.cli import main
+
+    ck = str(DATA / "autogptq_g64_llama")
+    argv = ["-q", "dump", ck, "--block", "layer", "--tp", "2", "--rank", "1"]
+    assert main([*argv, "--out", str(tmp_path / "d")]) == 0
+    before = (tmp_path / "d" / "before.ir").read_text()
+    assert before.startswith("graph layer.rank1of2 {")
+    assert before.count("= all_reduce") == 2
+    note = (tmp_path / "d" / "all_reduce_f16_n256_r2.cu").read_text()
+    assert "run by the block's communicator" in note
+    assert (
+        main(
+            [
+                "-q",
+                "dump",
+                ck,
+                "--block",
+                "layer",
+                "--tp",
+                "2",
+                "--rank",
+                "2",
+                "--out",
+                str(tmp_path / "e"),
+            ]
+        )
+        == 2
+    )

@@ -106,8 +106,21 @@ def _run_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_dump(args: argparse.Namespace) -> int:
+def _rank_block(args: argparse.Namespace) -> Block:
+    """The block, or with --tp N its part on --rank R (tensor_parallel)."""
     block = block_of(args)
+    if args.tp < 1 or not 0 <= args.rank < args.tp:
+        raise UsageError(f"--rank {args.rank} of --tp {args.tp} is out of range")
+    return tensor_parallel(block, args.tp, args.rank) if args.tp > 1 else block
+
+
+def _add_rank(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks")
+    p.add_argument("--rank", type=int, default=0, help="with --tp: the rank whose part to show")
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    block = _rank_block(args)
     after, records = pipeline(args, block)
     plan = lower(after, target=target_of(args))
     files = dump(block.graph, after, plan, args.out)
@@ -189,7 +202,7 @@ def _print_resources(plan: Plan, m: int) -> None:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    block = block_of(args)
+    block = _rank_block(args)
     after, _ = pipeline(args, block)
     files, missing = draw(block.graph, after, lower(after, target=target_of(args)), args.out)
     print(f"wrote {', '.join(str(f) for f in files)}")
@@ -220,6 +233,7 @@ def register(sub: Any) -> None:
     dmp = sub.add_parser("dump", help="write the IR and the generated CUDA of a block")
     add_block_options(dmp)
     dmp.add_argument("--out", type=Path, required=True, help="output directory")
+    _add_rank(dmp)
     dmp.set_defaults(func=cmd_dump)
 
     cmp_ = sub.add_parser("compile", help="print the launch plan of a block as JSON")
@@ -247,4 +261,5 @@ def register(sub: Any) -> None:
     )
     add_block_options(gph)
     gph.add_argument("--out", type=Path, required=True, help=f"picture file: {', '.join(SUFFIXES)}")
+    _add_rank(gph)
     gph.set_defaults(func=cmd_graph)

@@ -38,6 +38,11 @@ def add_tp(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _in_mpi_job() -> bool:
+    """Whether this process is a rank: launched by `launch`, or by the user's own mpiexec."""
+    return any(os.environ.get(v) for v in (RANKS_ENV, "PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
 def _mpiexec() -> str:
     local = Path(sys.executable).parent / "mpiexec"
     found = str(local) if local.exists() else shutil.which("mpiexec")
@@ -54,7 +59,7 @@ def launch(args: argparse.Namespace) -> int | None:
         raise UsageError(f"--tp must be a positive int, got {n!r}")
     if not args.tp_timeout > 0:
         raise UsageError(f"--tp-timeout must be positive, got {args.tp_timeout}")
-    if n == 1 or os.environ.get(RANKS_ENV):
+    if n == 1 or _in_mpi_job():
         return None
     try:
         import mpi4py  # noqa: F401  (the ranks need it; say so before launching them)
@@ -67,7 +72,7 @@ def launch(args: argparse.Namespace) -> int | None:
 def comm_of(args: argparse.Namespace) -> Any:
     """This rank's MpiComm under a --tp launch (ranks other than 0 then print nothing), else
     None."""
-    if args.tp == 1 or not os.environ.get(RANKS_ENV):
+    if args.tp == 1 or not _in_mpi_job():
         return None
     from qir.runtime.collectives import MpiComm
 

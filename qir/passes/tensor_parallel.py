@@ -30,7 +30,9 @@ exact or refused). The graph is renamed `<name>.rank<r>of<N>` so printed IR says
 Preconditions: the builder's unfused graph (run before the default pipeline); heads, KV heads
 (or ranks by KV heads), intermediate features and vocabulary divisible by the ranks.
 Does not handle (refused in one line): MoE layers (route / expert_qlinear), and fused or
-multi-output qlinears. Types downstream of what it narrows are re-inferred from the op table.
+multi-output qlinears. MoE would split by expert (rank r its E/N experts whole, the router
+replicated, the combine an all_reduce): a token reads k whole experts, so a split by rows would
+make every rank read a slice of every chosen expert for the same all_reduce. Types downstream of what it narrows are re-inferred from the op table.
 """
 
 from __future__ import annotations
