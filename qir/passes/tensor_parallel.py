@@ -13,12 +13,15 @@
   splitting it saves only its memory (V x hidden / N per rank) and would add a collective to
   every step's critical path (a masked lookup plus an all_reduce).
 
-The all_reduce comes right after the row-parallel qlinear, so every later op (a residual add,
-Gemma's post-norm) sees the whole sum: the residual is added once, after the reduce. The
-residual epilogue pass cannot fold that add into the qlinear any more (its operand is the
-all_reduce, not the qlinear), which is what keeps it from adding the residual N times; the other
-fusions (merged q/k/v and gate/up, SiLU prologue, norm prologues, RoPE and head-norm folds) see
-the same patterns as before, on narrower weights, and fire per rank.
+The all_reduce comes right after the row-parallel qlinear, so every later op sees the whole
+sum. A residual add that reads the sum directly, `r + all_reduce(p)`, becomes
+`all_reduce(r + p)` on rank 0 and `all_reduce(p)` on the others: the residual is added once (by
+rank 0, to its partial sum), and the residual epilogue pass folds it into rank 0's projection
+as before, so no rank launches an add; on the other ranks there is no add to fold, which is
+what keeps it from adding the residual N times. Where the sum goes elsewhere first (Gemma's
+post-norm), the add stays after the all_reduce. The other fusions (merged q/k/v and gate/up,
+SiLU, norm prologues, RoPE and head-norm folds) see the same patterns as before, on narrower
+weights, and fire per rank.
 
 A sharded weight node gets `shard = (source key, axis, start, stop, whole)`: rows ("out") or
 inputs ("in") start..stop of the checkpoint weight `source`, whose size along that axis is
@@ -123,7 +126,7 @@ class TensorParallel:
             if node.op == "qlinear" and graph.operands(o)[0] == a:
                 _plain(graph, o)
                 self._split(graph, o, "in", r * local * head_dim, (r + 1) * local * head_dim)
-                self._after(graph, o, "all_reduce")
+                self._residual_first(graph, self._after(graph, o, "all_reduce"))
                 fired += 1
         return fired
 
@@ -150,7 +153,7 @@ class TensorParallel:
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, down, "in", lo, hi)
-        self._after(graph, down, "all_reduce")
+        self._residual_first(graph, self._after(graph, down, "all_reduce"))
         return 3
 
     def _lm_head(self, graph: Graph, sample: str) -> int:
@@ -198,6 +201,30 @@ class TensorParallel:
         graph.set_operands(q, tuple(ops))
         if not graph.use_count(w):
             graph.remove(w)
+
+    def _residual_first(self, graph: Graph, reduce: str) -> None:
+        """`add(r, all_reduce(p))` -> `all_reduce(add(r, p))` on rank 0 and `all_reduce(p)` on
+        the others: the residual joins rank 0's partial sum, so it is added once, and on rank 0
+        the residual epilogue folds it into the projection's launch (no add launch per rank).
+        Where the sum goes elsewhere first (Gemma's post-norm), the add stays after it."""
+        users = graph.users(reduce)
+        if len(users) != 1 or graph.use_count(reduce) != 1 or graph.node(users[0]).op != "add":
+            return
+        add = users[0]
+        (p,) = graph.operands(reduce)
+        if self.rank == 0:
+            operands = tuple(p if o == reduce else o for o in graph.operands(add))
+            graph.set_operands(reduce, (add,))
+            graph.set_operands(add, operands)
+            for u in graph.users(add):
+                if u != reduce:
+                    graph.set_operands(
+                        u, tuple(reduce if o == add else o for o in graph.operands(u))
+                    )
+            graph.outputs = [(n, reduce if v == add else v) for n, v in graph.outputs]
+            return
+        graph.replace_all_uses(add, reduce)
+        graph.remove(add)
 
     def _after(self, graph: Graph, value: str, op: str, **attrs: int) -> str:
         """Insert `op` (a collective over the ranks) after `value`; its users read it instead."""

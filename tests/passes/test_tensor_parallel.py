@@ -45,9 +45,15 @@ MLP_RANK1 = f"""graph mlp.rank1of2 {{
   %w_down.in64 = weight {{key="down:in64-128", shard=["down", "in", 64, 128, 128]}} : {FMT}[64, 64]
   %down = qlinear %h, %w_down.in64 : f32[M, 64]
   %down.all_reduce = all_reduce %down {{ranks=2}} : f32[M, 64]
-  %y = add %x, %down.all_reduce : f32[M, 64]
-  output y = %y
+  output y = %down.all_reduce
 }}
+"""
+# rank 0 adds the residual to its partial sum, before the all_reduce (the others add none)
+MLP_RANK0_TAIL = """  %down = qlinear %h, %w_down.in0 : f32[M, 64]
+  %y = add %x, %down : f32[M, 64]
+  %down.all_reduce = all_reduce %y {ranks=2} : f32[M, 64]
+  output y = %down.all_reduce
+}
 """
 
 
@@ -76,6 +82,9 @@ def test_mlp_ir_before_after_and_numbers():
     g = parse(MLP)
     assert TensorParallel(2, 1).run(g) == 3
     assert print_graph(g) == MLP_RANK1
+    g0 = parse(MLP)
+    assert TensorParallel(2, 0).run(g0) == 3
+    assert print_graph(g0).endswith(MLP_RANK0_TAIL)
     rng = np.random.default_rng(0)
     weights = weights_for(MLP, rng)
     x = {"x": rng.standard_normal((5, 64)).astype(np.float32)}
@@ -162,12 +171,20 @@ def test_row_parallel_bias_stays_on_rank_0_and_fusions_fire_per_rank():
         assert o.bias == (r == 0) and q.bias  # column-parallel biases are sliced, kept
         assert ("bias" in weights[g.node(g.operands("l0.o")[1]).attr("key")]) == (r == 0)
     _, whole_records = run_pipeline(b.graph)
-    rank, records = run_pipeline(parts[1][0])
-    fired = {p.name: p.matches for p in records}
     fired_whole = {p.name: p.matches for p in whole_records}
-    for p in ("merge_parallel", "silu_epilogue", "fold_rope", "norm_prologue", "select_kernels"):
-        assert fired[p] == fired_whole[p] > 0, p
-    # the residual epilogue folds no add after an all_reduce: the residual is added once
-    assert fired_whole["residual_epilogue"] == 4 and fired["residual_epilogue"] == 0
-    text = print_graph(rank)
-    assert text.count("= all_reduce") == 4 and text.count("= all_gather") == 1
+    for r in (0, 1):
+        rank, records = run_pipeline(parts[r][0])
+        fired = {p.name: p.matches for p in records}
+        for p in (
+            "merge_parallel",
+            "silu_epilogue",
+            "fold_rope",
+            "norm_prologue",
+            "select_kernels",
+        ):
+            assert fired[p] == fired_whole[p] > 0, p
+        # the residual is added once: in rank 0's o/down epilogues, nowhere on rank 1
+        assert fired["residual_epilogue"] == (fired_whole["residual_epilogue"] if r == 0 else 0)
+        text = print_graph(rank)
+        assert text.count("= all_reduce") == 4 and text.count("= all_gather") == 1
+        assert " = add " not in text  # no rank launches an add of its own
