@@ -222,9 +222,10 @@ class WeightFormat(ABC):
             width = want[axis]
             lo, hi = start * width, stop * width
             if lo % in_features or hi % in_features or (hi - lo) // in_features != have[axis]:
+                block = -(-in_features // width)
                 raise FormatError(
-                    f"{where}.{name}: a K split {start}..{stop} of in_features {in_features} "
-                    f"does not cut its {width} columns exactly"
+                    f"{where}.{name}: a K split {start}..{stop} of in_features {in_features} is "
+                    f"not on its blocks of {block} inputs, so it cannot be exact"
                 )
             index = [slice(None)] * len(want)
             index[axis] = slice(lo // in_features, hi // in_features)

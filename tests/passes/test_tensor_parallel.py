@@ -188,3 +188,44 @@ def test_row_parallel_bias_stays_on_rank_0_and_fusions_fire_per_rank():
         text = print_graph(rank)
         assert text.count("= all_reduce") == 4 and text.count("= all_gather") == 1
         assert " = add " not in text  # no rank launches an add of its own
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "mlx_affine4_qwen3",  # per-head q/k norms
+        "ct_w4a16_qwen2",  # q/k/v biases
+        "mlx_affine4_mistral",  # sliding window
+        "mlx_affine4_phi3",  # fused qkv / gate_up read as rows
+        "mlx_affine4_gemma3",  # post-norms after o/down, soft-capped logits, gelu
+    ],
+)
+def test_families_split_on_two_ranks_read_from_their_shards(fixture):
+    from qir.models.shard_read import load_rank
+
+    b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+    inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
+    want = interpret(b.graph, inputs, b.weights)["logits"]
+    parts = [load_rank(load(DATA / fixture), 2, r, act=F32, max_seq=32)[0] for r in range(2)]
+    outs = _interpret([(p.graph, p.weights) for p in parts], inputs)
+    for o in outs:
+        assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_a_k_split_off_the_group_size_is_refused_naming_the_tensor():
+    from qir.formats.base import FormatError
+    from qir.models.shard_read import load_rank
+
+    # group size 128: o_proj's K of 256 cut in four is 64 per rank
+    with pytest.raises(
+        FormatError,
+        match=r"^model.layers.0.self_attn.o_proj: a K split 0..64 of "
+        r"in_features 256 is not on the group size 128 boundaries",
+    ):
+        load_rank(load(DATA / "ct_w4a16_qwen2"), 4, 0, act=F32, max_seq=32)
+    with pytest.raises(
+        FormatError,
+        match=r"o_proj.scale: a K split 0..64 of in_features 256 is "
+        r"not on its blocks of 128 inputs",
+    ):
+        load_rank(load(DATA / "fp8block_qwen3"), 4, 0, act=F32, max_seq=32)
