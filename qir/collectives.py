@@ -74,7 +74,7 @@ class LocalGroup:
     def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.size = size
         self.timeout = timeout
-        self._slots: list[np.ndarray | None] = [None] * size
+        self._slots: list[Any] = [None] * size
         self._barrier = threading.Barrier(size)
 
     def comm(self, rank: int) -> LocalComm:
@@ -134,6 +134,15 @@ class LocalComm:
     @property
     def size(self) -> int:
         return self.group.size
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """`root`'s obj on every rank (the serving followers' next step)."""
+        g = self.group
+        g._slots[self._rank] = obj
+        g._wait(self._rank, "bcast")
+        out = g._slots[root]
+        g._wait(self._rank, "bcast")
+        return out
 
     def exchange(self, a: np.ndarray, what: str) -> list[np.ndarray]:
         g = self.group

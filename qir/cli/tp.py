@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,21 @@ def launch(args: argparse.Namespace) -> int | None:
     except ImportError:
         raise UsageError(f"--tp {n} needs mpi4py: {INSTALL}") from None
     cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "qir.cli", *sys.argv[1:]]
-    return subprocess.call(cmd, env={**os.environ, RANKS_ENV: str(n)})
+    job = subprocess.Popen(cmd, env={**os.environ, RANKS_ENV: str(n)})
+
+    def forward(signum: int, frame: Any) -> None:  # Ctrl-C / SIGTERM reach the ranks
+        job.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return job.wait()
+            except InterruptedError:
+                continue
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def comm_of(args: argparse.Namespace) -> Any:
