@@ -100,7 +100,7 @@ def _run_model(args: argparse.Namespace) -> int:
     launched = tp.launch(args)
     if launched is not None:
         return launched
-    logits = model_of(args, args.backend, tp.comm_of(args)).logits(tokens)
+    logits = model_of(args, args.backend, tp.comm_of(args, args.backend)).logits(tokens)
     np.savez(args.out, logits=logits)
     print(f"wrote {args.out}: logits {list(logits.shape)}")
     return 0

@@ -33,7 +33,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _model(args: argparse.Namespace) -> Model:
-    model = model_of(args, args.backend or best_backend(), tp.comm_of(args))
+    backend = args.backend or best_backend()
+    model = model_of(args, backend, tp.comm_of(args, backend))
     ignored = model.generation_config.not_applied()
     if ignored and (args.prompt is not None or args.chat is not None or args.command == "chat"):
         print(

@@ -59,8 +59,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     launched = tp.launch(args)
     if launched is not None:
         return launched
-    comm = tp.comm_of(args)
     options = model_options(args, args.backend or best_backend())
+    comm = tp.comm_of(args, options["backend"])
     if comm is not None and comm.rank != 0:  # a rank that repeats rank 0's steps, no HTTP
         # Rank 0 drains on Ctrl-C / SIGTERM and then stops the others: they must not die first.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -84,12 +84,13 @@ def launch(args: argparse.Namespace) -> int | None:
             signal.signal(s, handler)
 
 
-def comm_of(args: argparse.Namespace) -> Any:
-    """This rank's MpiComm under a --tp launch (ranks other than 0 then print nothing), else
-    None."""
+def comm_of(args: argparse.Namespace, backend: str) -> Any:
+    """This rank's communicator under a --tp launch (ranks other than 0 then print nothing),
+    else None: MPI on host buffers, or on the cuda backend NCCL on the rank's GPU (untested on
+    a device)."""
     if args.tp == 1 or not _in_mpi_job():
         return None
-    from qir.runtime.collectives import MpiComm
+    from qir.runtime.collectives import MpiComm, device_comm
 
     comm = MpiComm(timeout=args.tp_timeout)
     if comm.size != args.tp:
@@ -97,7 +98,7 @@ def comm_of(args: argparse.Namespace) -> Any:
     if comm.rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
         logging.getLogger(LOGGER).setLevel(logging.WARNING)
-    return comm
+    return device_comm(comm) if backend == "cuda" else comm
 
 
 def error_prefix() -> str:

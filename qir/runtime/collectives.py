@@ -137,6 +137,19 @@ class NcclComm:
         self.c = nccl.NcclCommunicator(mpi.size, uid, mpi.rank)
         self.rank, self.size = mpi.rank, mpi.size
 
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """Host objects (the serving followers' steps) still go over MPI."""
+        return self.mpi.bcast(obj, root)
+
+
+def device_comm(mpi: MpiComm) -> NcclComm:
+    """This rank's GPU (rank modulo the devices this process sees) and a NCCL communicator on
+    it. A NCCL collective has no timeout of its own: a dead peer ends the job through mpiexec."""
+    import cupy
+
+    cupy.cuda.Device(mpi.rank % cupy.cuda.runtime.getDeviceCount()).use()
+    return NcclComm(mpi)
+
 
 _NCCL_TYPES = {"f16": "NCCL_FLOAT16", "bf16": "NCCL_BFLOAT16", "f32": "NCCL_FLOAT32"}
 
