@@ -3,7 +3,9 @@
 1. Types: the model block is built from a copy of the checkpoint whose 2-D+ tensors read as
    zeros of their header's shape and dtype (no file bytes; small tensors, such as norms, biases
    and per-tensor scales, are read), and tensor_parallel rewrites it into the rank's graph: which
-   weight each rank holds, and which rows or inputs of it.
+   weight each rank holds, and which rows or inputs of it. The families' readers still run on
+   those zeros (AWQ GEMM's repack, for one), which costs CPU time and transient memory of the
+   whole model, though no I/O; a header-only type reader per family would remove it.
 2. Bytes: each sharded linear is read through its family's table of tensor axes
    (qir.models.families.Axes): a tensor's rows or columns of the shard are sliced from the
    memory-mapped file before they are copied, so only they are read; the family's reader then
