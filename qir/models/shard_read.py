@@ -31,9 +31,9 @@ from qir.dtypes import DType
 from qir.formats.base import FormatError
 from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.shards import shard_buffers
+from qir.models.shards import shard_buffers, tensor_parallel
 from qir.passes.tensor_parallel import TensorParallel
-from qir.types import QWeight
+from qir.types import QExperts, QWeight
 
 Shard = tuple[str, str, int, int, int]  # (source, axis, start, stop, whole)
 
@@ -205,6 +205,11 @@ def load_rank(
     meta = build(
         _with_store(ck, _MetaStore(reader)), "model", 0, act, max_seq, kv_pages, prefill_chunk
     )
+    if any(isinstance(meta.graph.node(w).type, QExperts) for w in meta.graph.weights):
+        # Stacked experts are read by qir.models.experts, not through a family's linear:
+        # a MoE checkpoint is read whole (counted), then cut.
+        whole = build(_with_store(ck, reader), "model", 0, act, max_seq, kv_pages, prefill_chunk)
+        return tensor_parallel(whole, ranks, rank), reader
     graph = meta.graph.copy()
     TensorParallel(ranks, rank).run(graph)
     shards: list[Shard] = []

@@ -32,10 +32,15 @@ exact or refused). The graph is renamed `<name>.rank<r>of<N>` so printed IR says
 
 Preconditions: the builder's unfused graph (run before the default pipeline); heads, KV heads
 (or ranks by KV heads), intermediate features and vocabulary divisible by the ranks.
-Does not handle (refused in one line): MoE layers (route / expert_qlinear), and fused or
-multi-output qlinears. MoE would split by expert (rank r its E/N experts whole, the router
-replicated, the combine an all_reduce): a token reads k whole experts, so a split by rows would
-make every rank read a slice of every chosen expert for the same all_reduce. Types downstream of what it narrows are re-inferred from the op table.
+- A MoE MLP is split like the dense one, inside every expert: each expert's gate/up by its
+  intermediate features, its down by the same inputs, the router replicated (every rank routes
+  alike), the combine of the rank's partial rows then an all_reduce (the residual in rank 0's
+  combine). Not by expert: at decode a step reads its k chosen experts, and split by rows every
+  rank reads 1/N of each of them whichever they are, where split by expert the ranks holding
+  the chosen ones do all the work (and a rank holding none idles); it also needs no new op
+  semantics or kernels.
+
+Does not handle (refused in one line): fused or multi-output qlinears. Types downstream of what it narrows are re-inferred from the op table.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from dataclasses import dataclass, replace
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
 from qir.ops import spec
-from qir.types import QWeight, TensorType, TupleType
+from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
 # norms (Qwen3, Gemma 3) and RoPE, which the split by heads leaves unchanged.
@@ -74,16 +79,13 @@ class TensorParallel:
             raise TensorParallelError(f"tensor_parallel: rank {r} of {n} ranks is out of range")
         if n == 1:
             return 0
-        moe = [v for v, node in graph.items() if node.op in ("route", "expert_qlinear")]
-        if moe:
-            raise TensorParallelError(
-                f"tensor_parallel: %{moe[0]} is a MoE layer, which is not split across ranks yet"
-            )
         fired = 0
         for a in graph.of_op("attention"):
             fired += self._attention(graph, a)
         for d in graph.of_op("qlinear"):
             fired += self._mlp(graph, d)
+        for d in graph.of_op("expert_qlinear"):
+            fired += self._experts(graph, d)
         for s in graph.of_op("sample"):
             fired += self._lm_head(graph, s)
         _reinfer(graph)
@@ -156,6 +158,41 @@ class TensorParallel:
         self._residual_first(graph, self._after(graph, down, "all_reduce"))
         return 3
 
+    def _experts(self, graph: Graph, down: str) -> int:
+        """A MoE MLP: every expert split by its intermediate features, as the dense MLP (the
+        router replicated, so every rank routes alike); the combine of each rank's partial
+        rows, then an all_reduce, the residual in rank 0's combine only."""
+        n, r = self.ranks, self.rank
+        h = graph.operands(down)[0]
+        node = graph.node(down)
+        if graph.node(h).op != "expert_qlinear" or graph.node(h).attr("epilogue") != "silu_mul":
+            return 0
+        epilogue = node.attr("epilogue")
+        if epilogue not in ("combine", "combine_residual") or node.attr("kernel") is not None:
+            raise TensorParallelError(
+                f"tensor_parallel: %{down} is an expert qlinear without a combine epilogue; "
+                "run the pass on the unfused block"
+            )
+        gate = graph.node(graph.operands(h)[1]).type
+        assert isinstance(gate, QExperts)
+        inter = gate.expert.out_features
+        if inter % n:
+            raise TensorParallelError(
+                f"tensor_parallel: %{h}'s experts have {inter} intermediate features, not "
+                f"divisible by {n} ranks"
+            )
+        lo, hi = r * inter // n, (r + 1) * inter // n
+        self._split(graph, h, "out", lo, hi, at=1)
+        self._split(graph, h, "out", lo, hi, at=2)
+        self._split(graph, down, "in", lo, hi, at=1)
+        if epilogue == "combine_residual" and r != 0:  # the residual is rank 0's to add
+            graph.set_operands(down, graph.operands(down)[:-1])
+            graph.set_node(down, graph.node(down).with_attrs(epilogue="combine"))
+        reduce = self._after(graph, down, "all_reduce")
+        if epilogue == "combine":
+            self._residual_first(graph, reduce)
+        return 3
+
     def _lm_head(self, graph: Graph, sample: str) -> int:
         n, r = self.ranks, self.rank
         value = graph.operands(sample)[0]
@@ -177,19 +214,22 @@ class TensorParallel:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _split(self, graph: Graph, q: str, axis: str, start: int, stop: int) -> None:
-        """Point qlinear q at its weight's rows (axis "out") or inputs ("in") start..stop: a new
-        weight node, so a weight other nodes use (a tied embedding) stays whole for them."""
-        w = graph.operands(q)[1]
+    def _split(self, graph: Graph, q: str, axis: str, start: int, stop: int, at: int = 1) -> None:
+        """Point q's weight operand `at` at the weight's rows (axis "out") or inputs ("in")
+        start..stop (each expert's, for stacked experts): a new weight node, so a weight other
+        nodes use (a tied embedding) stays whole for them."""
+        w = graph.operands(q)[at]
         node = graph.node(w)
         t = node.type
-        assert isinstance(t, QWeight)
+        one = t.expert if isinstance(t, QExperts) else t
+        assert isinstance(one, QWeight)
         source = node.attr("key")
-        whole = t.out_features if axis == "out" else t.in_features
+        whole = one.out_features if axis == "out" else one.in_features
         if axis == "out":
-            part = replace(t, out_features=stop - start)
+            part_one = replace(one, out_features=stop - start)
         else:  # a row-parallel bias is added once, on rank 0
-            part = replace(t, in_features=stop - start, bias=t.bias and self.rank == 0)
+            part_one = replace(one, in_features=stop - start, bias=one.bias and self.rank == 0)
+        part = QExperts(part_one, t.count) if isinstance(t, QExperts) else part_one
         attrs = dict(node.attrs)
         attrs.update(
             key=shard_key(source, axis, start, stop), shard=(source, axis, start, stop, whole)
@@ -197,7 +237,7 @@ class TensorParallel:
         name = graph.fresh(f"{w}.{axis}{start}")
         graph.add(name, Node("weight", part, make_attrs(**attrs)), (), key=graph.order_key(w))
         ops = list(graph.operands(q))
-        ops[1] = name
+        ops[at] = name
         graph.set_operands(q, tuple(ops))
         if not graph.use_count(w):
             graph.remove(w)

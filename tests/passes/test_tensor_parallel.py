@@ -118,9 +118,6 @@ def test_refusals_name_what_cannot_be_split():
     fused, _ = run_pipeline(b.graph)
     with pytest.raises(TensorParallelError, match="run the pass on the unfused block"):
         TensorParallel(2, 0).run(fused)
-    moe = build(load(DATA / "qwen3moe_mlx4_g64"), "model", 0, act=F32, max_seq=32)
-    with pytest.raises(TensorParallelError, match=r"is a MoE layer, which is not split"):
-        TensorParallel(2, 0).run(moe.graph)
 
 
 @pytest.mark.parametrize(
@@ -229,3 +226,35 @@ def test_a_k_split_off_the_group_size_is_refused_naming_the_tensor():
         r"not on its blocks of 128 inputs",
     ):
         load_rank(load(DATA / "fp8block_qwen3"), 4, 0, act=F32, max_seq=32)
+
+
+@pytest.mark.parametrize("fixture", ["mixtral_mlx4_g64", "mixtral_awq_gemm_g64"])
+def test_moe_experts_split_by_rows_equal_the_unsplit_model(fixture):
+    b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+    inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
+    want = interpret(b.graph, inputs, b.weights)["logits"]
+    parts, fired = _ranks(b.graph, b.weights, 2)
+    layers = len(b.graph.of_op("attention"))
+    assert fired == 8 * layers + 1  # q k v o, the experts' gate up down, the router replicated
+    for r, (g, _) in enumerate(parts):
+        text = print_graph(g)
+        # every expert's intermediate features halved; the residual in rank 0's combine only
+        assert "experts<6, qweight<" in text and "[64, 256]>" in text and "[256, 64]>" in text
+        combine = "combine_residual" if r == 0 else "combine"
+        assert text.count(f'epilogue="{combine}"') == layers
+        assert text.count("= all_reduce") == 2 * layers and text.count("= route") == layers
+    for o in _interpret(parts, inputs):
+        assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_moe_experts_too_narrow_for_their_groups_are_refused():
+    from qir.formats.base import FormatError
+    from qir.models.shard_read import load_rank
+
+    # Qwen3-MoE's experts have 64 intermediate features in groups of 64: 2 ranks cannot cut them
+    with pytest.raises(
+        FormatError,
+        match=r"switch_mlp.down_proj: a K split 0..32 of in_features "
+        r"64 is not on the group size 64 boundaries",
+    ):
+        load_rank(load(DATA / "qwen3moe_mlx4_g64"), 2, 0, act=F32, max_seq=32)

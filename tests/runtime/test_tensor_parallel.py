@@ -1,7 +1,8 @@
 """Tensor parallel on the host backend: each rank's part of a model compiled to host kernels,
 the ranks as threads of one group exchanging through real collectives (launches of the plan):
 logits equal --tp 1 within 1e-5 relative and greedy ids equal, for Llama checkpoints in AWQ,
-GPTQ, MLX and NVFP4 (W4A16 and W4A4), on 2 ranks, and 4 for GPTQ and NVFP4 W4A4. (tests/test_tp_mpi.py runs ranks as
+GPTQ, MLX and NVFP4 (W4A16 and W4A4) and a Mixtral (MoE), on 2 ranks, and 4 for GPTQ and
+NVFP4 W4A4. (tests/test_tp_mpi.py runs ranks as
 MPI processes.)"""
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _generate(ck, comm=None):
         ("mlx_affine4_g64_S", (2,)),
         ("ct_nvfp4a16_S", (2,)),
         ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
+        ("mixtral_mlx4_g64", (2,)),  # experts split by rows: the MoE decode and combine kernels
     ],
 )
 def test_tp_ranks_equal_one_rank(fixture, ranks):
