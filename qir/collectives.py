@@ -59,6 +59,10 @@ class Comm(Protocol):
         the collective in a timeout's message."""
         ...
 
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """`root`'s host object on every rank (a seed, a serving step)."""
+        ...
+
 
 def all_reduce(comm: Comm, a: np.ndarray, what: str = "all_reduce") -> np.ndarray:
     return reduce_sum(comm.exchange(np.ascontiguousarray(a), what), a.dtype)

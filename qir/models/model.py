@@ -399,6 +399,13 @@ class Model:
         seed = (
             sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
+        if (
+            self.comm is not None
+            and self.comm.size > 1
+            and not getattr(self.compiled, "lockstep", False)
+        ):  # every rank runs this call: each must draw rank 0's ids (a lockstep leader's
+            # followers take their inputs from it instead, qir.serving.lockstep)
+            seed = self.comm.bcast(seed)
         return self._steps(ids, max_new_tokens, sampling, seed, eos, keep_logits, reuse)
 
     def _steps(

@@ -14,6 +14,8 @@ from typing import Any
 class Leader:
     """Rank 0's Compiled: what it runs, the followers run too."""
 
+    lockstep = True  # the followers take every input from it (Model broadcasts no seed then)
+
     def __init__(self, compiled: Any, comm: Any) -> None:
         self.compiled = compiled
         self.comm = comm

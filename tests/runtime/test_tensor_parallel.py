@@ -75,3 +75,16 @@ def test_a_plan_with_collectives_needs_its_group():
         qir.compile(graph, weights, backend="host")
     with pytest.raises(UsageError, match="a group of 3 ranks runs a plan for 2"):
         qir.compile(graph, weights, backend="host", comm=LocalGroup(3).comm(0))
+
+
+def test_ranks_draw_the_same_ids_without_a_seed():
+    """A sampled generation with no seed: each rank would pick its own, draw other ids and
+    feed its caches other tokens; rank 0's seed goes to every rank."""
+    ck = load(DATA / "mlx_affine4_g64_S")
+
+    def rank(c):
+        m = Model(ck, backend="reference", act=F32, max_seq=32, comm=c)
+        return m.generate(PROMPT, 6, temperature=1.5).tokens.tolist(), m.stats.seed
+
+    outs = run_threads(2, rank, timeout=120)
+    assert outs[0] == outs[1] and outs[0][1] is not None
