@@ -10,6 +10,7 @@ from typing import Any
 
 from qir import draw
 from qir.codegen.lower import DEFAULT_M_TILE, Plan, lower
+from qir.collectives import Comm
 from qir.errors import UsageError
 from qir.graph import Graph
 from qir.interpret import Weights, empty_state, interpret
@@ -31,6 +32,7 @@ class Compiled:
     records: list[PassRecord] = field(default_factory=list)
     plan: Plan | None = None
     target: Target = DEFAULT  # what the plan's kernels are for
+    comm: Comm | None = None  # this rank's end of its tensor-parallel group (qir.collectives)
     _exec: CompiledBlock | None = None
     # The reference backend's states (KV caches) by key; kernel backends keep theirs on the
     # device (CompiledBlock.state).
@@ -48,7 +50,7 @@ class Compiled:
         if self._exec is None:
             if not self._state:
                 self._state = empty_state(self.graph)
-            return interpret(self.graph, inputs, self.weights, self._state)
+            return interpret(self.graph, inputs, self.weights, self._state, self.comm)
         return self._exec.run(inputs, stream, rows)
 
     def reset_state(self) -> None:
@@ -137,6 +139,7 @@ def compile(
     after_each: Callable[[str, Graph], None] | None = None,
     gemm_from_m: int | None = None,
     target: str | Target | None = None,
+    comm: Comm | None = None,
 ) -> Compiled:
     """Run the pass pipeline on a copy of `graph` and prepare it for `backend`.
 
@@ -145,7 +148,9 @@ def compile(
     which every f16/bf16 qlinear runs the tensor-core GEMM family instead of the GEMV (default:
     the table in qir.passes.select_kernels). target: the GPU the kernels are for ("sm_90",
     "sm_120a"; qir.target): the cuda backend's is its device's (naming another is an error),
-    elsewhere this machine's GPU's, else sm_90. The host backend runs any target's kernels."""
+    elsewhere this machine's GPU's, else sm_90. The host backend runs any target's kernels.
+    comm: this rank's end of its tensor-parallel group, for a graph with collectives (one rank's
+    part, qir.passes.tensor_parallel): qir.collectives.LocalGroup's, or MpiComm's."""
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if gemm_from_m is not None and (
@@ -155,8 +160,10 @@ def compile(
     options = PassOptions(weight_quantization=weight_quantization, gemm_from_m=gemm_from_m)
     passed, records = run_pipeline(graph, passes, after_each=after_each, options=options)
     be = get_backend(backend) if backend != "reference" else None
-    c = Compiled(graph, passed, backend, weights, records, target=resolve_target(target, be))
+    c = Compiled(
+        graph, passed, backend, weights, records, target=resolve_target(target, be), comm=comm
+    )
     if be is not None:
         c.plan = lower(passed, m_tile, c.target)
-        c._exec = CompiledBlock(c.plan, be, weights)
+        c._exec = CompiledBlock(c.plan, be, weights, comm)
     return c

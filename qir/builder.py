@@ -200,6 +200,14 @@ class Builder:
         """tanh(x / cap) * cap, in float32, rounded once."""
         return self._op("softcap", (x,), name, cap=float(cap))
 
+    def all_reduce(self, x: Value, ranks: int, name: str | None = None) -> Value:
+        """The sum of every rank's x (qir.collectives)."""
+        return self._op("all_reduce", (x,), name, ranks=ranks)
+
+    def all_gather(self, x: Value, axis: int, ranks: int, name: str | None = None) -> Value:
+        """Every rank's x concatenated along `axis` in rank order (qir.collectives)."""
+        return self._op("all_gather", (x,), name, axis=axis, ranks=ranks)
+
     def sample(
         self,
         logits: Value,

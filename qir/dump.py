@@ -69,6 +69,23 @@ def grid_y(launch: Launch) -> str:
     return " + ".join(p for p in (tiles, extra) if p) or "0"
 
 
+def collectives_json(plan: Plan) -> list[dict[str, object]]:
+    """Each collective of a rank's plan and the bytes it moves per token (one row of M): the
+    payload (the rank's buffer row), and what a ring algorithm sends from each rank (NCCL's
+    and MPI's for large messages): all_reduce 2 (N - 1) / N of the row, all_gather N - 1
+    rows of the rank's part."""
+    out: list[dict[str, object]] = []
+    for name, node in plan.graph.items():
+        if node.op not in ("all_reduce", "all_gather"):
+            continue
+        x = plan.graph.node(plan.graph.operands(name)[0]).type
+        n = node.attr("ranks")
+        row = value_bytes(x, {"M": 1})
+        sent = 2 * (n - 1) * row // n if node.op == "all_reduce" else (n - 1) * row
+        out.append({"value": name, "op": node.op, "payload_bytes": row, "sent_bytes": sent})
+    return out
+
+
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:
     """The target, then one entry per launch: kernel name, block, grid, the IR nodes it covers;
     for a given M only

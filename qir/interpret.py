@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qir import moe, rope, sampling
+from qir import collectives, moe, rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
@@ -419,12 +419,14 @@ def evaluate(
     inputs: Mapping[str, np.ndarray],
     weights: Weights,
     state: MutableMapping[str, np.ndarray] | None = None,
+    comm: collectives.Comm | None = None,
 ) -> dict[str, Any]:
     """Every value of the graph (weights dequantized, tuples as tuples), by value name.
 
     `state`: the KV caches by key; a run reads them and stores the caches its kv_appends wrote
     back into the mapping (it is the block's state, not an input). Missing keys start empty
-    (zeros); None: every state starts empty and nothing is kept."""
+    (zeros); None: every state starts empty and nothing is kept. `comm`: this rank's end of
+    its tensor-parallel group (qir.collectives), where the graph has collectives over ranks."""
     bind_inputs(graph, inputs)
     env: dict[str, Any] = {}
     biases: dict[str, np.ndarray | None] = {}
@@ -473,6 +475,8 @@ def evaluate(
             env[name] = expert_qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
+        elif node.op in ("all_reduce", "all_gather"):
+            env[name] = collective(name, node, args[0], comm)
         elif node.op == "softcap":
             assert isinstance(node.type, TensorType)
             env[name] = softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
@@ -483,6 +487,19 @@ def evaluate(
     if state is not None:
         state.update(written)
     return env
+
+
+def collective(name: str, node: Node, x: np.ndarray, comm: collectives.Comm | None) -> np.ndarray:
+    """An all_reduce or all_gather of x over the node's ranks through `comm`."""
+    ranks = node.attr("ranks")
+    if ranks == 1:
+        return x
+    if comm is None or comm.size != ranks:
+        have = "no communicator" if comm is None else f"a group of {comm.size}"
+        raise BindError(f"%{name}: {node.op} over {ranks} ranks, but the run has {have}")
+    if node.op == "all_reduce":
+        return collectives.all_reduce(comm, x, f"%{name} = all_reduce")
+    return collectives.all_gather(comm, x, node.attr("axis"), f"%{name} = all_gather")
 
 
 def expert_qlinear(
@@ -540,7 +557,8 @@ def interpret(
     inputs: Mapping[str, np.ndarray],
     weights: Weights,
     state: MutableMapping[str, np.ndarray] | None = None,
+    comm: collectives.Comm | None = None,
 ) -> dict[str, np.ndarray]:
-    """The block's outputs, by output name (see `evaluate` for `state`)."""
-    env = evaluate(graph, inputs, weights, state)
+    """The block's outputs, by output name (see `evaluate` for `state` and `comm`)."""
+    env = evaluate(graph, inputs, weights, state, comm)
     return {out: env[value] for out, value in graph.outputs}

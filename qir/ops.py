@@ -400,6 +400,38 @@ def _infer_binary(op: str) -> Infer:
     return infer
 
 
+def _ranks(op: str, attrs: Mapping[str, Any]) -> int:
+    n = attrs.get("ranks")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise IRTypeError(f"{op}: ranks must be a positive int, got {n!r}")
+    return n
+
+
+def _infer_all_reduce(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(x) -> the sum of every rank's x (qir.collectives: float32, in rank order, rounded once)."""
+    _ranks("all_reduce", attrs)
+    return _activation("all_reduce", names, types, 0)
+
+
+def _infer_all_gather(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(x) -> every rank's x concatenated along `axis` in rank order (vocab-parallel logits)."""
+    n = _ranks("all_gather", attrs)
+    x = _activation("all_gather", names, types, 0)
+    axis = attrs.get("axis")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < x.rank:
+        raise IRTypeError(f"all_gather: axis {axis!r} out of range for {_desc(names[0], x)}")
+    dim = x.shape[axis]
+    if not isinstance(dim, int):
+        raise IRTypeError(f"all_gather: axis {axis} of {_desc(names[0], x)} is symbolic")
+    shape = list(x.shape)
+    shape[axis] = dim * n
+    return TensorType(tuple(shape), x.dtype)
+
+
 def _infer_rms_norm(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
@@ -858,8 +890,9 @@ OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
         OpSpec("input", 0, _infer_leaf),
-        # A weight may carry its calibrated activation scale (W4A4 checkpoints).
-        OpSpec("weight", 0, _infer_leaf, frozenset({"key"}) | ACT_SCALE_ATTRS),
+        # A weight may carry its calibrated activation scale (W4A4 checkpoints), and the part of
+        # a checkpoint weight a tensor-parallel rank holds (passes/tensor_parallel: shard).
+        OpSpec("weight", 0, _infer_leaf, frozenset({"key", "shard"}) | ACT_SCALE_ATTRS),
         OpSpec(
             "qlinear",
             VARIADIC,
@@ -915,6 +948,9 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
         OpSpec("sample", 4, _infer_sample),
+        # Collectives across the ranks of a tensor-parallel group (qir.collectives)
+        OpSpec("all_reduce", 1, _infer_all_reduce, frozenset({"ranks"})),
+        OpSpec("all_gather", 1, _infer_all_gather, frozenset({"axis", "ranks"})),
         OpSpec("route", 1, _infer_route, frozenset({"k", "rule"})),
         OpSpec(
             "expert_qlinear",

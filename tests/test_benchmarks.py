@@ -272,3 +272,12 @@ def test_moe_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "reduced from hidden 2880, inter 2880, 32 experts top 4" in out
     assert re.search(r"gpt-oss-20b\s+mxfp4\s+8\s+4\s", out)
+
+
+def test_tp_scaling_on_host(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load("tp")
+    argv = ["--tp", "1", "2", "--hidden", "128", "--layers", "1", "--vocab", "256"]
+    rows = bench.main([*argv, "--tokens", "3", "--repeat", "1"])
+    assert [r[0] for r in rows] == [1, 2]
+    assert all(tps > 0 for _, tps, _ in rows) and rows[0][2] == 1.0
+    assert "tokens/s" in capsys.readouterr().out

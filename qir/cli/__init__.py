@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from qir.cli import blocks, cache, checkpoints, demo, generate, serve
+from qir.cli import blocks, cache, checkpoints, demo, generate, serve, tp
 from qir.errors import QirError
 from qir.logs import LOGGER
 
@@ -42,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except (QirError, FileNotFoundError, NotADirectoryError) as e:
         first = str(e).strip().splitlines()
-        print(f"qir: error: {first[0] if first else type(e).__name__}", file=sys.stderr)
+        where = tp.error_prefix()
+        # one write: the ranks of a --tp launch share the terminal
+        sys.stderr.write(f"qir: error: {where}{first[0] if first else type(e).__name__}\n")
         if len(first) > 1:
             # compile errors carry the compiler output and source excerpt on further lines
             print("\n".join(first[1:]), file=sys.stderr)

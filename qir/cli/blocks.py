@@ -13,6 +13,7 @@ import numpy as np
 
 from qir.api import compile
 from qir.audit import audit
+from qir.cli import tp
 from qir.cli.options import (
     add_block_options,
     block_of,
@@ -24,9 +25,10 @@ from qir.cli.options import (
 )
 from qir.codegen.lower import Plan, lower
 from qir.draw import SUFFIXES, draw
-from qir.dump import dump, plan_json
+from qir.dump import collectives_json, dump, plan_json
 from qir.errors import UsageError
 from qir.models.blocks import Block
+from qir.models.shards import tensor_parallel
 from qir.runtime.backend import BACKENDS
 
 
@@ -53,6 +55,8 @@ def _read_input(path: Path, block: Block) -> np.ndarray:
 def cmd_run(args: argparse.Namespace) -> int:
     if args.block == "model":
         return _run_model(args)
+    if args.tp != 1:
+        raise UsageError(f"--tp is for --block model, not --block {args.block}")
     if args.tokens is not None:
         raise UsageError(f"--tokens is for --block model; --block {args.block} takes --input")
     if args.input is None:
@@ -93,14 +97,30 @@ def _run_model(args: argparse.Namespace) -> int:
     if args.audit:
         raise UsageError("--audit takes blocks with an --input, not --block model")
     tokens = token_ids(args.tokens)
-    logits = model_of(args, args.backend).logits(tokens)
+    launched = tp.launch(args)
+    if launched is not None:
+        return launched
+    logits = model_of(args, args.backend, tp.comm_of(args, args.backend)).logits(tokens)
     np.savez(args.out, logits=logits)
     print(f"wrote {args.out}: logits {list(logits.shape)}")
     return 0
 
 
-def cmd_dump(args: argparse.Namespace) -> int:
+def _rank_block(args: argparse.Namespace) -> Block:
+    """The block, or with --tp N its part on --rank R (tensor_parallel)."""
     block = block_of(args)
+    if args.tp < 1 or not 0 <= args.rank < args.tp:
+        raise UsageError(f"--rank {args.rank} of --tp {args.tp} is out of range")
+    return tensor_parallel(block, args.tp, args.rank) if args.tp > 1 else block
+
+
+def _add_rank(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks")
+    p.add_argument("--rank", type=int, default=0, help="with --tp: the rank whose part to show")
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    block = _rank_block(args)
     after, records = pipeline(args, block)
     plan = lower(after, target=target_of(args))
     files = dump(block.graph, after, plan, args.out)
@@ -115,6 +135,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     block = block_of(args)
+    if args.tp != 1:
+        return _compile_tp(args, block)
     after, _ = pipeline(args, block)
     plan = lower(after, target=target_of(args))
     text = json.dumps(plan_json(plan, args.m), indent=2) + "\n"
@@ -124,6 +146,46 @@ def cmd_compile(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.resources:
         _print_resources(plan, args.m or 1)
+    return 0
+
+
+def _compile_tp(args: argparse.Namespace, block: Block) -> int:
+    """Each rank's plan (tensor_parallel, then the pipeline) with its memory at --m (default 1)
+    and its collectives' bytes per token; a line per rank on stderr; --resources: each rank's
+    static cost table."""
+    if isinstance(args.tp, bool) or not isinstance(args.tp, int) or args.tp < 1:
+        raise UsageError(f"--tp must be a positive int, got {args.tp!r}")
+    m = args.m or 1
+    ranks = []
+    for r in range(args.tp):
+        part = tensor_parallel(block, args.tp, r)
+        after, _ = pipeline(args, part)
+        plan = lower(after, target=target_of(args))
+        entry = plan_json(plan, m)
+        coll = collectives_json(plan)
+        entry["collectives"] = coll
+        entry["collective_bytes_per_token"] = {
+            "payload": sum(int(c["payload_bytes"]) for c in coll),  # type: ignore[call-overload]
+            "sent": sum(int(c["sent_bytes"]) for c in coll),  # type: ignore[call-overload]
+        }
+        ranks.append(entry)
+        mem: Any = entry["memory"]
+        moved: Any = entry["collective_bytes_per_token"]
+        print(
+            f"rank {r}/{args.tp}: weights {mem['weights_bytes']} B, KV cache "
+            f"{mem['kv_cache_bytes']} B, arena {mem['arena_bytes']} B at M={m}; "
+            f"{len(coll)} collectives move {moved['payload']} B per token "
+            f"({moved['sent']} B sent by a ring)",
+            file=sys.stderr,
+        )
+        if args.resources:
+            print(f"rank {r}: ", end="")
+            _print_resources(plan, m)
+    text = json.dumps({"tp": args.tp, "ranks": ranks}, indent=2) + "\n"
+    if args.json:
+        args.json.write_text(text)
+    elif not args.resources:
+        sys.stdout.write(text)
     return 0
 
 
@@ -140,7 +202,7 @@ def _print_resources(plan: Plan, m: int) -> None:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    block = block_of(args)
+    block = _rank_block(args)
     after, _ = pipeline(args, block)
     files, missing = draw(block.graph, after, lower(after, target=target_of(args)), args.out)
     print(f"wrote {', '.join(str(f) for f in files)}")
@@ -165,11 +227,13 @@ def register(sub: Any) -> None:
         action="store_true",
         help="per W4A4 projection: error vs its W4A16 twin and vs a float32 reference",
     )
+    tp.add_tp(run)
     run.set_defaults(func=cmd_run)
 
     dmp = sub.add_parser("dump", help="write the IR and the generated CUDA of a block")
     add_block_options(dmp)
     dmp.add_argument("--out", type=Path, required=True, help="output directory")
+    _add_rank(dmp)
     dmp.set_defaults(func=cmd_dump)
 
     cmp_ = sub.add_parser("compile", help="print the launch plan of a block as JSON")
@@ -182,6 +246,14 @@ def register(sub: Any) -> None:
         help="print each kernel's static cost on --arch (registers, spills, occupancy, SASS "
         "instructions and bytes in flight per 512 B of weights, the bandwidth bound) at --m",
     )
+    cmp_.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each of N tensor-parallel ranks' plan: weight, KV and arena bytes per rank and "
+        "the bytes its collectives move per token",
+    )
     cmp_.set_defaults(func=cmd_compile)
 
     gph = sub.add_parser(
@@ -189,4 +261,5 @@ def register(sub: Any) -> None:
     )
     add_block_options(gph)
     gph.add_argument("--out", type=Path, required=True, help=f"picture file: {', '.join(SUFFIXES)}")
+    _add_rank(gph)
     gph.set_defaults(func=cmd_graph)

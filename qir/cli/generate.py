@@ -10,7 +10,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from qir.cli import tp
 from qir.cli.options import add_lowering, add_max_seq, model_of, token_ids
+from qir.collectives import DEFAULT_TIMEOUT
 from qir.errors import UsageError
 from qir.models import Model
 from qir.runtime.backend import BACKENDS, best_backend
@@ -31,7 +33,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _model(args: argparse.Namespace) -> Model:
-    model = model_of(args, args.backend or best_backend())
+    backend = args.backend or best_backend()
+    model = model_of(args, backend, tp.comm_of(args, backend))
     ignored = model.generation_config.not_applied()
     if ignored and (args.prompt is not None or args.chat is not None or args.command == "chat"):
         print(
@@ -57,6 +60,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--system goes with --chat (a chat's system message)")
     if args.tokens is not None and args.stop:
         raise UsageError("--stop takes text: use --prompt or --chat, not --tokens")
+    launched = tp.launch(args)
+    if launched is not None:
+        return launched
     sampling = _sampling(args)
     model = _model(args)
     keep = args.out is not None
@@ -195,6 +201,7 @@ def register(sub: Any) -> None:
         "--out", type=Path, help="G.npz: int64 tokens [N], float32 logits [N, vocab] they came from"
     )
     _sampling_options(gen)
+    tp.add_tp(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser(
@@ -205,4 +212,4 @@ def register(sub: Any) -> None:
     _model_options(chat)
     chat.add_argument("--system", help="a system message that starts the conversation")
     _sampling_options(chat)
-    chat.set_defaults(func=cmd_chat, prompt=None, chat=None)
+    chat.set_defaults(func=cmd_chat, prompt=None, chat=None, tp=1, tp_timeout=DEFAULT_TIMEOUT)

@@ -79,8 +79,9 @@ def model_options(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     }
 
 
-def model_of(args: argparse.Namespace, backend: str) -> Model:
-    return Model.load(args.checkpoint, **model_options(args, backend))
+def model_of(args: argparse.Namespace, backend: str, comm: Any = None) -> Model:
+    """The checkpoint's model; with `comm`, its rank's part (--tp)."""
+    return Model.load(args.checkpoint, comm=comm, **model_options(args, backend))
 
 
 def target_of(args: argparse.Namespace) -> Target:

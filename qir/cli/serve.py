@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from qir.cli import tp
 from qir.cli.options import add_lowering, add_max_seq, model_options
 from qir.errors import UsageError
 from qir.runtime.backend import BACKENDS, best_backend
@@ -54,6 +56,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be > 0, got {value:g}")
     api_key = args.api_key or os.environ.get("QIR_API_KEY") or None
+    launched = tp.launch(args)
+    if launched is not None:
+        return launched
+    options = model_options(args, args.backend or best_backend())
+    comm = tp.comm_of(args, options["backend"])
+    if comm is not None and comm.rank != 0:  # a rank that repeats rank 0's steps, no HTTP
+        # Rank 0 drains on Ctrl-C / SIGTERM and then stops the others: they must not die first.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        from qir.serving.engine import follow_engine
+
+        follow_engine(args.checkpoint, args.kv_cache_gb, args.max_batch, comm=comm, **options)
+        return 0
     sock = http.listen(args.host, args.port)  # a port in use fails before the model loads
     try:
         from qir.serving import Engine
@@ -65,7 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             chunk=args.chunk,
             kv_cache_gb=args.kv_cache_gb,
             name=args.served_model_name,
-            **model_options(args, args.backend or best_backend()),
+            comm=comm,
+            **options,
         )
         engine.tokenizer  # noqa: B018 (text in and out: a checkpoint without one is refused now)
     except BaseException:
@@ -123,6 +139,7 @@ def register(sub: Any) -> None:
     )
     add_lowering(p)
     add_max_seq(p)
+    tp.add_tp(p)
     p.add_argument(
         "--max-queue",
         type=int,

@@ -340,6 +340,8 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
             layer_launches, layer_temps = LAYER_LOWERINGS[node.op](graph, name)
             launches.extend(layer_launches)
             temps.update(layer_temps)
+        elif node.op in ("all_reduce", "all_gather"):
+            launches.append(_lower_collective(graph, name))
         elif spec(node.op).elementwise:
             out = node.type
             assert isinstance(out, TensorType)
@@ -351,6 +353,21 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
         else:
             raise NotImplementedError(f"no kernel for %{name} = {node.op}")
     return Plan(graph, _quantize_when_read(launches), temps, target)
+
+
+def _lower_collective(graph: Graph, name: str) -> Launch:
+    from qir.codegen.collectives import collective_kernel
+
+    node = graph.node(name)
+    x = graph.operands(name)[0]
+    t = graph.node(x).type
+    assert isinstance(t, TensorType) and isinstance(t.shape[1], int)
+    kernel = collective_kernel(
+        node.op, t.dtype, t.shape[1], node.attr("ranks"), node.attr("axis", 0)
+    )
+    args = (Arg("value", x), Arg("value", name), Arg("M"))
+    # one call per run whatever M is: grid.y stays 1
+    return Launch(kernel, 1, MAX_GRID_Y, args, (name,), (name,))
 
 
 def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:

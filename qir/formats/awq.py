@@ -62,6 +62,36 @@ class Awq(WeightFormat):
     def groups(self, in_features: int) -> int:
         return in_features // self.group_size
 
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]:
+        """A K shard: the codes as a view; zeros and scales copied into the part's own padded
+        widths (eight groups' zeros share a word, so a cut between groups moves nibbles)."""
+        g = self.group_size
+        if start % g or stop % g or not 0 <= start < stop <= in_features:
+            raise FormatError(
+                f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "
+                f"group boundaries (group size {g}), so it cannot be exact"
+            )
+        g0, g1 = start // g, stop // g
+        zw = zeros_width(stop - start, g)
+        zeros = unpack_codes(np.asarray(bufs["zeros"]), 4, self.groups(in_features))[:, g0:g1]
+        padded = np.zeros((out_features, 8 * zw), np.uint32)
+        padded[:, : g1 - g0] = zeros
+        scales = np.zeros((out_features, 8 * zw), np.float16)
+        scales[:, : g1 - g0] = np.asarray(bufs["scales"])[:, g0:g1]
+        return {
+            "weight": bufs["weight"][:, start // 8 : stop // 8],
+            "zeros": pack_codes(padded, 4),
+            "scales": scales,
+        }
+
     def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
         zw = zeros_width(in_features, self.group_size)
         return {

@@ -189,6 +189,49 @@ class WeightFormat(ABC):
             for name, t in full.items()
         }
 
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]:
+        """Inputs start..stop of a weight's kernel-layout buffers (a row-parallel shard along K),
+        as views where the layout allows: every buffer whose width follows in_features is cut in
+        proportion (packed codes, one scale per group or block), the rest (per-row or
+        per-tensor scales) shared. A cut that would split a group, block or packed word is
+        refused in one line naming `where` (the tensor) and the group size: the shard would not
+        be exact. Formats whose buffers pad or gather groups override this."""
+        n, what = self.input_multiple()
+        if start % n or stop % n or not 0 <= start < stop <= in_features:
+            raise FormatError(
+                f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "
+                f"{what or 'a packing unit'} {n} boundaries, so it cannot be exact"
+            )
+        full = self.buffers(out_features, in_features)
+        part = self.buffers(out_features, stop - start)
+        out: dict[str, np.ndarray] = {}
+        for name, t in full.items():
+            want, have = t.concrete({}), part[name].concrete({})
+            if want == have:
+                out[name] = bufs[name]
+                continue
+            axis = next(i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b)
+            width = want[axis]
+            lo, hi = start * width, stop * width
+            if lo % in_features or hi % in_features or (hi - lo) // in_features != have[axis]:
+                block = -(-in_features // width)
+                raise FormatError(
+                    f"{where}.{name}: a K split {start}..{stop} of in_features {in_features} is "
+                    f"not on its blocks of {block} inputs, so it cannot be exact"
+                )
+            index = [slice(None)] * len(want)
+            index[axis] = slice(lo // in_features, hi // in_features)
+            out[name] = bufs[name][tuple(index)]
+        return out
+
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
     ) -> None:

@@ -114,6 +114,54 @@ class Gptq(WeightFormat):
                     f"{where}.g_idx: values in [{g_idx.min()}, {g_idx.max()}], expected [0, {n})"
                 )
 
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]:
+        """A K shard. Without act-order: views of the codes and of the groups start..stop covers
+        (the cut on group boundaries). With act-order the part's inputs may belong to any
+        groups: their zeros and scales are gathered (unused columns pad the part's width) and
+        g_idx renumbered, exact where those groups fit the part's width, else refused."""
+        g, words = self.group_size, 32 // int(np.gcd(32, self.bits))
+        unit = words if self.act_order else int(np.lcm(g, words))
+        if start % unit or (stop % unit and stop != in_features) or not 0 <= start < stop:
+            what = (
+                f"{words}-input words" if self.act_order else f"group boundaries (group size {g})"
+            )
+            raise FormatError(
+                f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "
+                f"{what}, so it cannot be exact"
+            )
+        weight = bufs["weight"][:, start * self.bits // 32 : stop * self.bits // 32]
+        n = self.groups(stop - start)
+        if not self.act_order:
+            g0 = start // g
+            return {
+                "weight": weight,
+                "zeros": bufs["zeros"][:, g0 : g0 + n],
+                "scales": bufs["scales"][:, g0 : g0 + n],
+            }
+        g_idx = np.asarray(bufs["g_idx"])[start:stop]
+        used = np.unique(g_idx)
+        if len(used) > n:
+            raise FormatError(
+                f"{where}: act-order g_idx puts inputs {start}..{stop} in {len(used)} groups, "
+                f"more than the {n} a K shard of {stop - start} holds (group size {g}), so it "
+                "cannot be split exactly"
+            )
+        take = np.concatenate([used, np.full(n - len(used), used[0])])
+        return {
+            "weight": weight,
+            "zeros": np.ascontiguousarray(np.asarray(bufs["zeros"])[:, take]),
+            "scales": np.ascontiguousarray(np.asarray(bufs["scales"])[:, take]),
+            "g_idx": np.searchsorted(used, g_idx).astype(np.int32),
+        }
+
     def group_of(self, bufs: Mapping[str, np.ndarray], in_features: int) -> np.ndarray:
         if self.act_order:
             return np.asarray(bufs["g_idx"]).astype(np.intp)

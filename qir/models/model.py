@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 
 from qir.api import Compiled, compile
+from qir.collectives import Comm
 from qir.dtypes import DType
 from qir.errors import UsageError
-from qir.models.blocks import Block, build
+from qir.models.blocks import build
 from qir.models.checkpoint import Checkpoint, load
+from qir.models.shard_read import ShardReader, load_rank
 from qir.sampling import Sampling, seed_row
 from qir.types import TensorType
 
@@ -112,12 +114,23 @@ class Model:
         kv_pages: int | None = None,
         target: str | None = None,  # the GPU the kernels are for (qir.compile's)
         prefill_chunk: int | None = None,
+        comm: Comm | None = None,
     ) -> None:
         """kv_pages: the KV cache's pool of pages (qir.models.blocks; default: one sequence's,
         which this class's own methods use; qir.serving shares a larger pool). prefill_chunk:
-        what a sliding layer's ring holds besides its window (qir.models.blocks)."""
+        what a sliding layer's ring holds besides its window (qir.models.blocks). comm: this
+        rank's end of a tensor-parallel group (qir.collectives); the model is then its rank's
+        part (qir.passes.tensor_parallel), every rank running the same calls in step."""
         self.checkpoint = ck
-        self.block: Block = build(ck, "model", 0, act, max_seq, kv_pages, prefill_chunk)
+        self.comm = comm
+        # A tensor-parallel rank reads only its shards (qir.models.shard_read), counted here.
+        self.shard_reader: ShardReader | None = None
+        if comm is not None and comm.size > 1:
+            self.block, self.shard_reader = load_rank(
+                ck, comm.size, comm.rank, act, max_seq, kv_pages, prefill_chunk
+            )
+        else:
+            self.block = build(ck, "model", 0, act, max_seq, kv_pages, prefill_chunk)
         if self.block.kv_pages < self.block.table_pages:
             raise UsageError(
                 f"kv_pages {self.block.kv_pages} hold less than one sequence of {self.block.max_seq} "
@@ -133,6 +146,7 @@ class Model:
             passes=passes,
             weight_quantization=weight_quantization,
             target=target,
+            comm=comm,
         )
         self._decode: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
         self._tokenizer: Any = None
@@ -385,6 +399,13 @@ class Model:
         seed = (
             sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
+        if (
+            self.comm is not None
+            and self.comm.size > 1
+            and not getattr(self.compiled, "lockstep", False)
+        ):  # every rank runs this call: each must draw rank 0's ids (a lockstep leader's
+            # followers take their inputs from it instead, qir.serving.lockstep)
+            seed = self.comm.bcast(seed)
         return self._steps(ids, max_new_tokens, sampling, seed, eos, keep_logits, reuse)
 
     def _steps(

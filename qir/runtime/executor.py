@@ -41,12 +41,15 @@ from typing import Any
 
 import numpy as np
 
+from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.kernel import Kernel
 from qir.codegen.lower import Launch, Plan, resolve_rows
+from qir.collectives import Comm
 from qir.errors import UsageError
 from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
 from qir.logs import Progress
 from qir.runtime.backend import Backend
+from qir.runtime.collectives import CollectiveRunner, collective_runner
 from qir.types import QActType, QExperts, QWeight, TensorType
 
 log = logging.getLogger("qir.runtime")
@@ -266,7 +269,10 @@ def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[An
 
 
 class CompiledBlock:
-    def __init__(self, plan: Plan, backend: Backend, weights: Weights) -> None:
+    def __init__(
+        self, plan: Plan, backend: Backend, weights: Weights, comm: Comm | None = None
+    ) -> None:
+        """comm: this rank's end of its tensor-parallel group, for plans with collectives."""
         if backend.target is not None and plan.target != backend.target:
             raise UsageError(
                 f"the plan is for {plan.target.arch}; the {backend.name} backend runs "
@@ -274,6 +280,7 @@ class CompiledBlock:
             )
         self.plan = plan
         self.backend = backend
+        self.comm = comm
         graph = plan.graph
         self._weights: dict[str, dict[str, Any]] = {}
         for wname in graph.weights:
@@ -345,6 +352,11 @@ class CompiledBlock:
             return
         with self._load_lock:
             missing = [i for i in active if self._loaded[i] is None]
+            for i in missing:  # collectives run through the communicator, not a compiler
+                kernel = self.plan.launches[i].kernel
+                if isinstance(kernel, CollectiveKernel):
+                    self._loaded[i] = collective_runner(kernel, self.backend, self.comm)
+            missing = [i for i in missing if self._loaded[i] is None]
             kernels = [self.plan.launches[i].kernel for i in missing]
             for i, loaded in zip(missing, load_kernels(self.backend, kernels), strict=True):
                 self._loaded[i] = loaded
@@ -377,7 +389,11 @@ class CompiledBlock:
             layout = self._layout(m, rows)
             self._allocate(env, layout)
             for i, grid in layout.launches:
-                be.launch(self._loaded[i], grid, self._args(i, env, m), s)
+                loaded = self._loaded[i]
+                if isinstance(loaded, CollectiveRunner):
+                    loaded(self._args(i, env, m), s)
+                else:
+                    be.launch(loaded, grid, self._args(i, env, m), s)
             if on_device:
                 return {name: env[v] for name, v, _ in self._outputs}
             return {name: be.from_device(env[v]).view(dt) for name, v, dt in self._outputs}
@@ -405,7 +421,7 @@ class CompiledBlock:
             layout = self._layout(m, rows)
             self._allocate(env, layout)
             bound = [(self._loaded[i], grid, self._args(i, env, m)) for i, grid in layout.launches]
-            replay = be.record(bound)
+            replay = _record(be, bound)
         # The buffers may be memory a run on this stream freed while its kernels were still
         # queued (CuPy's pool reuses per stream without waiting); a replay on another stream
         # would not be ordered after them.
@@ -462,6 +478,38 @@ class CompiledBlock:
         return [
             env[x] if kind == "value" else m if kind == "m" else x for kind, x in self._templates[i]
         ]
+
+
+def _bind_collective(k: CollectiveRunner, args: Sequence[Any]) -> Callable[[Any], None]:
+    def call(stream: Any) -> None:
+        k(args, stream)
+
+    return call
+
+
+def _record(be: Backend, bound: Sequence[tuple[Any, Any, Any]]) -> Callable[[Any], None]:
+    """The backend's recording of the launches, with each collective between the recorded runs
+    of kernels around it (a replay calls them in order)."""
+    if not any(isinstance(k, CollectiveRunner) for k, _, _ in bound):
+        return be.record(bound)
+    steps: list[Callable[[Any], None]] = []
+    run: list[tuple[Any, Any, Any]] = []
+    for k, grid, args in bound:
+        if isinstance(k, CollectiveRunner):
+            if run:
+                steps.append(be.record(run))
+                run = []
+            steps.append(_bind_collective(k, args))
+        else:
+            run.append((k, grid, args))
+    if run:
+        steps.append(be.record(run))
+
+    def replay(stream: Any) -> None:
+        for step in steps:
+            step(stream)
+
+    return replay
 
 
 class CapturedBlock:

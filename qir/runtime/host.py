@@ -384,8 +384,15 @@ class HostBackend:
         """Launches are synchronous on the host."""
 
 
+# One launch at a time per process: the shared runtime's worker pool and fiber stacks serve one
+# launch (ranks of a tensor-parallel group run as threads of one process in tests).
+_LAUNCH_LOCK = threading.Lock()
+
+
 def _call(k: HostKernel, fn: Any, grid: Any, block: Any, params: Any, _alive: object) -> None:
-    if fn(grid, block, params) != 0:
+    with _LAUNCH_LOCK:
+        failed = fn(grid, block, params) != 0
+    if failed:
         assert k.lib is not None
         err = k.lib.qir_host_error
         err.restype = ctypes.c_char_p

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import rows_per_warp
 from qir.codegen.lower import Launch, Plan
@@ -240,7 +241,9 @@ def kernel_costs(
         raise UsageError(f"the plan is for {target.arch}, not {arch}: lower it for {arch}")
     ref = gpu or gpus_for(target.arch)[0]
     return [
-        _cost(plan, launch, target.arch, m, ref) for launch in plan.launches if launch.runs_for(m)
+        _cost(plan, launch, target.arch, m, ref)
+        for launch in plan.launches
+        if launch.runs_for(m) and not isinstance(launch.kernel, CollectiveKernel)  # no source
     ]
 
 

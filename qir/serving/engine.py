@@ -35,6 +35,7 @@ from qir.models import Model
 from qir.models.blocks import PAGE_SIZE, check_max_seq
 from qir.models.checkpoint import Checkpoint, load
 from qir.sampling import Sampling
+from qir.serving.lockstep import Leader, follow
 from qir.serving.scheduler import PagePool, Scheduler, Seq
 
 # Requests waiting to run, beyond which `submit` refuses (the server's 429).
@@ -141,17 +142,9 @@ class Engine:
         device has free after the weights, most of it, on a GPU; enough for max_batch
         sequences at full context, at most DEFAULT_HOST_KV_GB, on the host); options as
         Model's (backend, act, max_seq, passes, weight_quantization)."""
-        ck = load(path)
-        max_seq = check_max_seq(ck, options.pop("max_seq", None))
-        pages = kv_pages(
-            ck,
-            options.get("act"),
-            max_seq,
-            kv_cache_gb,
-            max_batch,
-            options.get("backend", "reference"),
-        )
-        model = Model(ck, max_seq=max_seq, kv_pages=pages, **options)
+        model = _model(path, kv_cache_gb, max_batch, options)
+        if model.comm is not None and model.comm.size > 1:
+            model.compiled = Leader(model.compiled, model.comm)  # type: ignore[assignment]
         return cls(model, max_queue, name, max_batch, chunk)
 
     @property
@@ -262,6 +255,8 @@ class Engine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if isinstance(self.model.compiled, Leader):
+            self.model.compiled.stop()
 
     def _work(self) -> None:
         sched = self.scheduler
@@ -284,6 +279,34 @@ class Engine:
                 sched.waiting.clear()
                 sched.running.clear()
                 sched.pool = PagePool(sched.pool.pages)
+
+
+def _model(
+    path: str | Path, kv_cache_gb: float | None, max_batch: int, options: dict[str, Any]
+) -> Model:
+    """The engine's model; with options["comm"] (tensor parallel), rank 0's KV pool on every
+    rank."""
+    ck = load(path)
+    max_seq = check_max_seq(ck, options.pop("max_seq", None))
+    pages = kv_pages(
+        ck, options.get("act"), max_seq, kv_cache_gb, max_batch, options.get("backend", "reference")
+    )
+    comm = options.get("comm")
+    if comm is not None and comm.size > 1:
+        pages = comm.bcast(pages)  # free device memory may differ between ranks
+    return Model(ck, max_seq=max_seq, kv_pages=pages, **options)
+
+
+def follow_engine(
+    path: str | Path,
+    kv_cache_gb: float | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    **options: Any,
+) -> int:
+    """A tensor-parallel rank other than 0 of `qir serve`: its part of the model (options as
+    Engine.load's, with comm), repeating rank 0's steps (qir.serving.lockstep) until it stops."""
+    model = _model(path, kv_cache_gb, max_batch, options)
+    return follow(model.compiled, model.comm)
 
 
 def page_bytes(ck: Checkpoint, act: DType) -> int:

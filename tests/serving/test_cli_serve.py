@@ -133,3 +133,45 @@ def test_serve_without_its_packages_says_what_to_install(
 def test_only_loopback_addresses_count_as_private() -> None:
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
     assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("example.org")
+
+
+def test_serve_on_two_mpi_ranks_answers_as_one_and_stops_them() -> None:
+    """`qir serve --tp 2`: rank 0 serves, rank 1 repeats its steps; greedy text equals --tp 1's
+    (the Python engine's), and SIGTERM to the launcher drains rank 0, which stops rank 1."""
+    from qir.dtypes import F32
+    from qir.models import Model
+
+    argv = [sys.executable, "-m", "qir.cli", "serve", str(FIXTURE), "--backend", "host"]
+    argv += ["--act-dtype", "f32", "--max-seq", "64", "--port", "0", "--tp", "2"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out = _lines(proc.stdout)
+        printed = [out.get(timeout=300)]
+        while "/v1 (" not in printed[-1]:
+            printed.append(out.get(timeout=300))
+        where = urlsplit(printed[-1].split()[2])
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+        body = {"model": FIXTURE.name, "prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0}
+        body["ignore_eos"] = True
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.status == 200
+        text = json.loads(response.read())["choices"][0]["text"]
+        model = Model.load(FIXTURE, backend="host", act=F32, max_seq=64)
+        ids = model.generate([1, 5, 9], 6, do_sample=False, ignore_eos=True).tokens.tolist()
+        assert text == model.tokenizer.decode(ids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        assert "qir serve: stopped" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

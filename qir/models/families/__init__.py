@@ -19,6 +19,19 @@ def _no_files(config: Mapping[str, Any]) -> tuple[str, ...]:
     return ()
 
 
+# What each dim of a linear's checkpoint tensors is (tensor suffix -> one word per dim): "out"
+# or "in" where the dim is that axis of the weight in proportion (packed codes, one scale per
+# group), "in?" where it follows the inputs but not in proportion (padded groups, g_idx's
+# global group numbers), "" where it is neither. qir.models.shard_read slices tensors before
+# reading them by this; a tensor it does not list is read whole.
+Axes = Mapping[str, tuple[str, ...]]
+OUT_IN: Axes = {"weight": ("out", "in"), "bias": ("out",)}
+
+
+def _dense_axes(config: Mapping[str, Any]) -> Axes:
+    return OUT_IN
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -26,6 +39,7 @@ class Family:
     linear: Callable[[Checkpoint, str], Linear]
     # The producer's own name of a single-file checkpoint, tried after model.safetensors.
     files: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_files
+    axes: Callable[[Mapping[str, Any]], Axes] = _dense_axes
 
 
 # Tried in order; the first whose `matches` accepts config.json reads the checkpoint.

@@ -9,7 +9,7 @@ from typing import Any
 from qir.formats import awq
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import config_int, not_converted, quant_config, tensors
 from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
@@ -50,4 +50,19 @@ def _awq_linear(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-register_family(Family("awq", matches_config, _awq_linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    q = quant_config(config, "awq") or {}
+    if str(q.get("version") or q.get("format") or "gemm").lower() == "gemv":
+        # qweight [O, I/8]; qzeros and scales padded to whole words of groups
+        return {
+            **OUT_IN,
+            "qweight": ("out", "in"),
+            "qzeros": ("out", "in?"),
+            "scales": ("out", "in?"),
+        }
+    # GEMM: qweight and qzeros [I or I/g, O/8], scales [I/g, O]
+    io = ("in", "out")
+    return {**OUT_IN, "qweight": io, "qzeros": io, "scales": io}
+
+
+register_family(Family("awq", matches_config, _awq_linear, axes=_axes))

@@ -9,7 +9,7 @@ from typing import Any
 from qir.formats import gptq
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import config_int, not_converted, quant_config, tensors
 from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
@@ -58,4 +58,11 @@ def _files(config: Mapping[str, Any]) -> tuple[str, ...]:
     return (f"{base}.safetensors",)
 
 
-register_family(Family("gptq", matches_config, _gptq_linear, _files))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    # qweight [I*bits/32, O], qzeros [G, O*bits/32], scales [G, O]; g_idx numbers groups of the
+    # whole weight, so a K shard of it is not the part's own g_idx (read whole, then cut).
+    io = ("in", "out")
+    return {**OUT_IN, "qweight": io, "qzeros": io, "scales": io, "g_idx": ("in?",)}
+
+
+register_family(Family("gptq", matches_config, _gptq_linear, _files, _axes))

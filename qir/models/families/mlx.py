@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from qir.formats import mlx
 from qir.formats.base import FormatError, dtype_among
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import tensor
 from qir.models.families.dense import read_dense
 from qir.types import QWeight
@@ -41,4 +44,8 @@ def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-register_family(Family("mlx_affine", mlx.matches_config, _mlx_linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    return {**OUT_IN, "scales": ("out", "in"), "biases": ("out", "in")}
+
+
+register_family(Family("mlx_affine", mlx.matches_config, _mlx_linear, axes=_axes))

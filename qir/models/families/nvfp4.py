@@ -13,7 +13,7 @@ from qir.formats import mlx
 from qir.formats.base import FormatError
 from qir.formats.nvfp4 import GROUP_SIZE, MLX_GLOBAL_DIVISOR, Nvfp4
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import matrix, modelopt_quant, tensor
 from qir.models.families.compressed_tensors import config_groups, ct_config, group_format
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
@@ -200,6 +200,13 @@ def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
     return _read(ck, module, Nvfp4("mul", 16), packed, scales, global_scale, None, _MLX_NAMES)
 
 
-register_family(Family("nvfp4_modelopt", _modelopt_matches, _modelopt_linear))
-register_family(Family("nvfp4_compressed_tensors", _ct_matches, _ct_linear))
-register_family(Family("nvfp4_mlx", _mlx_matches, _mlx_linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    # codes [O, I/2] (or packed in uint32 words), one E4M3 scale per 16 inputs; the per-tensor
+    # scales are shared by every shard
+    oi = ("out", "in")
+    return {**OUT_IN, "weight_packed": oi, "weight_scale": oi, "scales": oi}
+
+
+register_family(Family("nvfp4_modelopt", _modelopt_matches, _modelopt_linear, axes=_axes))
+register_family(Family("nvfp4_compressed_tensors", _ct_matches, _ct_linear, axes=_axes))
+register_family(Family("nvfp4_mlx", _mlx_matches, _mlx_linear, axes=_axes))

@@ -1,0 +1,323 @@
+"""Tensor parallel: one rank's part of a block split across `ranks` ranks (Megatron-style).
+
+- Attention is split by heads: q/k/v are column-parallel (rank r computes its H/N query heads
+  and their KV heads; where there are fewer KV heads than ranks, each rank keeps the one KV
+  head its query heads read, so KV heads are replicated N/KV times), the KV caches hold the
+  rank's KV heads, and o_proj is row-parallel: each rank's partial sum over its heads' inputs,
+  then an `all_reduce`.
+- The MLP is split by intermediate features: gate/up column-parallel, down row-parallel, then an
+  `all_reduce`.
+- The lm_head is vocab-parallel: rank r computes logits of its V/N ids, an `all_gather` along
+  the features puts the whole rows back (every rank then samples the same id from them).
+- The embedding stays replicated: a lookup reads M rows of the table, not the table, so
+  splitting it saves only its memory (V x hidden / N per rank) and would add a collective to
+  every step's critical path (a masked lookup plus an all_reduce).
+
+The all_reduce comes right after the row-parallel qlinear, so every later op sees the whole
+sum. A residual add that reads the sum directly, `r + all_reduce(p)`, becomes
+`all_reduce(r + p)` on rank 0 and `all_reduce(p)` on the others: the residual is added once (by
+rank 0, to its partial sum), and the residual epilogue pass folds it into rank 0's projection
+as before, so no rank launches an add; on the other ranks there is no add to fold, which is
+what keeps it from adding the residual N times. Where the sum goes elsewhere first (Gemma's
+post-norm), the add stays after the all_reduce. The other fusions (merged q/k/v and gate/up,
+SiLU, norm prologues, RoPE and head-norm folds) see the same patterns as before, on narrower
+weights, and fire per rank.
+
+A sharded weight node gets `shard = (source key, axis, start, stop, whole)`: rows ("out") or
+inputs ("in") start..stop of the checkpoint weight `source`, whose size along that axis is
+`whole`; its key becomes `source:axis<start>-<stop>` (the tied lm_head's shard of the
+embedding table is then a weight of its own). A row-parallel weight's bias stays on rank 0
+only, so it is added once. qir.models.shards cuts the buffers (WeightFormat.rows / columns,
+exact or refused). The graph is renamed `<name>.rank<r>of<N>` so printed IR says whose it is.
+
+Preconditions: the builder's unfused graph (run before the default pipeline); heads, KV heads
+(or ranks by KV heads), intermediate features and vocabulary divisible by the ranks.
+- A MoE MLP is split like the dense one, inside every expert: each expert's gate/up by its
+  intermediate features, its down by the same inputs, the router replicated (every rank routes
+  alike), the combine of the rank's partial rows then an all_reduce (the residual in rank 0's
+  combine). Not by expert: at decode a step reads its k chosen experts, and split by rows every
+  rank reads 1/N of each of them whichever they are, where split by expert the ranks holding
+  the chosen ones do all the work (and a rank holding none idles); it also needs no new op
+  semantics or kernels.
+
+Does not handle (refused in one line): fused or multi-output qlinears. Types downstream of what it narrows are re-inferred from the op table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from qir.errors import QirError
+from qir.graph import Graph, Node, make_attrs
+from qir.ops import spec
+from qir.types import QExperts, QWeight, TensorType, TupleType
+
+# Ops a projection's result passes through on its way to attention or kv_append: per-head
+# norms (Qwen3, Gemma 3) and RoPE, which the split by heads leaves unchanged.
+_PER_HEAD = ("rope", "rms_norm")
+GATE_ACTS = ("silu", "gelu_tanh")
+
+
+class TensorParallelError(QirError, ValueError):
+    """A block that cannot be split across the ranks asked for."""
+
+
+def shard_key(source: str, axis: str, start: int, stop: int) -> str:
+    return f"{source}:{axis}{start}-{stop}"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    ranks: int
+    rank: int
+    name: str = "tensor_parallel"
+
+    def run(self, graph: Graph) -> int:
+        """Rewrites `graph` into rank `rank`'s part; returns how many weights it sharded."""
+        n, r = self.ranks, self.rank
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not 0 <= r < n:
+            raise TensorParallelError(f"tensor_parallel: rank {r} of {n} ranks is out of range")
+        if n == 1:
+            return 0
+        fired = 0
+        for a in graph.of_op("attention"):
+            fired += self._attention(graph, a)
+        for d in graph.of_op("qlinear"):
+            fired += self._mlp(graph, d)
+        for d in graph.of_op("expert_qlinear"):
+            fired += self._experts(graph, d)
+        for s in graph.of_op("sample"):
+            fired += self._lm_head(graph, s)
+        _reinfer(graph)
+        graph.name = f"{graph.name}.rank{r}of{n}"
+        return fired
+
+    # --- the three splits ----------------------------------------------------------------
+
+    def _attention(self, graph: Graph, a: str) -> int:
+        n, r = self.ranks, self.rank
+        q_value, k_cache = graph.operands(a)[:2]
+        cache = graph.node(k_cache).type
+        assert isinstance(cache, TensorType)
+        kv_heads, head_dim = cache.shape[1], cache.shape[2]
+        assert isinstance(kv_heads, int) and isinstance(head_dim, int)
+        q = _projection(graph, q_value, a)
+        heads = _out(graph, q) // head_dim
+        if heads % n or not (kv_heads % n == 0 or n % kv_heads == 0):
+            raise TensorParallelError(
+                f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
+                "must divide the heads, and divide or be a multiple of the KV heads"
+            )
+        local = heads // n
+        self._split(graph, q, "out", r * local * head_dim, (r + 1) * local * head_dim)
+        append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
+        kv_local = max(kv_heads // n, 1)
+        first = r * kv_heads // n  # the first KV head rank r's query heads read
+        for i in (2, 3):  # k, v
+            p = _projection(graph, graph.operands(append)[i], append)
+            self._split(graph, p, "out", first * head_dim, (first + kv_local) * head_dim)
+        for i in (0, 1):  # the caches hold the rank's KV heads
+            state = graph.operands(append)[i]
+            t = graph.node(state).type
+            assert isinstance(t, TensorType)
+            shape = (t.shape[0], kv_local, head_dim)
+            graph.set_node(state, replace(graph.node(state), type=TensorType(shape, t.dtype)))
+        fired = 4
+        for o in graph.users(a):
+            node = graph.node(o)
+            if node.op == "qlinear" and graph.operands(o)[0] == a:
+                _plain(graph, o)
+                self._split(graph, o, "in", r * local * head_dim, (r + 1) * local * head_dim)
+                self._residual_first(graph, self._after(graph, o, "all_reduce"))
+                fired += 1
+        return fired
+
+    def _mlp(self, graph: Graph, down: str) -> int:
+        n, r = self.ranks, self.rank
+        h = graph.operands(down)[0]
+        if graph.node(h).op != "mul":
+            return 0
+        act, up = graph.operands(h)
+        if graph.node(act).op not in GATE_ACTS:
+            return 0
+        gate = graph.operands(act)[0]
+        if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
+            return 0
+        for p in (gate, up, down):
+            _plain(graph, p)
+        inter = _out(graph, gate)
+        if inter % n:
+            raise TensorParallelError(
+                f"tensor_parallel: %{gate} has {inter} intermediate features, not divisible by "
+                f"{n} ranks"
+            )
+        lo, hi = r * inter // n, (r + 1) * inter // n
+        self._split(graph, gate, "out", lo, hi)
+        self._split(graph, up, "out", lo, hi)
+        self._split(graph, down, "in", lo, hi)
+        self._residual_first(graph, self._after(graph, down, "all_reduce"))
+        return 3
+
+    def _experts(self, graph: Graph, down: str) -> int:
+        """A MoE MLP: every expert split by its intermediate features, as the dense MLP (the
+        router replicated, so every rank routes alike); the combine of each rank's partial
+        rows, then an all_reduce, the residual in rank 0's combine only."""
+        n, r = self.ranks, self.rank
+        h = graph.operands(down)[0]
+        node = graph.node(down)
+        if graph.node(h).op != "expert_qlinear" or graph.node(h).attr("epilogue") != "silu_mul":
+            return 0
+        epilogue = node.attr("epilogue")
+        if epilogue not in ("combine", "combine_residual") or node.attr("kernel") is not None:
+            raise TensorParallelError(
+                f"tensor_parallel: %{down} is an expert qlinear without a combine epilogue; "
+                "run the pass on the unfused block"
+            )
+        gate = graph.node(graph.operands(h)[1]).type
+        assert isinstance(gate, QExperts)
+        inter = gate.expert.out_features
+        if inter % n:
+            raise TensorParallelError(
+                f"tensor_parallel: %{h}'s experts have {inter} intermediate features, not "
+                f"divisible by {n} ranks"
+            )
+        lo, hi = r * inter // n, (r + 1) * inter // n
+        self._split(graph, h, "out", lo, hi, at=1)
+        self._split(graph, h, "out", lo, hi, at=2)
+        self._split(graph, down, "in", lo, hi, at=1)
+        if epilogue == "combine_residual" and r != 0:  # the residual is rank 0's to add
+            graph.set_operands(down, graph.operands(down)[:-1])
+            graph.set_node(down, graph.node(down).with_attrs(epilogue="combine"))
+        reduce = self._after(graph, down, "all_reduce")
+        if epilogue == "combine":
+            self._residual_first(graph, reduce)
+        return 3
+
+    def _lm_head(self, graph: Graph, sample: str) -> int:
+        n, r = self.ranks, self.rank
+        value = graph.operands(sample)[0]
+        while graph.node(value).op == "softcap":  # elementwise: applies to each rank's part
+            value = graph.operands(value)[0]
+        if graph.node(value).op != "qlinear":
+            raise TensorParallelError(
+                f"tensor_parallel: %{sample} samples %{value}, not an lm_head qlinear"
+            )
+        _plain(graph, value)
+        vocab = _out(graph, value)
+        if vocab % n:
+            raise TensorParallelError(
+                f"tensor_parallel: %{value} has a vocabulary of {vocab}, not divisible by {n} ranks"
+            )
+        self._split(graph, value, "out", r * vocab // n, (r + 1) * vocab // n)
+        self._after(graph, value, "all_gather", axis=1)
+        return 1
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _split(self, graph: Graph, q: str, axis: str, start: int, stop: int, at: int = 1) -> None:
+        """Point q's weight operand `at` at the weight's rows (axis "out") or inputs ("in")
+        start..stop (each expert's, for stacked experts): a new weight node, so a weight other
+        nodes use (a tied embedding) stays whole for them."""
+        w = graph.operands(q)[at]
+        node = graph.node(w)
+        t = node.type
+        one = t.expert if isinstance(t, QExperts) else t
+        assert isinstance(one, QWeight)
+        source = node.attr("key")
+        whole = one.out_features if axis == "out" else one.in_features
+        if axis == "out":
+            part_one = replace(one, out_features=stop - start)
+        else:  # a row-parallel bias is added once, on rank 0
+            part_one = replace(one, in_features=stop - start, bias=one.bias and self.rank == 0)
+        part = QExperts(part_one, t.count) if isinstance(t, QExperts) else part_one
+        attrs = dict(node.attrs)
+        attrs.update(
+            key=shard_key(source, axis, start, stop), shard=(source, axis, start, stop, whole)
+        )
+        name = graph.fresh(f"{w}.{axis}{start}")
+        graph.add(name, Node("weight", part, make_attrs(**attrs)), (), key=graph.order_key(w))
+        ops = list(graph.operands(q))
+        ops[at] = name
+        graph.set_operands(q, tuple(ops))
+        if not graph.use_count(w):
+            graph.remove(w)
+
+    def _residual_first(self, graph: Graph, reduce: str) -> None:
+        """`add(r, all_reduce(p))` -> `all_reduce(add(r, p))` on rank 0 and `all_reduce(p)` on
+        the others: the residual joins rank 0's partial sum, so it is added once, and on rank 0
+        the residual epilogue folds it into the projection's launch (no add launch per rank).
+        Where the sum goes elsewhere first (Gemma's post-norm), the add stays after it."""
+        users = graph.users(reduce)
+        if len(users) != 1 or graph.use_count(reduce) != 1 or graph.node(users[0]).op != "add":
+            return
+        add = users[0]
+        (p,) = graph.operands(reduce)
+        if self.rank == 0:
+            operands = tuple(p if o == reduce else o for o in graph.operands(add))
+            graph.set_operands(reduce, (add,))
+            graph.set_operands(add, operands)
+            for u in graph.users(add):
+                if u != reduce:
+                    graph.set_operands(
+                        u, tuple(reduce if o == add else o for o in graph.operands(u))
+                    )
+            graph.outputs = [(n, reduce if v == add else v) for n, v in graph.outputs]
+            return
+        graph.replace_all_uses(add, reduce)
+        graph.remove(add)
+
+    def _after(self, graph: Graph, value: str, op: str, **attrs: int) -> str:
+        """Insert `op` (a collective over the ranks) after `value`; its users read it instead."""
+        t = graph.node(value).type
+        result = spec(op).infer([t], [value], {"ranks": self.ranks, **attrs})
+        name = graph.fresh(f"{value}.{op}")
+        node = Node(op, result, make_attrs(ranks=self.ranks, **attrs))
+        users = graph.users(value)
+        graph.add(name, node, (value,), key=(*graph.order_key(value), 1))
+        for u in users:
+            graph.set_operands(u, tuple(name if o == value else o for o in graph.operands(u)))
+        if any(v == value for _, v in graph.outputs):
+            graph.outputs = [(o, name if v == value else v) for o, v in graph.outputs]
+        return name
+
+
+def _projection(graph: Graph, value: str, reader: str) -> str:
+    """The qlinear whose result reaches `reader` through per-head ops only."""
+    while graph.node(value).op in _PER_HEAD:
+        value = graph.operands(value)[0]
+    if graph.node(value).op != "qlinear":
+        raise TensorParallelError(
+            f"tensor_parallel: %{reader} reads %{value} ({graph.node(value).op}), not a q/k/v "
+            "projection; run the pass on the unfused block"
+        )
+    _plain(graph, value)
+    return value
+
+
+def _plain(graph: Graph, q: str) -> None:
+    node = graph.node(q)
+    fused = [k for k in ("prologue", "epilogue", "fused", "act_quant") if node.attr(k) is not None]
+    if fused or len(graph.operands(q)) != 2:
+        raise TensorParallelError(
+            f"tensor_parallel: %{q} is a fused qlinear ({', '.join(fused) or 'several weights'}); "
+            "run the pass on the unfused block"
+        )
+
+
+def _out(graph: Graph, q: str) -> int:
+    t = graph.node(graph.operands(q)[1]).type
+    assert isinstance(t, QWeight)
+    return t.out_features
+
+
+def _reinfer(graph: Graph) -> None:
+    """Every computed value's type again from its operands' (narrowed weights and caches)."""
+    for name, node in graph.items():
+        ops = graph.operands(name)
+        if not ops:
+            continue
+        types = [graph.node(o).type for o in ops]
+        t = spec(node.op).infer(types, list(ops), dict(node.attrs))
+        if t != node.type:
+            assert isinstance(t, TensorType | TupleType)
+            graph.set_node(name, replace(node, type=t))

@@ -1,0 +1,260 @@
+"""tensor_parallel: IR before/after, must-not-fire, refusals, the counter, and the interpreter on
+every rank (threads, real collectives) against the unsplit block on real checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qir import interpret, parse, print_graph
+from qir.collectives import run_threads
+from qir.dtypes import F32
+from qir.models import load
+from qir.models.blocks import build
+from qir.models.shards import shard_weights
+from qir.passes.manager import run_pipeline
+from qir.passes.tensor_parallel import TensorParallel, TensorParallelError
+from qir.types import QWeight, TensorType
+from tests.conftest import DATA
+from tests.passes.test_layer_passes import weights_for
+
+FMT = "qweight<mlx_affine<bits=4,group_size=32,scale_dtype=f16>>"
+MLP = f"""
+graph mlp {{
+  %x = input : f32[M, 64]
+  %w_gate = weight {{key="gate"}} : {FMT}[128, 64]
+  %gate = qlinear %x, %w_gate : f32[M, 128]
+  %w_up = weight {{key="up"}} : {FMT}[128, 64]
+  %up = qlinear %x, %w_up : f32[M, 128]
+  %act = silu %gate : f32[M, 128]
+  %h = mul %act, %up : f32[M, 128]
+  %w_down = weight {{key="down"}} : {FMT}[64, 128]
+  %down = qlinear %h, %w_down : f32[M, 64]
+  %y = add %x, %down : f32[M, 64]
+  output y = %y
+}}
+"""
+MLP_RANK1 = f"""graph mlp.rank1of2 {{
+  %x = input : f32[M, 64]
+  %w_gate.out64 = weight {{key="gate:out64-128", shard=["gate", "out", 64, 128, 128]}} : {FMT}[64, 64]
+  %gate = qlinear %x, %w_gate.out64 : f32[M, 64]
+  %w_up.out64 = weight {{key="up:out64-128", shard=["up", "out", 64, 128, 128]}} : {FMT}[64, 64]
+  %up = qlinear %x, %w_up.out64 : f32[M, 64]
+  %act = silu %gate : f32[M, 64]
+  %h = mul %act, %up : f32[M, 64]
+  %w_down.in64 = weight {{key="down:in64-128", shard=["down", "in", 64, 128, 128]}} : {FMT}[64, 64]
+  %down = qlinear %h, %w_down.in64 : f32[M, 64]
+  %down.all_reduce = all_reduce %down {{ranks=2}} : f32[M, 64]
+  output y = %down.all_reduce
+}}
+"""
+# rank 0 adds the residual to its partial sum, before the all_reduce (the others add none)
+MLP_RANK0_TAIL = """  %down = qlinear %h, %w_down.in0 : f32[M, 64]
+  %y = add %x, %down : f32[M, 64]
+  %down.all_reduce = all_reduce %y {ranks=2} : f32[M, 64]
+  output y = %down.all_reduce
+}
+"""
+
+
+def _ranks(graph, weights, n):
+    """Each rank's (graph, weights) and the pass's count."""
+    parts = []
+    for r in range(n):
+        g = graph.copy()
+        fired = TensorParallel(n, r).run(g)
+        parts.append((g, shard_weights(g, weights)))
+    return parts, fired
+
+
+def _interpret(parts, inputs, states=None):
+    """Every rank's outputs, the ranks on threads of one group (states: each rank's caches)."""
+    states = states or [{} for _ in parts]
+
+    def rank(c):
+        graph, weights = parts[c.rank]
+        return interpret(graph, inputs, weights, states[c.rank], c)
+
+    return run_threads(len(parts), rank, timeout=60)
+
+
+def test_mlp_ir_before_after_and_numbers():
+    g = parse(MLP)
+    assert TensorParallel(2, 1).run(g) == 3
+    assert print_graph(g) == MLP_RANK1
+    g0 = parse(MLP)
+    assert TensorParallel(2, 0).run(g0) == 3
+    assert print_graph(g0).endswith(MLP_RANK0_TAIL)
+    rng = np.random.default_rng(0)
+    weights = weights_for(MLP, rng)
+    x = {"x": rng.standard_normal((5, 64)).astype(np.float32)}
+    want = interpret(parse(MLP), x, weights)["y"]
+    parts, _ = _ranks(parse(MLP), weights, 2)
+    outs = [o["y"] for o in _interpret(parts, x)]
+    for o in outs:
+        np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_does_not_fire_on_one_rank_or_without_splittable_layers():
+    g = parse(MLP)
+    assert TensorParallel(1, 0).run(g) == 0
+    assert print_graph(g) == print_graph(parse(MLP))
+    lone = parse(
+        f'graph q {{\n  %x = input : f32[M, 64]\n  %w = weight {{key="w"}} : {FMT}[64, 64]\n'
+        "  %y = qlinear %x, %w : f32[M, 64]\n  output y = %y\n}\n"
+    )
+    assert TensorParallel(2, 0).run(lone) == 0
+    assert "all_reduce" not in print_graph(lone)
+
+
+def test_refusals_name_what_cannot_be_split():
+    ck = load(DATA / "autogptq_g64_llama")  # 4 heads, 2 KV heads
+    b = build(ck, "model", 0, act=F32, max_seq=32)
+    with pytest.raises(TensorParallelError, match=r"%l0.attn has 4 heads and 2 KV heads; 3 ranks"):
+        TensorParallel(3, 0).run(b.graph.copy())
+    with pytest.raises(TensorParallelError, match="rank 2 of 2 ranks is out of range"):
+        TensorParallel(2, 2).run(b.graph.copy())
+    fused, _ = run_pipeline(b.graph)
+    with pytest.raises(TensorParallelError, match="run the pass on the unfused block"):
+        TensorParallel(2, 0).run(fused)
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["autogptq_g64_llama", "awq_gemm_g64_S", "mlx_affine4_g64_S", "ct_nvfp4_w4a4_S"],
+)
+def test_every_rank_equals_the_unsplit_model(fixture):
+    b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+    inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
+    want = interpret(b.graph, inputs, b.weights)
+    layers = sum(1 for _ in b.graph.of_op("attention"))
+    for n in (2, 4):
+        parts, fired = _ranks(b.graph, b.weights, n)
+        assert fired == 8 * layers + 1  # q k v o gate up down per layer, and the lm_head
+        states = [{} for _ in range(n)]
+        outs = _interpret(parts, inputs, states)
+        for o in outs:
+            err = np.abs(o["logits"] - want["logits"]).max() / np.abs(want["logits"]).max()
+            assert err <= 1e-5
+            np.testing.assert_array_equal(o["logits"], outs[0]["logits"])
+        g0 = parts[0][0]
+        kv = g0.node("l0.k_cache").type
+        assert isinstance(kv, TensorType) and kv.shape[1] == max(
+            b.graph.node("l0.k_cache").type.shape[1] // n, 1
+        )
+        # the KV cache each rank wrote holds its KV heads of the unsplit cache
+        whole = {}
+        interpret(b.graph, inputs, b.weights, whole)
+        heads = whole["model.layers.0.self_attn.k_cache"].shape[1]
+        per = max(heads // n, 1)
+        for r in range(n):
+            first = r * heads // n
+            np.testing.assert_allclose(
+                states[r]["model.layers.0.self_attn.k_cache"],
+                whole["model.layers.0.self_attn.k_cache"][:, first : first + per],
+                rtol=1e-5,
+                atol=1e-5,
+            )
+
+
+def test_row_parallel_bias_stays_on_rank_0_and_fusions_fire_per_rank():
+    b = build(load(DATA / "autogptq_g64_llama"), "model", 0, act=F32, max_seq=32)
+    parts, _ = _ranks(b.graph, b.weights, 2)
+    for r, (g, weights) in enumerate(parts):
+        o = g.node(g.operands("l0.o")[1]).type
+        q = g.node(g.operands("l0.q")[1]).type
+        assert isinstance(o, QWeight) and isinstance(q, QWeight)
+        assert o.bias == (r == 0) and q.bias  # column-parallel biases are sliced, kept
+        assert ("bias" in weights[g.node(g.operands("l0.o")[1]).attr("key")]) == (r == 0)
+    _, whole_records = run_pipeline(b.graph)
+    fired_whole = {p.name: p.matches for p in whole_records}
+    for r in (0, 1):
+        rank, records = run_pipeline(parts[r][0])
+        fired = {p.name: p.matches for p in records}
+        for p in (
+            "merge_parallel",
+            "silu_epilogue",
+            "fold_rope",
+            "norm_prologue",
+            "select_kernels",
+        ):
+            assert fired[p] == fired_whole[p] > 0, p
+        # the residual is added once: in rank 0's o/down epilogues, nowhere on rank 1
+        assert fired["residual_epilogue"] == (fired_whole["residual_epilogue"] if r == 0 else 0)
+        text = print_graph(rank)
+        assert text.count("= all_reduce") == 4 and text.count("= all_gather") == 1
+        assert " = add " not in text  # no rank launches an add of its own
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "mlx_affine4_qwen3",  # per-head q/k norms
+        "ct_w4a16_qwen2",  # q/k/v biases
+        "mlx_affine4_mistral",  # sliding window
+        "mlx_affine4_phi3",  # fused qkv / gate_up read as rows
+        "mlx_affine4_gemma3",  # post-norms after o/down, soft-capped logits, gelu
+    ],
+)
+def test_families_split_on_two_ranks_read_from_their_shards(fixture):
+    from qir.models.shard_read import load_rank
+
+    b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+    inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
+    want = interpret(b.graph, inputs, b.weights)["logits"]
+    parts = [load_rank(load(DATA / fixture), 2, r, act=F32, max_seq=32)[0] for r in range(2)]
+    outs = _interpret([(p.graph, p.weights) for p in parts], inputs)
+    for o in outs:
+        assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_a_k_split_off_the_group_size_is_refused_naming_the_tensor():
+    from qir.formats.base import FormatError
+    from qir.models.shard_read import load_rank
+
+    # group size 128: o_proj's K of 256 cut in four is 64 per rank
+    with pytest.raises(
+        FormatError,
+        match=r"^model.layers.0.self_attn.o_proj: a K split 0..64 of "
+        r"in_features 256 is not on the group size 128 boundaries",
+    ):
+        load_rank(load(DATA / "ct_w4a16_qwen2"), 4, 0, act=F32, max_seq=32)
+    with pytest.raises(
+        FormatError,
+        match=r"o_proj.scale: a K split 0..64 of in_features 256 is "
+        r"not on its blocks of 128 inputs",
+    ):
+        load_rank(load(DATA / "fp8block_qwen3"), 4, 0, act=F32, max_seq=32)
+
+
+@pytest.mark.parametrize("fixture", ["mixtral_mlx4_g64", "mixtral_awq_gemm_g64"])
+def test_moe_experts_split_by_rows_equal_the_unsplit_model(fixture):
+    b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+    inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
+    want = interpret(b.graph, inputs, b.weights)["logits"]
+    parts, fired = _ranks(b.graph, b.weights, 2)
+    layers = len(b.graph.of_op("attention"))
+    assert fired == 8 * layers + 1  # q k v o, the experts' gate up down, the router replicated
+    for r, (g, _) in enumerate(parts):
+        text = print_graph(g)
+        # every expert's intermediate features halved; the residual in rank 0's combine only
+        assert "experts<6, qweight<" in text and "[64, 256]>" in text and "[256, 64]>" in text
+        combine = "combine_residual" if r == 0 else "combine"
+        assert text.count(f'epilogue="{combine}"') == layers
+        assert text.count("= all_reduce") == 2 * layers and text.count("= route") == layers
+    for o in _interpret(parts, inputs):
+        assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_moe_experts_too_narrow_for_their_groups_are_refused():
+    from qir.formats.base import FormatError
+    from qir.models.shard_read import load_rank
+
+    # Qwen3-MoE's experts have 64 intermediate features in groups of 64: 2 ranks cannot cut them
+    with pytest.raises(
+        FormatError,
+        match=r"switch_mlp.down_proj: a K split 0..32 of in_features "
+        r"64 is not on the group size 64 boundaries",
+    ):
+        load_rank(load(DATA / "qwen3moe_mlx4_g64"), 2, 0, act=F32, max_seq=32)

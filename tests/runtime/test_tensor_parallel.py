@@ -1,0 +1,90 @@
+"""Tensor parallel on the host backend: each rank's part of a model compiled to host kernels,
+the ranks as threads of one group exchanging through real collectives (launches of the plan):
+logits equal --tp 1 within 1e-5 relative and greedy ids equal, for Llama checkpoints in AWQ,
+GPTQ, MLX and NVFP4 (W4A16 and W4A4) and a Mixtral (MoE), on 2 ranks, and 4 for GPTQ and
+NVFP4 W4A4. (tests/test_tp_mpi.py runs ranks as
+MPI processes.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qir
+from qir import parse
+from qir.collectives import LocalGroup, run_threads
+from qir.dtypes import F32
+from qir.errors import UsageError
+from qir.models import Model, load
+from qir.models.shards import shard_weights
+from qir.passes.tensor_parallel import TensorParallel
+from tests.conftest import DATA
+from tests.passes.test_layer_passes import weights_for
+from tests.passes.test_tensor_parallel import MLP
+
+PROMPT = [3, 10, 17, 24, 31]
+
+
+def _generate(ck, comm=None):
+    m = Model(ck, backend="host", act=F32, max_seq=32, comm=comm)
+    return m, m.generate(PROMPT, 3, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "ranks"),
+    [
+        ("awq_gemm_g64_S", (2,)),
+        ("autogptq_g64_llama", (2, 4)),  # 2 KV heads: 4 ranks replicate them
+        ("mlx_affine4_g64_S", (2,)),
+        ("ct_nvfp4a16_S", (2,)),
+        ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
+        ("mixtral_mlx4_g64", (2,)),  # experts split by rows: the MoE decode and combine kernels
+    ],
+)
+def test_tp_ranks_equal_one_rank(fixture, ranks):
+    """(4 ranks on two of them only: each rank count compiles its own kernel shapes.)"""
+    ck = load(DATA / fixture)
+    one, want = _generate(ck)
+    for n in ranks:
+        outs = run_threads(n, lambda c: _generate(ck, c), timeout=600)
+        for m, got in outs:
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            err = np.abs(got.logits - want.logits).max() / np.abs(want.logits).max()
+            assert err <= 1e-5, (n, err)
+            np.testing.assert_array_equal(got.logits, outs[0][1].logits)  # ranks agree
+            text = m.compiled.graph.name
+            assert text == f"model.rank{m.comm.rank}of{n}"
+            records = {r.name: r.matches for r in m.compiled.records}
+            assert (
+                records["route_w4a4"]
+                == ({r.name: r.matches for r in one.compiled.records}["route_w4a4"])
+            )
+    if fixture == "ct_nvfp4_w4a4_S":  # the calibrated W4A4 path ran on every rank
+        assert records["route_w4a4"] > 0
+
+
+def test_a_plan_with_collectives_needs_its_group():
+    graph = parse(MLP)
+    TensorParallel(2, 0).run(graph)
+    weights = shard_weights(graph, weights_for(MLP, np.random.default_rng(0)))
+    with pytest.raises(
+        UsageError,
+        match=r"all_reduce_f32_n64_r2: the block has collectives over "
+        r"2 ranks; compile it with comm=",
+    ):
+        qir.compile(graph, weights, backend="host")
+    with pytest.raises(UsageError, match="a group of 3 ranks runs a plan for 2"):
+        qir.compile(graph, weights, backend="host", comm=LocalGroup(3).comm(0))
+
+
+def test_ranks_draw_the_same_ids_without_a_seed():
+    """A sampled generation with no seed: each rank would pick its own, draw other ids and
+    feed its caches other tokens; rank 0's seed goes to every rank."""
+    ck = load(DATA / "mlx_affine4_g64_S")
+
+    def rank(c):
+        m = Model(ck, backend="reference", act=F32, max_seq=32, comm=c)
+        return m.generate(PROMPT, 6, temperature=1.5).tokens.tolist(), m.stats.seed
+
+    outs = run_threads(2, rank, timeout=120)
+    assert outs[0] == outs[1] and outs[0][1] is not None

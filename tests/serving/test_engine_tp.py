@@ -1,0 +1,31 @@
+"""The serving engine on tensor-parallel ranks (threads of one group here; `qir serve --tp N`
+runs them as MPI processes): rank 0's engine broadcasts each step, the other ranks repeat it,
+and every sequence gets the ids it gets from the unsplit model."""
+
+from __future__ import annotations
+
+import pytest
+
+from qir.collectives import run_threads
+from qir.dtypes import F32
+from qir.models import Model
+from qir.serving import Engine
+from qir.serving.engine import follow_engine
+from tests.serving.test_engine import CKPT, alone, requests, serve
+
+
+@pytest.mark.parametrize("backend", ["reference", "host"])
+def test_ranks_serve_what_one_model_gives(backend: str) -> None:
+    reqs = requests(sampled=True)[:3]  # the host's captured decode batches of 1 and 2 rows
+    options = {"backend": backend, "act": F32, "max_batch": 2, "chunk": 4, "max_seq": 64}
+
+    def rank(comm):
+        if comm.rank == 0:
+            engine = Engine.load(CKPT, comm=comm, **options)
+            return serve(engine, reqs), engine.scheduler.steps
+        return follow_engine(CKPT, comm=comm, **{k: v for k, v in options.items() if k != "chunk"})
+
+    (got, steps), followed = run_threads(2, rank, timeout=300)
+    model = Model.load(CKPT, backend=backend, act=F32, max_seq=64)
+    assert got == [alone(model, r) for r in reqs]
+    assert followed >= steps  # every step (and each capture) ran on rank 1 too
