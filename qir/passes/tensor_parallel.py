@@ -108,6 +108,11 @@ class TensorParallel:
                 f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
                 "must divide the heads, and divide or be a multiple of the KV heads"
             )
+        if graph.node(a).attr("sinks"):
+            raise TensorParallelError(
+                f"tensor_parallel: %{a} has attention sinks (gpt-oss), which are not split "
+                "across ranks yet"
+            )
         local = heads // n
         self._split(graph, q, "out", r * local * head_dim, (r + 1) * local * head_dim)
         append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append

@@ -258,3 +258,10 @@ def test_moe_experts_too_narrow_for_their_groups_are_refused():
         r"64 is not on the group size 64 boundaries",
     ):
         load_rank(load(DATA / "qwen3moe_mlx4_g64"), 2, 0, act=F32, max_seq=32)
+
+
+def test_attention_sinks_are_refused_not_split_wrong():
+    """gpt-oss's sinks are a logit per query head: a rank's heads would need theirs."""
+    b = build(load(DATA / "gptoss_mxfp4"), "model", 0, act=F32, max_seq=32)
+    with pytest.raises(TensorParallelError, match=r"has attention sinks \(gpt-oss\)"):
+        _ranks(b.graph, b.weights, 2)
