@@ -29,7 +29,7 @@ NORM_THREADS = 256
 # Attention: query rows per prefill block (4 warps x 4 rows), and the heads it supports: a
 # lane holds head_dim / 32 elements, and the prefill tiles must fit 48 KB of shared memory.
 PREFILL_ROWS = 16
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 @cache
@@ -358,7 +358,9 @@ def attention_combine_kernel(a: AttentionSpec) -> Kernel:
 
 def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
     name = f"attn_prefill_{a._tag()}_r{PREFILL_ROWS}"
-    source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, **a._context(name))
+    # heads wider than 128 keep the prefill's tiles in the activation type (48 KB of shared memory)
+    wide = a.cache.head_dim > 128
+    source = render("attention_prefill.cu.j2", rows=PREFILL_ROWS, wide=wide, **a._context(name))
     params = (*_attention_inputs(a, sinks=True), _buf("y", a.cache.act.c_type, False), _M)
     return Kernel(name, source, params, (THREADS, 1, 1), _headers())
 

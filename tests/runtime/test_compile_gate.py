@@ -268,6 +268,25 @@ def softcap_attention(window: int = 0) -> Callable[[str], list[Kernel]]:
     return lambda arch: [attention_split_kernel(a), attention_prefill_kernel(a)]
 
 
+def wide_head_attention() -> Callable[[str], list[Kernel]]:
+    """Gemma-3-4B's (8 heads on 4 of 256, q/k norms): a full layer's cache and a sliding one's
+    ring of 1024; the prefill's tiles in bf16 so that they fit 48 KB."""
+    rope = RopeSpec.of({"head_dim": 256, "theta": 1000000.0, "rope_type": "default"})
+    norm = HeadNorm(BF16, 1e-6)
+    caches = (CacheShape(BF16, 4096, 4, 256), CacheShape(BF16, 1024 + 255, 4, 256, window=1024))
+    specs = [AttentionSpec(c, 8, 256**-0.5, rope, norm) for c in caches]
+    return lambda arch: [
+        k
+        for a in specs
+        for k in (
+            attention_split_kernel(a),
+            attention_combine_kernel(a),
+            attention_prefill_kernel(a),
+            kv_append_kernel(a.cache, rope, norm),
+        )
+    ]
+
+
 def longrope_attention() -> Callable[[str], list[Kernel]]:
     """Phi-3-mini-128k's (32 heads of 96, MHA, a 4096-position cache: its short factors, cos and
     sin scaled by sqrt(1 + ln 32 / ln 4096)): the rotating append and attention's q prologue."""
@@ -656,6 +675,7 @@ GATE: tuple[Entry, ...] = (
     ),
     Entry("attention-llama3-8b", attention(32), ("attn_split_", "attn_combine_", "attn_prefill_")),
     Entry("attention-llama3-70b", attention(64), ("attn_split_bf16_h64",)),
+    Entry("attention-gemma3-4b-d256", wide_head_attention(), ("attn_prefill_bf16_h8_kv4_d256",)),
     Entry(
         "attention-qwen3-8b-head-norm",
         head_norm_attention(),
