@@ -306,27 +306,48 @@ def test_a_norm_prologue_in_the_gemv_and_the_gemm(backend, weight, act, monkeypa
     from tests.passes.test_layer_passes import weights_for
 
     text = NORMED.replace("@ACT", act.name).replace("@W", weight)
-    g = qir.parse(text)
     weights = weights_for(text, np.random.default_rng(7))
+    _projections_match(
+        text, weights, backend, act, ("x",), ("q", "k"), "_rmsnorm_wbf16", monkeypatch
+    )
+
+
+def _projections_match(
+    text: str,
+    weights: dict[str, Any],
+    backend: str,
+    act: Any,
+    inputs: tuple[str, ...],
+    keys: tuple[str, ...],
+    part: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The merged projections of `text` (a prologue folded in: every kernel's name has `part`)
+    as the GEMV and the GEMM's two tile buckets (the GEMV alone for f32) equal the interpreter
+    on `keys` at M 1, 5, 17, 70, and the host's reversed block schedule stores the same bytes."""
+    g = qir.parse(text)
     ours, ref = (
         qir.compile(g, weights, backend=backend),
         qir.compile(g, weights, backend="reference"),
     )
     assert ours.plan is not None
     names = [la.kernel.name for la in ours.plan.launches]
-    assert all("_rmsnorm_wbf16" in n for n in names), names
+    assert all(part in n for n in names), names
     assert len(names) == (3 if act != F32 else 1)  # the GEMV, the GEMM's two buckets
     rng = np.random.default_rng(8)
     for m in (1, 5, 17, 70):
-        x = {"x": (3 * rng.standard_normal((m, 256), dtype=np.float32)).astype(act.np)}
+        x = {
+            k: (3 * rng.standard_normal((m, 256), dtype=np.float32)).astype(act.np) for k in inputs
+        }
         got, want = ours(x), ref(x)
-        for key in ("q", "k"):
+        for key in keys:
             assert max_rel(host_array(got[key]), want[key]) <= TOL[act], (m, key)
         if backend == "host" and m in (1, 70):
             monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
             again = ours(x)
             monkeypatch.delenv("QIR_HOST_SCHEDULE")
-            assert host_array(again["q"]).tobytes() == host_array(got["q"]).tobytes(), m
+            for key in keys:
+                assert host_array(again[key]).tobytes() == host_array(got[key]).tobytes(), m
 
 
 def test_blocks_with_state_replay_only_captured_batch_sizes(gqa):
@@ -339,24 +360,16 @@ def test_blocks_with_state_replay_only_captured_batch_sizes(gqa):
     assert out["y"].shape == (1, 128)
 
 
-POST_NORMED = """
-graph post_normed {
-  %o = input : @ACT[M, 256]
+# NORMED's projections reading h = r + rms_norm(o, pw) through their norm (Gemma's post-norm).
+POST_NORMED = NORMED.replace(
+    "  %x = input : @ACT[M, 256]\n",
+    """  %o = input : @ACT[M, 256]
   %r = input : @ACT[M, 256]
   %pw = weight {key="post"} : f32[256]
   %on = rms_norm %o, %pw {eps=1e-06} : @ACT[M, 256]
-  %h = add %r, %on : @ACT[M, 256]
-  %nw = weight {key="norm"} : bf16[256]
-  %hn = rms_norm %h, %nw {eps=1e-05} : @ACT[M, 256]
-  %wq = weight {key="q"} : @W[72, 256]
-  %wk = weight {key="k"} : @W[40, 256]
-  %qk = qlinear %hn, %wq, %wk : (@ACT[M, 72], @ACT[M, 40])
-  %q = get %qk {index=0} : @ACT[M, 72]
-  %k = get %qk {index=1} : @ACT[M, 40]
-  output q = %q
-  output k = %k
-}
-"""
+  %x = add %r, %on : @ACT[M, 256]
+""",
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -378,35 +391,11 @@ def test_a_post_norm_and_its_residual_in_the_next_projections_prologue(
 
     text = POST_NORMED.replace("@ACT", act.name).replace("@W", weight)
     if h_read:
-        text = text.replace("output k = %k", "output k = %k\n  output h = %h")
-    g = qir.parse(text)
-    rng = np.random.default_rng(9)
-    weights = weights_for(text, rng)
-    weights["post"] = {"weight": (1 + 0.3 * rng.standard_normal(256)).astype(np.float32)}
-    ours, ref = (
-        qir.compile(g, weights, backend=backend),
-        qir.compile(g, weights, backend="reference"),
-    )
-    assert ours.plan is not None
-    names = [la.kernel.name for la in ours.plan.launches]
+        text = text.replace("output k = %k", "output k = %k\n  output h = %x")
+    weights = weights_for(text, np.random.default_rng(9))
     part = f"_resnorm{'h' if h_read else ''}_wf32_rmsnorm_wbf16"
-    assert all(part in n for n in names), names
-    assert len(names) == (3 if act != F32 else 1)  # the GEMV, the GEMM's two buckets
     keys = ("q", "k", "h") if h_read else ("q", "k")
-    for m in (1, 5, 17, 70):
-        x = {
-            k: (3 * rng.standard_normal((m, 256), dtype=np.float32)).astype(act.np)
-            for k in ("o", "r")
-        }
-        got, want = ours(x), ref(x)
-        for key in keys:
-            assert max_rel(host_array(got[key]), want[key]) <= TOL[act], (m, key)
-        if backend == "host" and m in (1, 70):
-            monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
-            again = ours(x)
-            monkeypatch.delenv("QIR_HOST_SCHEDULE")
-            for key in keys:
-                assert host_array(again[key]).tobytes() == host_array(got[key]).tobytes(), m
+    _projections_match(text, weights, backend, act, ("o", "r"), keys, part, monkeypatch)
 
 
 YARN = (

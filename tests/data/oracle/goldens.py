@@ -191,7 +191,17 @@ def main(case_dir: str) -> None:
     for layer in sorted({0, layers - 1}):
         for m in MS:
             out[f"layer.{layer}.M{m}"] = layer_alone(model, layer, xs[f"x.M{m}"])
-    # Greedy with the KV cache: the prompt once, then one token per step (no EOS stop).
+    out.update(greedy(model, ids))
+    save_npz(case / "golden_model.npz", out)
+    top2 = np.sort(out["step_logits"], axis=-1)[:, -2:]
+    print(
+        "greedy", out["greedy"].tolist(), "min top-2 margin", float((top2[:, 1] - top2[:, 0]).min())
+    )
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """Greedy with the KV cache: the prompt once, then one token per step (no EOS stop): the
+    ids chosen and each step's logits."""
     steps, chosen = [], []
     with torch.no_grad():
         res = model(ids, use_cache=True)
@@ -203,11 +213,7 @@ def main(case_dir: str) -> None:
             if step + 1 < STEPS:
                 res = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
                 cache, logits = res.past_key_values, res.logits[0, -1]
-    out["greedy"] = np.array(chosen, np.int64)
-    out["step_logits"] = np.stack(steps).astype(np.float32)
-    save_npz(case / "golden_model.npz", out)
-    top2 = np.sort(out["step_logits"], axis=-1)[:, -2:]
-    print("greedy", chosen, "min top-2 margin", float((top2[:, 1] - top2[:, 0]).min()))
+    return {"greedy": np.array(chosen, np.int64), "step_logits": np.stack(steps).astype(np.float32)}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from goldens import MS, PROJ, PROMPT, STEPS, checkpoint_tensors, inputs, layer_alone, save_npz
+from goldens import (
+    MS,
+    PROJ,
+    PROMPT,
+    checkpoint_tensors,
+    greedy,
+    inputs,
+    layer_alone,
+    save_npz,
+)
 from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
 
@@ -101,22 +110,12 @@ def main(case_dir: str) -> None:
     for layer in sorted({0, layers - 1}):
         for m in MS:
             out[f"layer.{layer}.M{m}"] = layer_alone(_Text(text), layer, xs[f"x.M{m}"])
-    steps, chosen = [], []
-    with torch.no_grad():
-        res = model(ids, use_cache=True)
-        cache, logits = res.past_key_values, res.logits[0, -1]
-        for step in range(STEPS):
-            token = int(torch.argmax(logits))
-            steps.append(logits.numpy().copy())
-            chosen.append(token)
-            if step + 1 < STEPS:
-                res = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-                cache, logits = res.past_key_values, res.logits[0, -1]
-    out["greedy"] = np.array(chosen, np.int64)
-    out["step_logits"] = np.stack(steps).astype(np.float32)
+    out.update(greedy(model, ids))
     save_npz(case / "golden_model.npz", out)
     top2 = np.sort(out["step_logits"], axis=-1)[:, -2:]
-    print("greedy", chosen, "min top-2 margin", float((top2[:, 1] - top2[:, 0]).min()))
+    print(
+        "greedy", out["greedy"].tolist(), "min top-2 margin", float((top2[:, 1] - top2[:, 0]).min())
+    )
 
 
 if __name__ == "__main__":
