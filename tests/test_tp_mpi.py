@@ -47,6 +47,19 @@ def test_generate_and_run_on_mpi_ranks_equal_one_rank(tmp_path):
     assert np.abs(a - b).max() / np.abs(a).max() <= 1e-5, q.stderr
 
 
+def test_gptoss_on_two_mpi_ranks_equals_one_rank(tmp_path):
+    """Sinks, biases, MXFP4 experts and sliding windows (a prompt past the window of 8)."""
+    ck = str(DATA / "gptoss_mxfp4")
+    tokens = ",".join(str(t) for t in range(3, 13))
+    gen = ["generate", ck, "--tokens", tokens, "--max-new-tokens", "3", "--greedy", *COMMON]
+    for n in (1, 2):
+        p = _qir(*gen, "--tp", str(n), "--out", str(tmp_path / f"g{n}.npz"))
+        assert p.returncode == 0, p.stderr
+    one, two = np.load(tmp_path / "g1.npz"), np.load(tmp_path / "g2.npz")
+    np.testing.assert_array_equal(two["tokens"], one["tokens"])
+    assert np.abs(two["logits"] - one["logits"]).max() / np.abs(one["logits"]).max() <= 1e-5
+
+
 def test_a_split_that_cannot_be_made_is_refused():
     ck = str(DATA / "autogptq_g64_llama")
     p = _qir("generate", ck, "--tokens", "3", "--max-new-tokens", "1", *COMMON, "--tp", "3")

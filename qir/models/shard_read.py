@@ -33,7 +33,7 @@ from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.shards import shard_buffers, tensor_parallel
 from qir.passes.tensor_parallel import TensorParallel
-from qir.types import QExperts, QWeight
+from qir.types import QExperts, QWeight, TensorType
 
 Shard = tuple[str, str, int, int, int]  # (source, axis, start, stop, whole)
 
@@ -225,8 +225,10 @@ def load_rank(
     for w in graph.weights:
         node = graph.node(w)
         key, shard, t = node.attr("key"), node.attr("shard"), node.type
-        if not isinstance(t, QWeight):
-            weights[key] = dict(meta.weights[key])  # a norm's weight: read in full above
+        if not isinstance(t, QWeight):  # a norm's weight or the sinks: read in full above
+            assert isinstance(t, TensorType)
+            vec = meta.weights[shard[0] if shard else key]
+            weights[key] = shard_buffers(t, vec, tuple(shard)) if shard else dict(vec)
             continue
         if shard is None:
             bufs = dict(sharded.linear(key).buffers)

@@ -14,7 +14,7 @@ import numpy as np
 from qir.formats.base import FormatError
 from qir.graph import Graph
 from qir.passes.tensor_parallel import TensorParallel
-from qir.types import QExperts, QWeight
+from qir.types import QExperts, QWeight, TensorType
 
 if TYPE_CHECKING:
     from qir.models.blocks import Block
@@ -23,10 +23,15 @@ Weights = Mapping[str, Mapping[str, np.ndarray]]
 
 
 def shard_buffers(
-    part: QWeight | QExperts, bufs: Mapping[str, np.ndarray], shard: tuple[str, str, int, int, int]
+    part: QWeight | QExperts | TensorType,
+    bufs: Mapping[str, np.ndarray],
+    shard: tuple[str, str, int, int, int],
 ) -> dict[str, np.ndarray]:
     """The buffers of `part`, the shard `shard` = (source, axis, start, stop, whole) of a weight
-    whose buffers are `bufs` (stacked experts: each expert's part, stacked again)."""
+    whose buffers are `bufs` (stacked experts: each expert's part, stacked again; a parameter
+    vector, gpt-oss's sinks: its entries start..stop)."""
+    if isinstance(part, TensorType):
+        return {"weight": bufs["weight"][shard[2] : shard[3]]}
     if isinstance(part, QExperts):
         experts = [
             shard_buffers(part.expert, {k: v[e] for k, v in bufs.items()}, shard)
@@ -60,7 +65,7 @@ def shard_weights(graph: Graph, weights: Weights) -> dict[str, dict[str, np.ndar
         if shard is None:
             out[key] = dict(weights[key])
             continue
-        assert isinstance(node.type, QWeight | QExperts)
+        assert isinstance(node.type, QWeight | QExperts | TensorType)
         out[key] = shard_buffers(node.type, weights[shard[0]], tuple(shard))
     return out
 

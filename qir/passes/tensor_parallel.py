@@ -4,7 +4,8 @@
   and their KV heads; where there are fewer KV heads than ranks, each rank keeps the one KV
   head its query heads read, so KV heads are replicated N/KV times), the KV caches hold the
   rank's KV heads, and o_proj is row-parallel: each rank's partial sum over its heads' inputs,
-  then an `all_reduce`.
+  then an `all_reduce`. Attention sinks (gpt-oss: a logit per query head) are cut to the
+  rank's heads like q's rows; q/k/v's biases go with their rows, o's stays on rank 0.
 - The MLP is split by intermediate features: gate/up column-parallel, down row-parallel, then an
   `all_reduce`.
 - The lm_head is vocab-parallel: rank r computes logits of its V/N ids, an `all_gather` along
@@ -49,7 +50,7 @@ from dataclasses import dataclass, replace
 
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import spec
+from qir.ops import sinks_operand, spec
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
@@ -108,13 +109,12 @@ class TensorParallel:
                 f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
                 "must divide the heads, and divide or be a multiple of the KV heads"
             )
-        if graph.node(a).attr("sinks"):
-            raise TensorParallelError(
-                f"tensor_parallel: %{a} has attention sinks (gpt-oss), which are not split "
-                "across ranks yet"
-            )
-        local = heads // n
+        local, fired = heads // n, 4  # q, k, v and the caches
         self._split(graph, q, "out", r * local * head_dim, (r + 1) * local * head_dim)
+        at = sinks_operand(dict(graph.node(a).attrs))
+        if at is not None:  # gpt-oss: a logit per query head, the rank's heads' like q's rows
+            self._split_param(graph, a, at, r * local, (r + 1) * local)
+            fired += 1
         append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
         kv_local = max(kv_heads // n, 1)
         first = r * kv_heads // n  # the first KV head rank r's query heads read
@@ -127,7 +127,6 @@ class TensorParallel:
             assert isinstance(t, TensorType)
             shape = (t.shape[0], kv_local, head_dim)
             graph.set_node(state, replace(graph.node(state), type=TensorType(shape, t.dtype)))
-        fired = 4
         for o in graph.users(a):
             node = graph.node(o)
             if node.op == "qlinear" and graph.operands(o)[0] == a:
@@ -244,6 +243,27 @@ class TensorParallel:
         ops = list(graph.operands(q))
         ops[at] = name
         graph.set_operands(q, tuple(ops))
+        if not graph.use_count(w):
+            graph.remove(w)
+
+    def _split_param(self, graph: Graph, user: str, at: int, start: int, stop: int) -> None:
+        """Point `user`'s operand `at`, a parameter vector (attention sinks), at its entries
+        start..stop: a new weight node keyed by its shard, as `_split` does for a qweight."""
+        w = graph.operands(user)[at]
+        node = graph.node(w)
+        t = node.type
+        assert isinstance(t, TensorType) and len(t.shape) == 1
+        source, whole = node.attr("key"), t.shape[0]
+        attrs = dict(node.attrs)
+        attrs.update(
+            key=shard_key(source, "out", start, stop), shard=(source, "out", start, stop, whole)
+        )
+        name = graph.fresh(f"{w}.out{start}")
+        part = Node("weight", TensorType((stop - start,), t.dtype), make_attrs(**attrs))
+        graph.add(name, part, (), key=graph.order_key(w))
+        ops = list(graph.operands(user))
+        ops[at] = name
+        graph.set_operands(user, tuple(ops))
         if not graph.use_count(w):
             graph.remove(w)
 

@@ -260,8 +260,106 @@ def test_moe_experts_too_narrow_for_their_groups_are_refused():
         load_rank(load(DATA / "qwen3moe_mlx4_g64"), 2, 0, act=F32, max_seq=32)
 
 
-def test_attention_sinks_are_refused_not_split_wrong():
-    """gpt-oss's sinks are a logit per query head: a rank's heads would need theirs."""
+DENSE = "qweight<dense<dtype=bf16>>"
+# gpt-oss's attention: 4 heads of 16 over 2 KV heads, q/k/v/o biases, a window, sinks
+SINKS = f"""
+graph attn {{
+  %x = input : f32[M, 64]
+  %pos = input : i32[M]
+  %w_q = weight {{key="q"}} : {DENSE}[64, 64]+bias
+  %q = qlinear %x, %w_q : f32[M, 64]
+  %w_k = weight {{key="k"}} : {DENSE}[32, 64]+bias
+  %k = qlinear %x, %w_k : f32[M, 32]
+  %w_v = weight {{key="v"}} : {DENSE}[32, 64]+bias
+  %v = qlinear %x, %w_v : f32[M, 32]
+  %kc = state {{key="kc"}} : f32[16, 2, 16]
+  %vc = state {{key="vc"}} : f32[16, 2, 16]
+  %kv = kv_append %kc, %vc, %k, %v, %pos {{window=4}} : (f32[16, 2, 16], f32[16, 2, 16])
+  %kv.k = get %kv {{index=0}} : f32[16, 2, 16]
+  %kv.v = get %kv {{index=1}} : f32[16, 2, 16]
+  %sinks = weight {{key="sinks"}} : f32[4]
+  %attn = attention %q, %kv.k, %kv.v, %pos, %sinks {{scale=0.25, sinks=true, window=4}} : f32[M, 64]
+  %w_o = weight {{key="o"}} : {DENSE}[64, 64]+bias
+  %o = qlinear %attn, %w_o : f32[M, 64]
+  %y = add %x, %o : f32[M, 64]
+  output y = %y
+}}
+"""
+
+
+def test_attention_sinks_are_split_with_their_ranks_heads():
+    """Rank r of 4 keeps query head r, its sink and q's bias rows, the KV head it reads
+    (replicated: 2 KV heads) with k/v's bias rows, o's inputs of its head; o's bias is added
+    on rank 0 only. Every rank equals the unsplit block past the window."""
+    g = parse(SINKS)
+    assert TensorParallel(4, 1).run(g) == 6  # q, k, v, the caches, o and the sinks
+    text = print_graph(g)
+    assert (
+        '%sinks.out1 = weight {key="sinks:out1-2", shard=["sinks", "out", 1, 2, 4]} : f32[1]'
+        in text
+    )
+    assert "attention %q, %kv.k, %kv.v, %pos, %sinks.out1 {" in text
+    assert (
+        f'%w_q.out16 = weight {{key="q:out16-32", shard=["q", "out", 16, 32, 64]}} : {DENSE}[16, 64]+bias'
+        in text
+    )
+    assert (
+        f'%w_k.out0 = weight {{key="k:out0-16", shard=["k", "out", 0, 16, 32]}} : {DENSE}[16, 64]+bias'
+        in text
+    )
+    assert f"{DENSE}[64, 16] =" not in text and f"{DENSE}[64, 16]\n" in text  # o: no bias
+    assert '%kc = state {key="kc"} : f32[16, 1, 16]' in text
+    g0 = parse(SINKS)
+    TensorParallel(4, 0).run(g0)
+    assert f"{DENSE}[64, 16]+bias" in print_graph(g0)  # o's bias is rank 0's to add
+    rng = np.random.default_rng(0)
+    weights = weights_for(SINKS, rng)
+    for key in ("q", "k", "v", "o"):
+        weights[key]["bias"] = rng.standard_normal(weights[key]["weight"].shape[0]).astype(
+            np.float32
+        )
+    weights["sinks"]["weight"] = rng.standard_normal(4).astype(np.float32)
+    m = 9  # positions 0..8 over a window of 4
+    inputs = {
+        "x": rng.standard_normal((m, 64)).astype(np.float32),
+        "pos": np.arange(m, dtype=np.int32),
+    }
+    want = interpret(parse(SINKS), inputs, weights)["y"]
+    for n in (2, 4):
+        parts, fired = _ranks(parse(SINKS), weights, n)
+        assert fired == 6
+        for o in _interpret(parts, inputs):
+            np.testing.assert_allclose(o["y"], want, rtol=1e-5, atol=1e-6)
+    # the sinks matter: without them the outputs differ
+    plain = SINKS.replace(", %sinks {scale=0.25, sinks=true,", " {scale=0.25,")
+    assert np.abs(interpret(parse(plain), inputs, weights)["y"] - want).max() > 1e-3
+
+
+def test_gptoss_splits_on_two_ranks_and_refuses_four_in_one_line():
+    """gpt-oss (sinks, q/k/v/o and expert biases, sliding-window layers, MXFP4 experts) read
+    from each rank's shards equals the unsplit model; at 4 ranks each expert's down_proj would
+    be cut inside a 32-input MX block."""
+    from qir.formats.base import FormatError
+    from qir.models.shard_read import load_rank
+
     b = build(load(DATA / "gptoss_mxfp4"), "model", 0, act=F32, max_seq=32)
-    with pytest.raises(TensorParallelError, match=r"has attention sinks \(gpt-oss\)"):
-        _ranks(b.graph, b.weights, 2)
+    inputs = b.token_inputs(np.arange(3, 15, dtype=np.int32))  # 12 positions, a window of 8
+    want = interpret(b.graph, inputs, b.weights)["logits"]
+    parts = [load_rank(load(DATA / "gptoss_mxfp4"), 2, r, act=F32, max_seq=32)[0] for r in range(2)]
+    for r, p in enumerate(parts):
+        text = print_graph(p.graph)
+        assert text.count(": f32[2]") == 3  # each layer's sinks: the rank's 2 heads
+        assert f'key="model.layers.0.self_attn.sinks:out{2 * r}-{2 * r + 2}"' in text
+        assert (
+            text.count("experts<4, qweight<mxfp4<>>[128, 32]" + ("+bias" if r == 0 else ">")) == 3
+        )
+        assert text.count("experts<4, qweight<mxfp4<>>[32, 128]+bias>") == 6  # gate and up
+    outs = _interpret([(p.graph, p.weights) for p in parts], inputs)
+    for o in outs:
+        assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+    with pytest.raises(
+        FormatError,
+        match=r"^model.layers.0.mlp.experts.down_proj: a K split 0..16 of in_features 64 is "
+        r"not on the MX block size 32 boundaries",
+    ):
+        load_rank(load(DATA / "gptoss_mxfp4"), 4, 0, act=F32, max_seq=32)

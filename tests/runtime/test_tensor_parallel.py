@@ -1,7 +1,7 @@
 """Tensor parallel on the host backend: each rank's part of a model compiled to host kernels,
 the ranks as threads of one group exchanging through real collectives (launches of the plan):
 logits equal --tp 1 within 1e-5 relative and greedy ids equal, for Llama checkpoints in AWQ,
-GPTQ, MLX and NVFP4 (W4A16 and W4A4) and a Mixtral (MoE), on 2 ranks, and 4 for GPTQ and
+GPTQ, MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, and 4 for GPTQ and
 NVFP4 W4A4. (tests/test_tp_mpi.py runs ranks as
 MPI processes.)"""
 
@@ -25,9 +25,9 @@ from tests.passes.test_tensor_parallel import MLP
 PROMPT = [3, 10, 17, 24, 31]
 
 
-def _generate(ck, comm=None):
+def _generate(ck, comm=None, prompt=PROMPT):
     m = Model(ck, backend="host", act=F32, max_seq=32, comm=comm)
-    return m, m.generate(PROMPT, 3, do_sample=False)
+    return m, m.generate(prompt, 3, do_sample=False)
 
 
 @pytest.mark.parametrize(
@@ -39,14 +39,18 @@ def _generate(ck, comm=None):
         ("ct_nvfp4a16_S", (2,)),
         ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
         ("mixtral_mlx4_g64", (2,)),  # experts split by rows: the MoE decode and combine kernels
+        # sinks, q/k/v/o and expert biases, MXFP4 experts, windows of 8 (4 ranks: refused,
+        # tests/passes/test_tensor_parallel.py)
+        ("gptoss_mxfp4", (2,)),
     ],
 )
 def test_tp_ranks_equal_one_rank(fixture, ranks):
     """(4 ranks on two of them only: each rank count compiles its own kernel shapes.)"""
     ck = load(DATA / fixture)
-    one, want = _generate(ck)
+    prompt = list(range(3, 13)) if fixture == "gptoss_mxfp4" else PROMPT  # past the window
+    one, want = _generate(ck, prompt=prompt)
     for n in ranks:
-        outs = run_threads(n, lambda c: _generate(ck, c), timeout=600)
+        outs = run_threads(n, lambda c: _generate(ck, c, prompt), timeout=600)
         for m, got in outs:
             np.testing.assert_array_equal(got.tokens, want.tokens)
             err = np.abs(got.logits - want.logits).max() / np.abs(want.logits).max()
