@@ -120,3 +120,44 @@ def test_a_rank_that_fails_ends_its_peers_with_its_own_error():
     with pytest.raises(ValueError, match="rank 1 broke"):
         run_threads(2, fn, timeout=30)
     assert time.perf_counter() - t0 < 5  # rank 0 did not sit out its timeout
+
+
+class _SlowBarrier:
+    """An MPI communicator whose ranks meet in a barrier after `tests` polls."""
+
+    def __init__(self, tests: int) -> None:
+        self.tests, self.polls = tests, 0
+
+    def Ibarrier(self):
+        return self
+
+    def Test(self):
+        self.polls += 1
+        return self.polls > self.tests
+
+    def bcast(self, obj, root):
+        return ("from root", obj)
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Abort(self, code):
+        raise AssertionError(f"aborted with {code}")
+
+
+def test_mpi_bcast_waits_for_its_root_past_the_collective_timeout_sleeping():
+    """A chat's or a server's followers wait in a bcast as long as rank 0 idles: no timeout
+    there, and sleeps between polls instead of MPICH's spinning blocking bcast."""
+    from qir.runtime.collectives import MpiComm
+
+    fake = _SlowBarrier(40)
+    comm = MpiComm(fake, timeout=1e-3)
+    t0 = time.perf_counter()
+    assert comm.bcast("line") == ("from root", "line")
+    assert fake.polls == 41 and time.perf_counter() - t0 > comm.timeout
+    fake.polls = 0
+    with pytest.raises(AssertionError, match="aborted with 3"):  # a collective still times out
+        comm.barrier("%x")

@@ -60,6 +60,42 @@ def test_gptoss_on_two_mpi_ranks_equals_one_rank(tmp_path):
     assert np.abs(two["logits"] - one["logits"]).max() / np.abs(one["logits"]).max() <= 1e-5
 
 
+def test_chat_on_two_mpi_ranks_answers_as_one_rank():
+    """Rank 0 reads the piped stdin and broadcasts each line; every rank runs the turns (the
+    conversation kept between them, /reset, /exit) and rank 0 alone prints."""
+    from qir.dtypes import F32
+    from qir.models import Model
+
+    ck = DATA / "awq_gemm_g64_S"  # a byte-level BPE tokenizer and a ChatML template
+    script = "What is the capital of France?\nThanks!\n/reset\nHello\n/exit\nnever read\n"
+    argv = [*QIR, "-q", "chat", str(ck), "--max-new-tokens", "4", "--stats"]
+    argv += ["--backend", "reference", "--act-dtype", "f32", "--tp", "2"]
+    model = Model.load(ck, act=F32)
+    for sampling, options in (
+        ({"do_sample": False}, ["--greedy"]),
+        ({"temperature": 1.5, "seed": 5}, ["--temperature", "1.5", "--seed", "5"]),
+    ):
+        done = subprocess.run(
+            [*argv, *options], input=script, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        replies = done.stdout.splitlines()
+        stats = [line for line in done.stderr.splitlines() if line.startswith("qir: prompt")]
+        assert len(replies) == 3 and len(stats) == 3  # one rank speaks
+        assert done.stderr.count("conversation reset") == 1
+        assert "cached" in stats[1]  # turn 2 reused turn 1's rows on every rank
+        model.reset()
+        first = [{"role": "user", "content": "What is the capital of France?"}]
+        assert replies[0] == model.chat(first, 4, **sampling)
+        first += [
+            {"role": "assistant", "content": replies[0]},
+            {"role": "user", "content": "Thanks!"},
+        ]
+        assert replies[1] == model.chat(first, 4, **sampling)
+        model.reset()
+        assert replies[2] == model.chat([{"role": "user", "content": "Hello"}], 4, **sampling)
+
+
 def test_a_split_that_cannot_be_made_is_refused():
     ck = str(DATA / "autogptq_g64_llama")
     p = _qir("generate", ck, "--tokens", "3", "--max-new-tokens", "1", *COMMON, "--tp", "3")

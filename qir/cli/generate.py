@@ -1,10 +1,13 @@
 """`qir generate` (a continuation of a prompt: text, one chat turn, or ids) and `qir chat` (an
-interactive conversation that keeps its KV cache between turns)."""
+interactive conversation that keeps its KV cache between turns). Both take --tp N (qir.cli.tp):
+chat's rank 0 reads stdin and broadcasts each line to the other ranks."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -12,7 +15,6 @@ import numpy as np
 
 from qir.cli import tp
 from qir.cli.options import add_lowering, add_max_seq, model_of, token_ids
-from qir.collectives import DEFAULT_TIMEOUT
 from qir.errors import UsageError
 from qir.models import Model
 from qir.runtime.backend import BACKENDS, best_backend
@@ -36,7 +38,12 @@ def _model(args: argparse.Namespace) -> Model:
     backend = args.backend or best_backend()
     model = model_of(args, backend, tp.comm_of(args, backend))
     ignored = model.generation_config.not_applied()
-    if ignored and (args.prompt is not None or args.chat is not None or args.command == "chat"):
+    lead = model.comm is None or model.comm.rank == 0  # --tp: rank 0 alone says it
+    if (
+        ignored
+        and lead
+        and (args.prompt is not None or args.chat is not None or args.command == "chat")
+    ):
         print(
             f"qir: {model.generation_config.origin} sets {', '.join(ignored)}, which qir does "
             "not apply",
@@ -102,21 +109,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lines(comm: Any) -> Callable[[], str]:
+    """The chat's next line ("" at the end of stdin). Under --tp rank 0 reads stdin (mpiexec
+    hands it to rank 0 alone) and broadcasts each line, so every rank runs the same turns and
+    launches the same collectives."""
+    if comm is None or comm.size == 1:
+        return sys.stdin.readline
+    if comm.rank == 0:
+        return lambda: str(comm.bcast(sys.stdin.readline()))
+    return lambda: str(comm.bcast(None))
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
+    launched = tp.launch(args)
+    if launched is not None:
+        return launched
     model = _model(args)
     sampling = _sampling(args)
     model.chat_prompt([{"role": "user", "content": ""}], args.template)  # a template exists
-    interactive = sys.stdin.isatty()
+    comm = model.comm
+    lead = comm is None or comm.rank == 0  # under --tp the others run the turns, silently
+    say: TextIO = sys.stderr if lead else open(os.devnull, "w")  # noqa: SIM115
+    next_line = _lines(comm)
+    # under --tp rank 0's stdin is mpiexec's pipe: the launching process said if it is a tty
+    interactive = lead and (sys.stdin.isatty() or os.environ.get(tp.TTY_ENV) == "1")
     if interactive:
-        print(f"qir chat: {args.checkpoint} ({CHAT_HELP})", file=sys.stderr)
+        print(f"qir chat: {args.checkpoint} ({CHAT_HELP})", file=say)
     history: list[dict[str, str]] = []
     if args.system is not None:
         history.append({"role": "system", "content": args.system})
     start = len(history)
     while True:
         if interactive:
-            print(">>> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+            print(">>> ", end="", file=say, flush=True)
+        line = next_line()
         if not line:  # Ctrl-D
             break
         line = line.rstrip("\n")
@@ -125,7 +151,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() == "/reset":
             del history[start:]
             model.reset()
-            print("qir: conversation reset", file=sys.stderr)
+            print("qir: conversation reset", file=say)
             continue
         if not line.strip():
             continue
@@ -143,15 +169,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
             _show(pieces, sys.stdout)
         except UsageError as e:  # the turn did not happen (past --max-seq): say so, go on
             history.pop()
-            print(f"qir: error: {e} (/reset starts over)", file=sys.stderr)
+            print(f"qir: error: {e} (/reset starts over)", file=say)
             continue
         except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
+            if comm is not None and comm.size > 1:
+                # each rank would stop after another step (another collective): end them all
+                raise
             if pieces is not None:
                 pieces.close()
             print("\n(interrupted)", file=sys.stderr)
         history.append({"role": "assistant", "content": model.last.text or ""})
         if args.stats:
-            print(f"qir: {model.stats.line()}", file=sys.stderr)
+            print(f"qir: {model.stats.line()}", file=say)
     return 0
 
 
@@ -212,4 +241,5 @@ def register(sub: Any) -> None:
     _model_options(chat)
     chat.add_argument("--system", help="a system message that starts the conversation")
     _sampling_options(chat)
-    chat.set_defaults(func=cmd_chat, prompt=None, chat=None, tp=1, tp_timeout=DEFAULT_TIMEOUT)
+    tp.add_tp(chat)
+    chat.set_defaults(func=cmd_chat, prompt=None, chat=None)

@@ -22,6 +22,8 @@ from qir.logs import LOGGER
 
 # Set in the ranks' environment by the launching process: how many ranks it launched.
 RANKS_ENV = "QIR_TP_RANKS"
+# Set to "1" where the launching process's stdin is a terminal (mpiexec pipes it to rank 0).
+TTY_ENV = "QIR_TP_TTY"
 INSTALL = "pip install 'qir[tp]' (mpi4py and the mpich wheel)"
 
 
@@ -67,7 +69,8 @@ def launch(args: argparse.Namespace) -> int | None:
     except ImportError:
         raise UsageError(f"--tp {n} needs mpi4py: {INSTALL}") from None
     cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "qir.cli", *sys.argv[1:]]
-    job = subprocess.Popen(cmd, env={**os.environ, RANKS_ENV: str(n)})
+    tty = "1" if sys.stdin is not None and sys.stdin.isatty() else "0"
+    job = subprocess.Popen(cmd, env={**os.environ, RANKS_ENV: str(n), TTY_ENV: tty})
 
     def forward(signum: int, frame: Any) -> None:  # Ctrl-C / SIGTERM reach the ranks
         job.send_signal(signum)

@@ -100,13 +100,17 @@ class MpiComm:
         self._wait(self.c.Ibarrier(), what)
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
+        """`root`'s object on every rank. The ranks meet in a barrier polled with sleeps first,
+        with no timeout: a follower may wait as long as its leader idles (a chat's user typing,
+        a server with no requests), and MPICH's blocking calls would spin a core meanwhile."""
+        self._wait(self.c.Ibarrier(), "bcast", deadline=False)
         return self.c.bcast(obj, root)
 
-    def _wait(self, req: Any, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _wait(self, req: Any, what: str, deadline: bool = True) -> None:
+        end = time.monotonic() + self.timeout if deadline else float("inf")
         pause = 1e-5
         while not req.Test():
-            if time.monotonic() > deadline:
+            if time.monotonic() > end:
                 self._abort(
                     f"{what} timed out after {self.timeout:g} s waiting for the other "
                     f"{self.size - 1} rank(s) (one died or hangs)"
