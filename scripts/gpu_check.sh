@@ -4,7 +4,10 @@
 #   1. every `gpu` test (cuda backend vs the interpreter and the goldens, every format,
 #      graph capture, DLPack, the CuPy pool)                     -> $OUT/gpu_tests.log
 #      (the GEMM family's included: cuda vs host vs the interpreter for every format and fusion,
-#      and the PTX mma.sync / ldmatrix / cp.async against their host emulation on the same inputs)
+#      and the PTX mma.sync / ldmatrix / cp.async against their host emulation on the same inputs;
+#      and NCCL's all_reduce / all_gather recorded in a CUDA graph with a kernel, on a
+#      communicator of one rank: tests/runtime/test_collective_capture.py. No --tp 2 stage:
+#      NCCL refuses two ranks on one device, and the lent machine has one GPU)
 #   2. benchmarks/llama_shapes.py: every format at Llama-3-8B shapes, fused vs unfused vs
 #      cuBLAS f16, against measured copy bandwidth                -> $OUT/bench.log, llama.json
 #   3. the M sweep (1 .. 4096) of the GEMV/GEMM families over the layer's projections and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +18,18 @@ BACKENDS = ("reference", "host", "cuda")
 
 # (loaded kernel, grid, arguments): one launch with its memory bound.
 BoundLaunch = tuple[Any, tuple[int, int, int], Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class InStream:
+    """A step of the launches to record that is not a kernel: `enqueue(stream)` puts its work
+    on the stream it is given (a NCCL collective on the compute stream). A recording keeps it
+    in place among the kernels: the cuda backend calls it on the capture stream, so it becomes
+    nodes of the CUDA graph; the host backend calls it in turn at each replay. Bound as
+    (InStream, (1, 1, 1), ())."""
+
+    name: str
+    enqueue: Callable[[Any], None]
 
 
 class Backend(Protocol):
@@ -42,7 +55,7 @@ class Backend(Protocol):
 
     def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
         """Launches bound once, replayed by calling the result with a stream (the cuda backend
-        captures a CUDA graph)."""
+        captures a CUDA graph); an InStream among them is recorded in place."""
         ...
 
     def accept(self, a: Any) -> tuple[Any, bool]:

@@ -5,15 +5,19 @@ backend's buffers, in program order between the kernels.
   (qir.collectives.LocalGroup, tests) or MPI between processes (MpiComm below), each
   exchanging the buffers and summing in rank order, so every rank holds the same bits.
 - cuda backend: NCCL (cupy.cuda.nccl) on the block's stream, its unique id broadcast over MPI
-  (`nccl_comm`). Written, not yet run on a device: no GPU was lent to the session that wrote it.
-  ncclAllReduce sums in its own order, so results may differ from the host's in the last bits.
+  (`device_comm`). ncclAllReduce sums in its own order, so results may differ from the host's
+  in the last bits. NCCL enqueues on a stream, so a captured decode step records its
+  collectives in the one CUDA graph (`CollectiveRunner.capturable`); MPI and thread groups
+  exchange host buffers when called, and a capture replays in pieces around them. Written, not
+  yet run across ranks on a device (no GPU was lent to the sessions that wrote it; one GPU
+  cannot hold two NCCL ranks: tests/runtime/test_collective_capture.py runs a rank of one).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +27,7 @@ from qir.codegen.collectives import CollectiveKernel
 from qir.collectives import DEFAULT_TIMEOUT, Comm
 from qir.dtypes import by_name
 from qir.errors import UsageError
+from qir.runtime.backend import InStream
 
 
 class CollectiveRunner:
@@ -35,18 +40,35 @@ class CollectiveRunner:
         self.device = device
         self.dtype = by_name(kernel.dtype_name).np
 
-    def __call__(self, args: Sequence[Any], stream: Any = None) -> None:
+    @property
+    def capturable(self) -> bool:
+        """Whether a recording of the launches (a decode step's CUDA graph) may hold this
+        collective: its communicator says so (`capturable`: NCCL, which enqueues its work on
+        the stream it is given). MPI and thread groups exchange host buffers when called, which
+        no CUDA graph can replay: the executor splits the recording around them."""
+        return bool(getattr(self.comm, "capturable", False))
+
+    def bind(self, args: Sequence[Any], capture: bool = True) -> InStream:
+        """The collective on fixed buffers, enqueued on the stream it is called with: what a
+        recording holds. What it needs besides x and y (an all_gather's rank-major rows on a
+        device) is allocated here, outside any capture, and kept alive by the result."""
         x, y, _ = args
         k = self.kernel
         if self.device:
-            _nccl(self.comm, k, x, y, stream)
-            return
-        xs = np.asarray(x).view(self.dtype)
-        if k.op == "all_reduce":
-            result = collectives.all_reduce(self.comm, xs, k.name)
-        else:
-            result = collectives.all_gather(self.comm, xs, k.axis, k.name)
-        np.asarray(y).view(self.dtype)[...] = result
+            return InStream(k.name, _nccl(self.comm, k, x, y, warm=capture))
+
+        def host(stream: Any) -> None:
+            xs = np.asarray(x).view(self.dtype)
+            if k.op == "all_reduce":
+                result = collectives.all_reduce(self.comm, xs, k.name)
+            else:
+                result = collectives.all_gather(self.comm, xs, k.axis, k.name)
+            np.asarray(y).view(self.dtype)[...] = result
+
+        return InStream(k.name, host)
+
+    def __call__(self, args: Sequence[Any], stream: Any = None) -> None:
+        self.bind(args, capture=False).enqueue(stream)
 
 
 def collective_runner(kernel: CollectiveKernel, backend: Any, comm: Any) -> CollectiveRunner:
@@ -128,9 +150,12 @@ class MpiComm:
 
 class NcclComm:
     """A NCCL communicator for this MPI rank's GPU: rank 0 makes the unique id, MPI broadcasts
-    it, every rank joins. Untested on a device (see the module docstring)."""
+    it, every rank joins. Its collectives are enqueued on the compute stream, so a captured
+    decode step holds them in its CUDA graph (NCCL >= 2.9). Not yet run on a device with more
+    than one rank (see the module docstring)."""
 
     nccl = True
+    capturable = True
 
     def __init__(self, mpi: MpiComm) -> None:
         from cupy.cuda import nccl
@@ -158,21 +183,38 @@ def device_comm(mpi: MpiComm) -> NcclComm:
 _NCCL_TYPES = {"f16": "NCCL_FLOAT16", "bf16": "NCCL_BFLOAT16", "f32": "NCCL_FLOAT32"}
 
 
-def _nccl(comm: NcclComm, k: CollectiveKernel, x: Any, y: Any, stream: Any) -> None:
+def _nccl(comm: NcclComm, k: CollectiveKernel, x: Any, y: Any, warm: bool) -> Callable[[Any], None]:
+    """The NCCL call of `k` on x and y, enqueued on the stream it is given (None: the current
+    one). Nothing is allocated when it is called, so a CUDA-graph capture may record it; `warm`
+    (for a capture): CuPy's copy kernel compiled first, not while capturing."""
+    import cupy
     from cupy.cuda import nccl
 
     dtype = getattr(nccl, _NCCL_TYPES[k.dtype_name])
-    ptr = stream.ptr if stream is not None else 0
-    if k.op == "all_reduce":
-        comm.c.allReduce(x.data.ptr, y.data.ptr, x.size, dtype, nccl.NCCL_SUM, ptr)
-        return
-    # ncclAllGather concatenates whole buffers (rank-major); the gathered axis is the last one
-    # here, so rows [M, ranks, n] are transposed into y [M, ranks * n] by a copy.
-    import cupy
 
+    def ptr(stream: Any) -> int:
+        return int((stream or cupy.cuda.get_current_stream()).ptr)
+
+    if k.op == "all_reduce":
+
+        def reduce(stream: Any) -> None:
+            comm.c.allReduce(x.data.ptr, y.data.ptr, x.size, dtype, nccl.NCCL_SUM, ptr(stream))
+
+        return reduce
+    # ncclAllGather concatenates whole buffers (rank-major); the gathered axis is the last one
+    # here, so rows [ranks, M, n] are copied into y [M, ranks * n] seen as [M, ranks, n].
     rows = cupy.empty((k.ranks, *x.shape), x.dtype)
-    comm.c.allGather(x.data.ptr, rows.data.ptr, x.size, dtype, ptr)
-    y[...] = cupy.moveaxis(rows, 0, -2).reshape(y.shape)
+    parts = y.reshape(*y.shape[:-1], k.ranks, x.shape[-1])  # a view: y is contiguous
+    ranked = cupy.moveaxis(rows, 0, -2)
+    if warm:
+        parts[...] = ranked  # y's values are the gather's to write, later
+
+    def gather(stream: Any) -> None:
+        comm.c.allGather(x.data.ptr, rows.data.ptr, x.size, dtype, ptr(stream))
+        with stream or cupy.cuda.get_current_stream():
+            parts[...] = ranked
+
+    return gather
 
 
 __all__ = ["CollectiveRunner", "Comm", "MpiComm", "NcclComm", "collective_runner"]

@@ -31,7 +31,7 @@ import numpy as np
 
 from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
-from qir.runtime.backend import BoundLaunch
+from qir.runtime.backend import BoundLaunch, InStream
 from qir.runtime.cache import KernelCache
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.nvrtc import available as nvrtc_available
@@ -155,15 +155,23 @@ class CudaBackend:
             k.function(tuple(grid), tuple(k.kernel.block), converted, stream=self._stream(stream))
 
     def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
-        """Capture the launches into a CUDA graph; the result replays it on a stream."""
-        bound = [(k, tuple(grid), self._check(k, args)) for k, grid, args in launches]
+        """Capture the launches into a CUDA graph; the result replays it on a stream. An
+        InStream enqueues its work on the capture stream, inside the graph (NCCL >= 2.9 records
+        its collectives in a capture; the communicator must not allocate while capturing)."""
+        bound = [
+            (k, tuple(grid), args if isinstance(k, InStream) else self._check(k, args))
+            for k, grid, args in launches
+        ]
         with self.device:  # a stream belongs to the device current when it is made
             capture = self._cp.cuda.Stream(non_blocking=True)  # capture needs a non-default one
         with self.device, capture:
             capture.begin_capture()
             try:
                 for k, grid, args in bound:
-                    k.function(grid, tuple(k.kernel.block), args, stream=capture)
+                    if isinstance(k, InStream):
+                        k.enqueue(capture)
+                    else:
+                        k.function(grid, tuple(k.kernel.block), args, stream=capture)
             except BaseException:
                 # A failed launch invalidates the capture, and end_capture would then raise
                 # over the error that matters.

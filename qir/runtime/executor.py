@@ -13,7 +13,9 @@ it; on the cuda backend it comes from CuPy's stream-ordered pool, which hands th
 each run, so repeated runs do not grow the pool.
 
 `capture(M)` binds every launch to fixed buffers once and records them for replay (a CUDA graph
-on the cuda backend, prebuilt ctypes calls on the host): the decode path. Where a kernel family
+on the cuda backend, prebuilt ctypes calls on the host): the decode path. Collectives go in
+that recording where their communicator can be captured (NCCL on the compute stream); around
+any other (MPI on host buffers) the replay is split (`replay_steps`). Where a kernel family
 depends on what a run's rows are (attention: rows of many sequences, or of one), runs,
 captures and memory plans take `rows` (qir.codegen.lower.resolve_rows; default by M).
 
@@ -48,7 +50,7 @@ from qir.collectives import Comm
 from qir.errors import UsageError
 from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
 from qir.logs import Progress
-from qir.runtime.backend import Backend
+from qir.runtime.backend import Backend, BoundLaunch, InStream
 from qir.runtime.collectives import CollectiveRunner, collective_runner
 from qir.types import QActType, QExperts, QWeight, TensorType
 
@@ -421,7 +423,8 @@ class CompiledBlock:
             layout = self._layout(m, rows)
             self._allocate(env, layout)
             bound = [(self._loaded[i], grid, self._args(i, env, m)) for i, grid in layout.launches]
-            replay = _record(be, bound)
+            steps = replay_steps(bound)
+            replay = _record(be, steps)
         # The buffers may be memory a run on this stream freed while its kernels were still
         # queued (CuPy's pool reuses per stream without waiting); a replay on another stream
         # would not be ordered after them.
@@ -433,6 +436,7 @@ class CompiledBlock:
             {o: env[v] for o, v in graph.outputs},
             replay,
             layout.mem.active,
+            tuple(s.name if isinstance(s, InStream) else "recording" for s in steps),
         )
 
     def _bind(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, int], bool]:
@@ -480,34 +484,38 @@ class CompiledBlock:
         ]
 
 
-def _bind_collective(k: CollectiveRunner, args: Sequence[Any]) -> Callable[[Any], None]:
-    def call(stream: Any) -> None:
-        k(args, stream)
-
-    return call
-
-
-def _record(be: Backend, bound: Sequence[tuple[Any, Any, Any]]) -> Callable[[Any], None]:
-    """The backend's recording of the launches, with each collective between the recorded runs
-    of kernels around it (a replay calls them in order)."""
-    if not any(isinstance(k, CollectiveRunner) for k, _, _ in bound):
-        return be.record(bound)
-    steps: list[Callable[[Any], None]] = []
-    run: list[tuple[Any, Any, Any]] = []
+def replay_steps(bound: Sequence[BoundLaunch]) -> list[list[BoundLaunch] | InStream]:
+    """What a capture replays, in order: runs of launches the backend records together (a
+    list), and collectives called between them (an InStream). A collective whose communicator
+    is capturable (NCCL on the compute stream) joins the run around it, so a step with only
+    such collectives is one recording (one CUDA graph); any other (MPI, a thread group: host
+    buffers exchanged when called) ends the run before it."""
+    steps: list[list[BoundLaunch] | InStream] = []
+    run: list[BoundLaunch] = []
     for k, grid, args in bound:
-        if isinstance(k, CollectiveRunner):
+        if isinstance(k, CollectiveRunner) and not k.capturable:
             if run:
-                steps.append(be.record(run))
+                steps.append(run)
                 run = []
-            steps.append(_bind_collective(k, args))
+            steps.append(k.bind(args))
+        elif isinstance(k, CollectiveRunner):
+            run.append((k.bind(args), (1, 1, 1), ()))
         else:
             run.append((k, grid, args))
     if run:
-        steps.append(be.record(run))
+        steps.append(run)
+    return steps
+
+
+def _record(be: Backend, steps: Sequence[list[BoundLaunch] | InStream]) -> Callable[[Any], None]:
+    """One replay of `steps`: each run recorded by the backend, each collective called."""
+    calls = [s.enqueue if isinstance(s, InStream) else be.record(s) for s in steps]
+    if len(calls) == 1:
+        return calls[0]
 
     def replay(stream: Any) -> None:
-        for step in steps:
-            step(stream)
+        for call in calls:
+            call(stream)
 
     return replay
 
@@ -526,6 +534,7 @@ class CapturedBlock:
         outputs: dict[str, Any],
         replay: Callable[[Any], None],
         active: tuple[int, ...],
+        steps: tuple[str, ...] = ("recording",),
     ) -> None:
         self.block = block
         self.m = m
@@ -533,6 +542,9 @@ class CapturedBlock:
         self.outputs = outputs
         self._replay = replay
         self.active = active  # the launches it replays
+        # what a replay runs: "recording" (cuda: one CUDA graph) or a collective's name, called
+        # between recordings; ("recording",) where every collective is captured with the kernels
+        self.steps = steps
 
     def __call__(
         self, inputs: Mapping[str, Any] | None = None, stream: Any = None

@@ -29,7 +29,7 @@ from numpy.typing import DTypeLike
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.interpret import BindError
-from qir.runtime.backend import BoundLaunch
+from qir.runtime.backend import BoundLaunch, InStream
 from qir.runtime.cache import HOST, Artifact, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.host_pch import PrecompiledHeader
@@ -244,8 +244,12 @@ class HostBackend:
         self._bind(k, grid, args)()
 
     def record(self, launches: Sequence[BoundLaunch]) -> Callable[[Any], None]:
-        """Bind every launch once (argument checks, ctypes marshalling) for cheap replays."""
-        calls = [self._bind(k, grid, args) for k, grid, args in launches]
+        """Bind every launch once (argument checks, ctypes marshalling) for cheap replays; an
+        InStream is called in its place (there is no stream here)."""
+        calls = [
+            partial(k.enqueue, None) if isinstance(k, InStream) else self._bind(k, grid, args)
+            for k, grid, args in launches
+        ]
 
         def replay(stream: Any = None) -> None:
             for call in calls:
