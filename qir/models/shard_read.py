@@ -38,7 +38,7 @@ from qir.dtypes import DType
 from qir.formats.base import FormatError
 from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.experts import stack
+from qir.models.experts import stack, stacked_experts
 from qir.models.families import Cut, Unsliceable
 from qir.models.shards import shard_buffers
 from qir.passes.tensor_parallel import TensorParallel
@@ -269,23 +269,30 @@ def _as_part(lin: Linear, want: QWeight, source: str) -> dict[str, Any]:
 
 
 def _experts_part(
-    ck: Checkpoint, reader: ShardReader, part: QExperts, shard: Shard
+    ck: Checkpoint, reader: ShardReader, part: QExperts, shard: Shard | None, key: str
 ) -> dict[str, Any] | None:
-    """Each expert's part of stacked experts (mlx-lm's switch_mlp, [E, ...] tensors) or of one
-    module per expert (`experts.*.w1`), stacked; None where the experts are neither (gpt-oss'
-    interleaved gate/up blocks), or cannot be cut before reading."""
-    source, axis, start, stop, whole = shard
-    cut = (axis, start, stop, whole)
-    stacked = bool(reader.tensors(source))
-    if not stacked and "*" not in source:
+    """Each expert's part of stacked experts (mlx-lm's switch_mlp, [E, ...] tensors), of one
+    module per expert (`experts.*.w1`) or of one linear stacked alone (a shared expert's
+    down_proj), stacked; with no shard, each whole. None where the experts are none of these
+    (gpt-oss' interleaved gate/up blocks), or cannot be cut before reading."""
+    source = key if shard is None else shard[0]
+    tensors = reader.tensors(source)
+    stacked = any(len(reader.store.shape(t)) >= 3 for t in tensors)
+    if stacked or "*" in source or (tensors and part.count == 1):
+        modules = [source.replace("*", str(e)) for e in range(part.count)]
+    else:
         return None
+    if shard is None:
+        if stacked:
+            return stack(stacked_experts(ck, source, part.count))[1]
+        return stack([ck.linear(m) for m in modules])[1]
+    cut = shard[1:]
     experts = []
     try:
-        for e in range(part.count):
+        for e, module in enumerate(modules):
             if stacked:
                 lin = reader.read_part(source, cut, lambda: ck.family.linear(ck, source), e)
             else:
-                module = source.replace("*", str(e))
                 lin = reader.read_part(module, cut, partial(ck._read_linear, module))
             experts.append(replace(lin, buffers=_as_part(lin, part.expert, source)))
     except (Unsliceable, FormatError):
@@ -329,13 +336,16 @@ def load_rank(
         node = graph.node(w)
         key, shard, t = node.attr("key"), node.attr("shard"), node.type
         bufs: dict[str, Any] | None = None
-        if isinstance(t, QExperts) and shard is not None:
-            bufs = _experts_part(sharded, reader, t, tuple(shard))
+        if isinstance(t, QExperts):
+            source = key if shard is None else shard[0]
+            bufs = _experts_part(sharded, reader, t, None if shard is None else tuple(shard), key)
             if bufs is None:
-                reader.whole.add(shard[0])
+                reader.whole.add(source)
                 if whole is None:
                     whole = build(sharded, "model", 0, act, max_seq, kv_pages, prefill_chunk)
-                bufs = shard_buffers(t, whole.weights[shard[0]], tuple(shard))
+                bufs = dict(whole.weights[source])
+                if shard is not None:
+                    bufs = shard_buffers(t, bufs, tuple(shard))
         elif not isinstance(t, QWeight):
             weights[key] = dict(meta.weights[key])  # a norm's weight: read in full above
             continue

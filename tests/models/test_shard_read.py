@@ -174,6 +174,15 @@ def test_act_order_gptq_reads_only_the_groups_its_inputs_use(monkeypatch, tmp_pa
     assert rows.tolist() == [1, 3]  # inputs 128..255 are in groups 3 and 1
 
 
+def test_qwen2moe_ranks_read_their_part_of_the_shared_expert(monkeypatch, tmp_path):
+    from tests.moe_common import qwen2moe_g32
+
+    path = qwen2moe_g32(tmp_path / "qwen2moe")
+    # the shared expert's sigmoid gate ([1, hidden]) is every rank's, as the router is
+    bytes_read, whole = _check(monkeypatch, path, 2, {r"shared_expert_gate\.": (2,)})
+    assert max(bytes_read) < 0.6 * whole
+
+
 def test_a_cut_inside_a_block_is_refused_before_a_wrong_part_is_read():
     # ct_fp8block_qwen3's down_proj has K 416: two ranks' halves of 208 split block 1
     with pytest.raises(
