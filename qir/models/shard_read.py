@@ -15,9 +15,9 @@
    groups, laid out in the part's own padded width. A fused projection's segment (Phi-3's
    qkv_proj, gate_up_proj) is those rows of the fused tensors. Stacked experts (mlx-lm's
    switch_mlp, [E, ...]) read each expert's part, as do one module per expert (Mixtral's
-   experts.<e>.w1). A part whose format differs from the whole's, and a tensor that cannot be
-   cut before reading (a block of rows split, gpt-oss's interleaved expert blocks), is read
-   whole and cut after (WeightFormat.rows/columns, which refuse an inexact cut), as is the tied
+   experts.<e>.w1) and gpt-oss's interleaved gate/up blocks (every other row). A part whose
+   format cannot be the whole's, and a tensor that cannot be cut before reading (a cut inside
+   a block or group, which the cut then refuses), is read whole and cut after (WeightFormat.rows/columns, which refuse an inexact cut), as is the tied
    lm_head's part of the embedding table (the embedding reads it whole anyway).
 
 `ShardReader.bytes_read` counts every byte handed out, so a test can check a rank's share.
@@ -138,6 +138,10 @@ class ShardReader:
         if tensors is None:
             indices = {n: self._index(n, cut, expert) for n in self.tensors(module)}
             tensors = {n: self._take(n, ix, cut) for n, ix in indices.items()}  # checked first
+        return self.serving(tensors, read)
+
+    def serving(self, tensors: dict[str, np.ndarray], read: Callable[[], T]) -> T:
+        """`read()` with `tensors` (parts already read) in place of the stored ones."""
         self._part = tensors
         try:
             return read()
@@ -273,9 +277,11 @@ def _experts_part(
 ) -> dict[str, Any] | None:
     """Each expert's part of stacked experts (mlx-lm's switch_mlp, [E, ...] tensors), of one
     module per expert (`experts.*.w1`) or of one linear stacked alone (a shared expert's
-    down_proj), stacked; with no shard, each whole. None where the experts are none of these
-    (gpt-oss' interleaved gate/up blocks), or cannot be cut before reading."""
+    down_proj) or gpt-oss's blocks, stacked; with no shard, each whole. None where the experts
+    are none of these, or cannot be cut before reading (read whole, then cut)."""
     source = key if shard is None else shard[0]
+    if shard is not None and (hub := _hub_mxfp4(ck, reader, part, shard)) is not None:
+        return hub
     tensors = reader.tensors(source)
     stacked = any(len(reader.store.shape(t)) >= 3 for t in tensors)
     if stacked or "*" in source or (tensors and part.count == 1):
@@ -298,6 +304,50 @@ def _experts_part(
     except (Unsliceable, FormatError):
         return None
     return stack(experts)[1]
+
+
+def _hub_mxfp4(
+    ck: Checkpoint, reader: ShardReader, part: QExperts, shard: Shard
+) -> dict[str, Any] | None:
+    """gpt-oss's stacked MXFP4 experts (`<module>_blocks/_scales/_bias`, [E, rows, ...]): a
+    gate's or up's part is every other row of gate_up_proj from 2*start (+1 for up), which
+    reads as runs of whole rows; a down part its blocks of 32 inputs of every row. None where
+    `shard` is no such weight's, or a K cut falls inside a block (read whole: refused)."""
+    from qir.models.families.hf_mxfp4 import stacked_experts as hub_experts
+
+    source, axis, start, stop, _ = shard
+    fused, _, proj = source.rpartition(".")
+    if f"{source}_blocks" in reader:
+        fused, first, step = source, 0, 1
+    elif proj in ("gate", "up") and f"{fused}_blocks" in reader:
+        first, step = ("gate", "up").index(proj), 2
+    else:
+        return None
+    every = slice(first, None, step)
+    if axis == "out":
+        rows, blocks = slice(first + step * start, first + step * stop, step), slice(None)
+    elif start % 32 or stop % 32:
+        return None
+    else:
+        rows, blocks = every, slice(start // 32, stop // 32)
+    each, bias = slice(None), f"{fused}_bias"
+    tensors = {
+        f"{fused}_blocks": reader.read(f"{fused}_blocks", (each, rows, blocks)),
+        f"{fused}_scales": reader.read(f"{fused}_scales", (each, rows, blocks)),
+        # a K part's bias is rank 0's to add: the others' reader gets zeros, not its bytes
+        bias: reader.read(bias, (each, rows))
+        if part.expert.bias
+        else np.zeros(reader.store.shape(bias), reader.dtype(bias)),
+    }
+    qe, bufs = reader.serving(tensors, lambda: hub_experts(ck, fused, part.count))
+    want = part.expert
+    if (qe.out_features, qe.in_features, qe.expert.format) != (
+        want.out_features,
+        want.in_features,
+        want.format,
+    ):
+        return None
+    return bufs
 
 
 def _cut(lin: Linear, part: QWeight, shard: Shard) -> dict[str, Any]:
@@ -355,7 +405,7 @@ def load_rank(
             bufs = dict(_part(sharded, reader, t, tuple(shard)))
         else:
             bufs = _cut(sharded.linear(shard[0]), t, tuple(shard))
-        if isinstance(t, QWeight) and not t.bias:
+        if not (t.expert if isinstance(t, QExperts) else t).bias:
             bufs.pop("bias", None)  # a row-parallel bias lives on rank 0
         weights[key] = bufs
     return replace(meta, graph=graph, weights=weights), reader

@@ -44,9 +44,9 @@ def _read_masks(monkeypatch, ck, ranks: int, rank: int):
                 np.add.at(m, index, 1)
         return a
 
-    monkeypatch.setattr(ShardReader, "read", recording)
-    part, reader = load_rank(ck, ranks, rank, act=F32, max_seq=32)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardReader, "read", recording)
+        part, reader = load_rank(ck, ranks, rank, act=F32, max_seq=32)
     return part, reader, masks
 
 
@@ -181,6 +181,22 @@ def test_qwen2moe_ranks_read_their_part_of_the_shared_expert(monkeypatch, tmp_pa
     # the shared expert's sigmoid gate ([1, hidden]) is every rank's, as the router is
     bytes_read, whole = _check(monkeypatch, path, 2, {r"shared_expert_gate\.": (2,)})
     assert max(bytes_read) < 0.6 * whole
+
+
+def test_gptoss_experts_read_their_rows_of_the_interleaved_blocks(monkeypatch):
+    # gpt-oss is refused under --tp until its attention sinks are split: its attention is left
+    # whole here (every rank all heads), so its experts' parts can be read and checked now
+    from qir.passes.tensor_parallel import TensorParallel
+
+    monkeypatch.setattr(TensorParallel, "_attention", lambda self, graph, a: 0)
+    path = DATA / "gptoss_mxfp4"
+    # the attention's linears (and their sinks) are then every rank's, as is the router
+    whole_attention = {r"self_attn\.": (2,), r"mlp\.router\.": (2,)}
+    _check(monkeypatch, path, 2, whole_attention)
+    masks = _read_masks(monkeypatch, load(path), 2, 1)[2]
+    # rank 1's gate (features 32..63) is rows 64, 66, .., 126 of gate_up_proj, its up 65, .., 127
+    read = masks["model.layers.0.mlp.experts.gate_up_proj_blocks"].any(axis=(0, 2, 3))
+    assert np.flatnonzero(read).tolist() == list(range(64, 128))
 
 
 def test_a_cut_inside_a_block_is_refused_before_a_wrong_part_is_read():
