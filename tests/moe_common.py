@@ -1,16 +1,23 @@
-"""What the mixture-of-experts tests share: random stacked experts and an MoE MLP graph."""
+"""What the mixture-of-experts tests share: random stacked experts, an MoE MLP graph, and a
+Qwen2-MoE checkpoint that two ranks can split."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from qir.builder import Builder
-from qir.dtypes import F16, DType
+from qir.dtypes import BF16, F16, DType
 from qir.formats.base import WeightFormat
 from qir.formats.dense import Dense
+from qir.formats.mlx import MlxAffine
 from qir.graph import Graph
 from qir.types import QExperts, QWeight
-from tests.conftest import random_weight
+from tests.conftest import DATA, random_weight
 
 Weights = dict[str, dict[str, np.ndarray]]
 
@@ -69,3 +76,32 @@ def inputs(
     rng: np.random.Generator, m: int, hidden: int, act: DType = F16
 ) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal((m, hidden), dtype=np.float32).astype(act.np)}
+
+
+def qwen2moe_g32(out: Path) -> Path:
+    """qwen2moe_mlx4_g64 (mlx-lm's, with its shared expert) whose routed down_proj experts are
+    re-quantized by MLX's affine rule in groups of 32 (a per-module entry in config.json, as
+    mlx-lm writes mixed ones), so 2 ranks can cut their 64 inputs: the other linears, the
+    shared expert's included, stay as mlx-lm wrote them. A split test compares it with itself
+    unsplit; its numbers are not the fixture's goldens."""
+    src = DATA / "qwen2moe_mlx4_g64"
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "generation_config.json", out)
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    g64, g32 = MlxAffine(4, 64, BF16), MlxAffine(4, 32, F16)
+    hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+    for layer in range(config["num_hidden_layers"]):
+        module = f"model.layers.{layer}.mlp.switch_mlp.down_proj"
+        stacked = {b: tensors[f"{module}.{b}"] for b in ("weight", "scales", "biases")}
+        experts = [
+            g32.quantize(g64.dequantize({b: v[e] for b, v in stacked.items()}, hidden, inter))
+            for e in range(config["num_experts"])
+        ]
+        for b in stacked:
+            tensors[f"{module}.{b}"] = np.stack([x[b] for x in experts])
+        for key in ("quantization", "quantization_config"):
+            config[key][module] = {"group_size": 32, "bits": 4}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+    return out

@@ -189,6 +189,14 @@ class WeightFormat(ABC):
             for name, t in full.items()
         }
 
+    def recast(
+        self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
+    ) -> dict[str, np.ndarray] | None:
+        """`bufs` of a weight in `fmt` as this format's buffers of the same weight, where that
+        needs no requantizing (a shard read on its own may come out in a simpler variant of
+        the whole's format); None where it cannot."""
+        return dict(bufs) if fmt == self else None
+
     def columns(
         self,
         bufs: Mapping[str, np.ndarray],

@@ -88,6 +88,29 @@ class Fp8Block(WeightFormat):
         codes = e4m3_encode(w / self.expand_scale(scale, out_features, in_features))
         return {"weight": codes.view(ml_dtypes.float8_e4m3fn), "scale": scale}
 
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]:
+        """A K shard: the scale columns of the blocks it covers, which index the part's inputs
+        as the whole weight's only when it starts on a block and ends on one (or at K)."""
+        b = self.block_in
+        if start % b or (stop % b and stop != in_features) or not 0 <= start < stop <= in_features:
+            raise FormatError(
+                f"{where}.scale: a K split {start}..{stop} of in_features {in_features} is not "
+                f"on its blocks of {b} inputs, so it cannot be exact"
+            )
+        last = -(-stop // b)
+        return {
+            "weight": bufs["weight"][:, start:stop],
+            "scale": bufs["scale"][:, start // b : last],
+        }
+
     def rows(
         self,
         bufs: Mapping[str, np.ndarray],

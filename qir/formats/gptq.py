@@ -25,7 +25,7 @@ zero and scale through `g_idx` (permuting input channels would need x permuted t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import ml_dtypes
@@ -161,6 +161,16 @@ class Gptq(WeightFormat):
             "scales": np.ascontiguousarray(np.asarray(bufs["scales"])[:, take]),
             "g_idx": np.searchsorted(used, g_idx).astype(np.int32),
         }
+
+    def recast(
+        self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
+    ) -> dict[str, np.ndarray] | None:
+        """A part of an act-order weight whose inputs keep their groups in order reads as a
+        plain one: as act-order, its g_idx is the trivial map."""
+        if self.act_order and fmt == replace(self, act_order=0):
+            trivial = (np.arange(in_features) // self.group_size).astype(np.int32)
+            return {**bufs, "g_idx": trivial}
+        return super().recast(fmt, bufs, in_features)
 
     def group_of(self, bufs: Mapping[str, np.ndarray], in_features: int) -> np.ndarray:
         if self.act_order:

@@ -378,16 +378,23 @@ class Checkpoint:
         """A fused linear, read once for the segments a block takes of it in a row."""
         if self._fused is None or self._fused.module != module:
             lin = self._read_linear(module)
-            parts = next(p for path, p in self.features.arch.fused.items() if module.endswith(path))
-            want = (sum(segment_rows(self, s) for s in parts), self.hidden_size)
+            want = (self.fused_rows(module), self.hidden_size)
             got = (lin.weight.out_features, lin.weight.in_features)
             if got != want:
+                parts = self._fused_parts(module)
                 raise FormatError(
                     f"{module}.weight: holds a {list(got)} weight in {lin.weight.format.spell()}, "
                     f"but config.json implies {list(want)} ({'+'.join(parts)})"
                 )
             self._fused = lin
         return self._fused
+
+    def _fused_parts(self, module: str) -> tuple[str, ...]:
+        return next(p for path, p in self.features.arch.fused.items() if module.endswith(path))
+
+    def fused_rows(self, module: str) -> int:
+        """The rows of fused linear `module` that config.json implies (its segments' sum)."""
+        return sum(segment_rows(self, s) for s in self._fused_parts(module))
 
     def _read_linear(self, module: str) -> Linear:
         lin = self.family.linear(self, module)

@@ -39,7 +39,8 @@ Preconditions: the builder's unfused graph (run before the default pipeline); he
   combine). Not by expert: at decode a step reads its k chosen experts, and split by rows every
   rank reads 1/N of each of them whichever they are, where split by expert the ranks holding
   the chosen ones do all the work (and a rank holding none idles); it also needs no new op
-  semantics or kernels.
+  semantics or kernels. A shared expert (Qwen2-MoE), the residual of the routed combine, is
+  split like the dense MLP and added into each rank's routed combine (its residual on rank 0).
 
 Does not handle (refused in one line): fused or multi-output qlinears. Types downstream of what it narrows are re-inferred from the op table.
 """
@@ -189,12 +190,50 @@ class TensorParallel:
         self._split(graph, h, "out", lo, hi, at=1)
         self._split(graph, h, "out", lo, hi, at=2)
         self._split(graph, down, "in", lo, hi, at=1)
-        if epilogue == "combine_residual" and r != 0:  # the residual is rank 0's to add
+        shared = self._shared_expert(graph, down) if epilogue == "combine_residual" else 0
+        if epilogue == "combine_residual" and r != 0 and not shared:  # rank 0's to add
             graph.set_operands(down, graph.operands(down)[:-1])
             graph.set_node(down, graph.node(down).with_attrs(epilogue="combine"))
         reduce = self._after(graph, down, "all_reduce")
         if epilogue == "combine":
             self._residual_first(graph, reduce)
+        return 3 + shared
+
+    def _shared_expert(self, graph: Graph, y: str) -> int:
+        """A shared expert (Qwen2-MoE) as the residual of the routed combine `y`: its own
+        combine of the residual and its sigmoid-gated MLP. Split like the dense MLP (gate/up by
+        its features, its down by the same inputs), so each rank adds its part into its routed
+        combine and the all_reduce after it sums the parts once; the residual stays in rank 0's.
+        Returns the weights split (0 where `y`'s residual is no shared expert)."""
+        n, r = self.ranks, self.rank
+        s = graph.operands(y)[-1]
+        node = graph.node(s)
+        if node.op != "expert_qlinear" or node.attr("epilogue") != "combine_residual":
+            return 0
+        h = graph.operands(s)[0]
+        if graph.node(h).op != "mul" or node.attr("kernel") is not None:
+            return 0
+        act, up = graph.operands(h)
+        if graph.node(act).op not in GATE_ACTS:
+            return 0
+        gate = graph.operands(act)[0]
+        if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
+            return 0
+        _plain(graph, gate)
+        _plain(graph, up)
+        size = _out(graph, gate)
+        if size % n:
+            raise TensorParallelError(
+                f"tensor_parallel: %{gate} (a shared expert) has {size} intermediate features, "
+                f"not divisible by {n} ranks"
+            )
+        lo, hi = r * size // n, (r + 1) * size // n
+        self._split(graph, gate, "out", lo, hi)
+        self._split(graph, up, "out", lo, hi)
+        self._split(graph, s, "in", lo, hi, at=1)
+        if r != 0:  # the residual is rank 0's to add
+            graph.set_operands(s, graph.operands(s)[:-1])
+            graph.set_node(s, graph.node(s).with_attrs(epilogue="combine"))
         return 3
 
     def _lm_head(self, graph: Graph, sample: str) -> int:

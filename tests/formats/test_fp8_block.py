@@ -102,6 +102,24 @@ def test_rows_are_views_only_where_they_keep_the_blocks() -> None:
         fmt.rows(bufs, 384, 64, 100, 200)
 
 
+def test_k_parts_keep_the_blocks_or_are_refused() -> None:
+    # K of 416 = 3 whole blocks and a ragged one of 32 (ct_fp8block_qwen3's down_proj).
+    fmt = Fp8Block()
+    bufs = fmt.quantize(np.random.default_rng(3).standard_normal((64, 416)).astype(np.float32))
+    whole = fmt.dequantize(bufs, 64, 416)
+    for start, stop in ((0, 256), (256, 416), (128, 384)):
+        part = fmt.columns(bufs, 64, 416, start, stop, where="w")
+        np.testing.assert_array_equal(fmt.dequantize(part, 64, stop - start), whole[:, start:stop])
+    # 208..416 would scale its first inputs (block 1 of the whole) by block 2's scale
+    for start, stop in ((0, 208), (208, 416)):
+        with pytest.raises(
+            FormatError,
+            match=rf"^w.scale: a K split {start}..{stop} of in_features 416 is not on its "
+            r"blocks of 128 inputs, so it cannot be exact$",
+        ):
+            fmt.columns(bufs, 64, 416, start, stop, where="w")
+
+
 def test_spelling_and_facts() -> None:
     fmt = Fp8Block()
     assert fmt.spell() == "fp8_block<block_out=128,block_in=128>"

@@ -72,3 +72,16 @@ def test_act_order_shards_gather_their_groups_or_are_refused() -> None:
         r"more than the 4 a K shard of 128 holds \(group size 32\)",
     ):
         fmt.columns(scattered, out, k, 0, 128, where="w")
+
+
+def test_a_part_read_as_plain_gptq_recasts_to_the_wholes_act_order() -> None:
+    # A rank's act-order part whose inputs keep their groups in order reads as plain GPTQ.
+    plain, act = Gptq(4, 64, "gptq", 0, F16), Gptq(4, 64, "gptq", 1, F16)
+    _, bufs = random_weight(np.random.default_rng(4), 16, 128, plain)
+    recast = act.recast(plain, bufs, 128)
+    assert recast is not None
+    act.check_buffers(recast, 16, 128, where="part")
+    assert recast["g_idx"].tolist() == [0] * 64 + [1] * 64
+    np.testing.assert_array_equal(act.dequantize(recast, 16, 128), plain.dequantize(bufs, 16, 128))
+    assert plain.recast(act, recast, 128) is None  # the other way would need g_idx's order
+    assert plain.recast(plain, bufs, 128) == bufs

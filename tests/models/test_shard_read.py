@@ -1,80 +1,202 @@
-"""A tensor-parallel rank reads only its shards of the checkpoint (qir.models.shard_read): the
-bytes each rank's reader hands out are counted and equal its share, the weights it builds are
-the format's exact cuts of the whole ones, and what cannot be cut before reading is read whole
-and cut after."""
+"""A tensor-parallel rank reads only its shards of the checkpoint (qir.models.shard_read), for
+every layout: each element of a split tensor is read by exactly one rank (the pass's shards
+partition it), a replicated one by every rank, nothing by one rank twice, the counted bytes are
+those elements' bytes, and the weights a rank builds are the format's exact cuts of the whole
+ones. The few tensors a layout has to share between ranks (GPTQ act-order groups two ranks'
+inputs use, AWQ GEMV's qzeros words that hold several ranks' groups, a block of FP8 scale rows
+two ranks' rows lie in) are listed per case with the reason, and what is never read (padding)
+too."""
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from qir.dtypes import F32
+from qir.formats.base import FormatError
 from qir.models import load
 from qir.models.blocks import build
-from qir.models.shard_read import load_rank
+from qir.models.shard_read import ShardReader, load_rank
 from qir.models.shards import tensor_parallel
 from tests.conftest import DATA
 
-
-def _share(ck, reader) -> int:
-    """The bytes a rank should read: the tensors of a module it shards that have a dim along the
-    split in proportion to its part, every other tensor whole."""
-    total = 0
-    for name in ck.store:
-        a = ck.store.get(name)
-        module = name.rpartition(".")[0]
-        shard = reader.plan.get(module)
-        dims = reader.axes.get(name.rpartition(".")[2], ())
-        if shard is not None and module not in reader.whole and shard[1] in dims:
-            _, _, start, stop, whole = shard
-            total += a.nbytes * (stop - start) // whole
-        else:
-            total += a.nbytes
-    return total
+# Tensors every rank reads whole: the embedding table (a lookup reads M rows) and the router.
+REPLICATED = r"embed_tokens|\.gate\.weight|\.gate\.scales|\.gate\.biases"
 
 
-def _twice(ck) -> int:
-    """Bytes of a linear's small tensors (biases, per-tensor scales): the types' build reads
-    them, and so does the read of the linear itself."""
-    linears = {t.rpartition(".")[0] for t in ck.store if ck.store.get(t).ndim >= 2}
-    return sum(
-        ck.store.get(t).nbytes
-        for t in ck.store
-        if ck.store.get(t).ndim < 2 and t.rpartition(".")[0] in linears
-    )
+def _read_masks(monkeypatch, ck, ranks: int, rank: int):
+    """Rank `rank`'s part, its reader, and per tensor of 2+ dims how often each element was read."""
+    masks: dict[str, np.ndarray] = {}
+    read = ShardReader.read
+
+    def recording(self, name, index=None):
+        a = read(self, name, index)
+        if len(self.store.shape(name)) >= 2:
+            m = masks.setdefault(name, np.zeros(self.store.shape(name), np.int64))
+            if index is None:
+                m += 1
+            else:
+                np.add.at(m, index, 1)
+        return a
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardReader, "read", recording)
+        part, reader = load_rank(ck, ranks, rank, act=F32, max_seq=32)
+    return part, reader, masks
+
+
+def _check(monkeypatch, path: Path, ranks: int, shared: dict[str, tuple[int, ...]]):
+    """Every rank of `ranks` reads its share of `path` and builds the exact cuts; `shared`: a
+    tensor pattern -> the counts (ranks reading an element) its elements may have besides 1."""
+    ck = load(path)
+    block = build(ck, "model", 0, act=F32, max_seq=32)
+    counts: dict[str, np.ndarray] = {}
+    bytes_read = []
+    for r in range(ranks):
+        part, reader, masks = _read_masks(monkeypatch, load(path), ranks, r)
+        assert reader.whole == set(), "read whole, then cut"
+        bytes_read.append(reader.bytes_read)
+        small = reader.bytes_read - sum(
+            int(m.sum()) * ck.store.dtype(t).itemsize for t, m in masks.items()
+        )
+        # the rest are tensors of under 2 dims (norms, biases, g_idx, per-tensor scales)
+        assert (
+            0
+            <= small
+            <= sum(2 * ck.store.get(t).nbytes for t in ck.store if len(ck.store.shape(t)) < 2)
+        )
+        for t, m in masks.items():
+            assert m.max() == 1 or re.search(REPLICATED, t), f"rank {r} read {t} twice"
+            counts[t] = counts.get(t, 0) + m
+        want = tensor_parallel(block, ranks, r)
+        assert part.graph.name == want.graph.name
+        assert part.weights.keys() == want.weights.keys()
+        for key, bufs in want.weights.items():
+            assert bufs.keys() == part.weights[key].keys(), key
+            for b, a in bufs.items():
+                np.testing.assert_array_equal(part.weights[key][b], a, err_msg=f"{key}.{b}")
+                assert part.weights[key][b].dtype == a.dtype, f"{key}.{b}"
+    for t in ck.store:
+        if len(ck.store.shape(t)) < 2:
+            continue
+        got = counts.get(t, np.zeros(ck.store.shape(t), np.int64))
+        if re.search(REPLICATED, t):
+            assert (got == ranks).all(), t
+            continue
+        allowed = {1}
+        for pattern, more in shared.items():
+            if re.search(pattern, t):
+                allowed |= set(more)
+        assert set(np.unique(got).tolist()) <= allowed, (t, np.unique(got).tolist())
+    whole = sum(ck.store.get(t).nbytes for t in ck.store)
+    assert max(bytes_read) < whole
+    return bytes_read, whole
+
+
+# KV heads fewer than ranks: each is read by the ranks that replicate it.
+KV2 = {r"\.(k|v)_proj\.": (2,)}
+
+CASES = [
+    # (fixture, ranks, tensors shared or unread besides a single reader, and why)
+    ("mlx_affine4_g64_S", (2, 4), {}),
+    ("awq_gemm_g64_S", (2, 4), {}),
+    ("ct_nvfp4_w4a4_S", (2, 4), {}),
+    ("autogptq_g64_llama", (2,), {}),
+    ("autogptq_g64_llama", (4,), KV2),
+    # AWQ GEMV: eight groups' zeros share a word and rows pad to whole words of groups: the
+    # word of two ranks' groups is read by both, the padding by none
+    ("awq_gemv_g64_S", (2, 4), {r"\.qzeros$": (0, 2, 4), r"\.scales$": (0,)}),
+    # Phi-3: q/k/v and gate/up are rows of qkv_proj / gate_up_proj
+    ("mlx_affine4_phi3", (2,), {}),
+    ("mlx_affine4_phi3", (4,), {r"qkv_proj": (2,)}),
+    ("ct_w4a16_phi3", (2,), {}),
+    # compressed-tensors int and float layouts
+    ("ct_w4a16_int4_S", (2,), {}),
+    ("ct_mxfp4a16_S", (2, 4), {}),
+    # FP8 per channel: a K part needs every row's scale
+    ("ct_fp8_dynamic_S", (2, 4), {r"(o_proj|down_proj)\.weight_scale$": (2, 4)}),
+    # block FP8: k/v's 128 rows are one block of scales, both ranks' rows lie in it
+    ("fp8block_qwen3", (2,), {r"\.(k|v)_proj\.weight_scale_inv$": (2,)}),
+    # stacked experts (mlx-lm switch_mlp) and one module per expert (AWQ)
+    ("mixtral_mlx4_g64", (2,), {}),
+    ("mixtral_awq_gemm_g64", (2,), {}),
+]
 
 
 @pytest.mark.parametrize(
-    ("fixture", "whole"),
-    [
-        ("mlx_affine4_g64_S", set()),
-        ("awq_gemm_g64_S", set()),
-        ("ct_nvfp4_w4a4_S", set()),
-        # GPTQ's g_idx numbers the whole weight's groups: row-parallel parts are read whole
-        (
-            "autogptq_g64_llama",
-            {
-                f"model.layers.{i}.{m}"
-                for i in (0, 1)
-                for m in ("self_attn.o_proj", "mlp.down_proj")
-            },
-        ),
-    ],
+    ("fixture", "ranks", "shared"), CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[1]))}" for c in CASES]
 )
-def test_each_rank_reads_its_share_and_builds_the_exact_cuts(fixture, whole):
-    full = tensor_parallel  # the in-memory cut of a whole block: what the reads must equal
-    ck = load(DATA / fixture)
-    block = build(ck, "model", 0, act=F32, max_seq=32)
+def test_each_rank_reads_only_its_shard_and_builds_the_exact_cuts(
+    monkeypatch, fixture, ranks, shared
+):
+    for n in ranks:
+        _check(monkeypatch, DATA / fixture, n, shared)
+
+
+def _act_order(tmp_path: Path) -> Path:
+    """autogptq_g64_llama with desc_act's g_idx: the inputs of each quarter of a row-parallel
+    linear in one group, the groups permuted (2, 0, 3, 1, ...), so a rank's groups are neither
+    its own nor contiguous. The codes are unchanged: only which scale each input takes."""
+    src = DATA / "autogptq_g64_llama"
+    out = tmp_path / "act_order"
+    shutil.copytree(src, out)
+    name = "gptq_model-4bit-64g.safetensors"
+    tensors = load_file(src / name)
+    for key, g in tensors.items():
+        if key.endswith(".g_idx") and ("o_proj" in key or "down_proj" in key):
+            k = len(g)
+            groups = k // 64
+            quarter = np.arange(k) * 4 // k  # 0..3
+            order = np.array([2, 0, 3, 1]) * (groups // 4)
+            within = (np.arange(k) % (k // 4)) // 64
+            tensors[key] = (order[quarter] + within).astype(np.int32)
+    save_file(tensors, out / name, metadata={"format": "pt"})
+    return out
+
+
+def test_act_order_gptq_reads_only_the_groups_its_inputs_use(monkeypatch, tmp_path):
+    path = _act_order(tmp_path)
+    ck = load(path)
+    g_idx = ck.store.get("model.layers.0.self_attn.o_proj.g_idx")
+    assert not np.array_equal(g_idx, np.arange(256) // 64)
+    lin = ck.linear("model.layers.0.self_attn.o_proj")
+    assert lin.weight.format.act_order == 1
+    # each rank's part of o_proj reads the scale rows of its own two groups, not four
     for n in (2, 4):
-        for r in range(n):
-            part, reader = load_rank(load(DATA / fixture), n, r, act=F32, max_seq=32)
-            assert reader.whole == whole
-            assert reader.bytes_read == _share(ck, reader) + _twice(ck)
-            assert reader.bytes_read < sum(ck.store.get(t).nbytes for t in ck.store)
-            want = full(block, n, r)
-            assert part.graph.name == want.graph.name
-            assert part.weights.keys() == want.weights.keys()
-            for key, bufs in want.weights.items():
-                assert bufs.keys() == part.weights[key].keys(), key
-                for b, a in bufs.items():
-                    np.testing.assert_array_equal(part.weights[key][b], a, err_msg=f"{key}.{b}")
+        _check(monkeypatch, path, n, {} if n == 2 else KV2)
+    masks = _read_masks(monkeypatch, load(path), 2, 1)[2]
+    rows = np.flatnonzero(masks["model.layers.0.self_attn.o_proj.scales"].any(axis=1))
+    assert rows.tolist() == [1, 3]  # inputs 128..255 are in groups 3 and 1
+
+
+def test_qwen2moe_ranks_read_their_part_of_the_shared_expert(monkeypatch, tmp_path):
+    from tests.moe_common import qwen2moe_g32
+
+    path = qwen2moe_g32(tmp_path / "qwen2moe")
+    # the shared expert's sigmoid gate ([1, hidden]) is every rank's, as the router is
+    bytes_read, whole = _check(monkeypatch, path, 2, {r"shared_expert_gate\.": (2,)})
+    assert max(bytes_read) < 0.6 * whole
+
+
+def test_gptoss_reads_its_heads_and_its_rows_of_the_interleaved_expert_blocks(monkeypatch):
+    path = DATA / "gptoss_mxfp4"
+    _check(monkeypatch, path, 2, {r"mlp\.router\.": (2,)})
+    masks = _read_masks(monkeypatch, load(path), 2, 1)[2]
+    # rank 1's gate (features 32..63) is rows 64, 66, .., 126 of gate_up_proj, its up 65, .., 127
+    read = masks["model.layers.0.mlp.experts.gate_up_proj_blocks"].any(axis=(0, 2, 3))
+    assert np.flatnonzero(read).tolist() == list(range(64, 128))
+
+
+def test_a_cut_inside_a_block_is_refused_before_a_wrong_part_is_read():
+    # ct_fp8block_qwen3's down_proj has K 416: two ranks' halves of 208 split block 1
+    with pytest.raises(
+        FormatError,
+        match=r"^model.layers.0.mlp.down_proj.scale: a K split 0..208 of in_features 416 is "
+        r"not on its blocks of 128 inputs, so it cannot be exact$",
+    ):
+        load_rank(load(DATA / "ct_fp8block_qwen3"), 2, 0, act=F32, max_seq=32)

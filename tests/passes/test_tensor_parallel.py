@@ -3,6 +3,8 @@ every rank (threads, real collectives) against the unsplit block on real checkpo
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -245,6 +247,34 @@ def test_moe_experts_split_by_rows_equal_the_unsplit_model(fixture):
         assert text.count("= all_reduce") == 2 * layers and text.count("= route") == layers
     for o in _interpret(parts, inputs):
         assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_a_shared_expert_is_split_like_the_dense_mlp_and_added_once(tmp_path):
+    from tests.moe_common import qwen2moe_g32
+
+    b = build(load(qwen2moe_g32(tmp_path / "qwen2moe")), "model", 0, act=F32, max_seq=32)
+    inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
+    want = interpret(b.graph, inputs, b.weights)["logits"]
+    parts, fired = _ranks(b.graph, b.weights, 2)
+    layers = len(b.graph.of_op("attention"))
+    assert fired == 11 * layers + 1  # as Mixtral's, and the shared expert's gate up down
+    for r, (g, _) in enumerate(parts):
+        text = print_graph(g)
+        # the shared expert's 128 features halved, its gate replicated; its part joins the
+        # routed combine, the residual in rank 0's only, one all_reduce after both
+        assert "qweight<mlx_affine<bits=4,group_size=64,scale_dtype=bf16>>[64, 128]" in text
+        assert text.count("experts<1, qweight<") == layers and "[128, 64]>" in text
+        assert text.count("= all_reduce") == 2 * layers
+        shared = re.findall(r"%l\d\.shared_y = expert_qlinear .*", text)
+        routed = re.findall(r"%l\d\.y = expert_qlinear .*", text)
+        assert len(shared) == len(routed) == layers
+        for s, y in zip(shared, routed, strict=True):
+            assert ('epilogue="combine_residual"' in s) == (r == 0)
+            assert '.shared_y {epilogue="combine_residual"}' in y  # on every rank
+    outs = _interpret(parts, inputs)
+    for o in outs:
+        assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
+    np.testing.assert_array_equal(outs[0]["logits"], outs[1]["logits"])
 
 
 def test_moe_experts_too_narrow_for_their_groups_are_refused():

@@ -19,6 +19,7 @@ from qir.models import Model, load
 from qir.models.shards import shard_weights
 from qir.passes.tensor_parallel import TensorParallel
 from tests.conftest import DATA
+from tests.moe_common import qwen2moe_g32
 from tests.passes.test_layer_passes import weights_for
 from tests.passes.test_tensor_parallel import MLP
 
@@ -65,6 +66,21 @@ def test_tp_ranks_equal_one_rank(fixture, ranks):
             )
     if fixture == "ct_nvfp4_w4a4_S":  # the calibrated W4A4 path ran on every rank
         assert records["route_w4a4"] > 0
+
+
+def test_a_shared_expert_on_two_ranks_equals_one_rank(tmp_path):
+    """Qwen2-MoE: its shared expert split like the dense MLP, added in each rank's routed
+    combine (host kernels: the MoE decode and combine kernels on both)."""
+    ck = load(qwen2moe_g32(tmp_path / "qwen2moe"))
+    _, want = _generate(ck)
+    outs = run_threads(2, lambda c: _generate(ck, c), timeout=600)
+    for m, got in outs:
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        err = np.abs(got.logits - want.logits).max() / np.abs(want.logits).max()
+        assert err <= 1e-5, err
+        np.testing.assert_array_equal(got.logits, outs[0][1].logits)
+        assert m.shard_reader is not None and m.shard_reader.whole == set()
+        assert "[64, 128]" in qir.print_graph(m.block.graph)  # the shared expert's half
 
 
 def test_a_plan_with_collectives_needs_its_group():

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from qir.models.checkpoint import Checkpoint, Linear
+    from qir.models.shard_read import ShardReader
 
 
 def _no_files(config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -22,14 +25,32 @@ def _no_files(config: Mapping[str, Any]) -> tuple[str, ...]:
 # What each dim of a linear's checkpoint tensors is (tensor suffix -> one word per dim): "out"
 # or "in" where the dim is that axis of the weight in proportion (packed codes, one scale per
 # group), "in?" where it follows the inputs but not in proportion (padded groups, g_idx's
-# global group numbers), "" where it is neither. qir.models.shard_read slices tensors before
-# reading them by this; a tensor it does not list is read whole.
+# global group numbers), "out/<b>" or "in/<b>" one per block of b rows or inputs (a ragged
+# last block included; the part takes the blocks it covers), "" where it is neither (a per-channel scale's dim of 1); ("shape",)
+# for a tensor that holds the weight's [out, in] (compressed-tensors' weight_shape). A tensor
+# of fewer dims than its words takes the leading ones (a per-channel scale stored [O] beside
+# [O, 1]); one element is every shard's (a per-tensor scale). qir.models.shard_read slices
+# tensors before reading them by this; a linear with a tensor it does not list is read whole.
 Axes = Mapping[str, tuple[str, ...]]
 OUT_IN: Axes = {"weight": ("out", "in"), "bias": ("out",)}
+
+# (axis, start, stop, whole) of a shard: rows or inputs start..stop of `whole`.
+Cut = tuple[str, int, int, int]
+
+
+class Unsliceable(Exception):
+    """A linear's tensor that cannot be cut to a shard before reading (by the family's axes or
+    its own `parts`): qir.models.shard_read reads the linear whole and cuts it after."""
 
 
 def _dense_axes(config: Mapping[str, Any]) -> Axes:
     return OUT_IN
+
+
+def _proportional(
+    reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
+) -> dict[str, np.ndarray] | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,13 @@ class Family:
     # The producer's own name of a single-file checkpoint, tried after model.safetensors.
     files: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_files
     axes: Callable[[Mapping[str, Any]], Axes] = _dense_axes
+    # The family's own cut of a linear's tensors where its axes cannot say it (GPTQ's groups
+    # gathered by g_idx, AWQ GEMV's padded groups): the module's tensors for `cut`, read through
+    # reader.read (only the bytes indexed), as the family's `linear` reads them; None for the
+    # axes' proportional cut. It raises shard_read.Unsliceable where it cannot cut exactly.
+    parts: Callable[[ShardReader, Mapping[str, Any], str, Cut], dict[str, np.ndarray] | None] = (
+        _proportional
+    )
 
 
 # Tried in order; the first whose `matches` accepts config.json reads the checkpoint.

@@ -4,15 +4,21 @@ stored (see qir.formats.awq)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from qir.formats import awq
 from qir.formats.base import FormatError
+from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
+from qir.models.families import OUT_IN, Axes, Cut, Family, Unsliceable, register_family
 from qir.models.families.common import config_int, not_converted, quant_config, tensors
 from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
+
+if TYPE_CHECKING:
+    from qir.models.shard_read import ShardReader
 
 _TENSORS = ("qweight", "qzeros", "scales")
 
@@ -50,9 +56,13 @@ def _awq_linear(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-def _axes(config: Mapping[str, Any]) -> Axes:
+def _gemv(config: Mapping[str, Any]) -> bool:
     q = quant_config(config, "awq") or {}
-    if str(q.get("version") or q.get("format") or "gemm").lower() == "gemv":
+    return str(q.get("version") or q.get("format") or "gemm").lower() == "gemv"
+
+
+def _axes(config: Mapping[str, Any]) -> Axes:
+    if _gemv(config):
         # qweight [O, I/8]; qzeros and scales padded to whole words of groups
         return {
             **OUT_IN,
@@ -65,4 +75,46 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "qweight": io, "qzeros": io, "scales": io}
 
 
-register_family(Family("awq", matches_config, _awq_linear, axes=_axes))
+def _parts(
+    reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
+) -> dict[str, np.ndarray] | None:
+    """A K part of a GEMV linear: the codes in proportion, the scales of its groups and the
+    qzeros words that hold them (eight groups a word: at most a word per row more than its
+    own), laid out in the part's own padded widths as AutoAWQ would write a linear of the
+    part's inputs (what Awq.columns cuts from the whole)."""
+    axis, start, stop, _ = cut
+    if axis != "in" or not _gemv(config):
+        return None
+    q = quant_config(config, "awq") or {}
+    g = q.get("group_size")
+    names = {t: f"{module}.{t}" for t in ("qweight", "qzeros", "scales")}
+    if (
+        not isinstance(g, int)
+        or g < 1
+        or start % g
+        or stop % g
+        or not all(n in reader for n in names.values())
+    ):
+        raise Unsliceable(module)  # read whole: the whole's error, or the cut's refusal
+    out_features = reader.shape(names["qweight"])[0]
+    g0, g1 = start // g, stop // g
+    w0, w1 = g0 // 8, -(-g1 // 8)
+    zw = awq.zeros_width(stop - start, g)
+    words = reader.read(names["qzeros"], (slice(None), slice(w0, w1)))
+    zeros = np.zeros((out_features, 8 * zw), np.uint32)
+    zeros[:, : g1 - g0] = unpack_codes(words.view(np.uint32), 4, 8 * (w1 - w0))[
+        :, g0 - 8 * w0 : g1 - 8 * w0
+    ]
+    scales = np.zeros((out_features, 8 * zw), np.float16)
+    scales[:, : g1 - g0] = reader.read(names["scales"], (slice(None), slice(g0, g1)))
+    out = {
+        names["qweight"]: reader.proportional(names["qweight"], cut),
+        names["qzeros"]: pack_codes(zeros, 4).view(np.int32),
+        names["scales"]: scales,
+    }
+    if f"{module}.bias" in reader:
+        out[f"{module}.bias"] = reader.proportional(f"{module}.bias", cut)
+    return out
+
+
+register_family(Family("awq", matches_config, _awq_linear, axes=_axes, parts=_parts))

@@ -20,7 +20,7 @@ import numpy as np
 from qir.formats.base import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import matrix, tensor
 from qir.models.families.compressed_tensors import (
     config_groups,
@@ -30,7 +30,7 @@ from qir.models.families.compressed_tensors import (
 )
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.models.families.fp8 import read_fp8
-from qir.models.families.fp8_block import block_size, read_fp8_block
+from qir.models.families.fp8_block import block_axes, block_size, read_fp8_block
 from qir.types import QWeight
 
 MXFP4 = "mxfp4-pack-quantized"
@@ -129,4 +129,21 @@ def _linear(ck: Checkpoint, module: str) -> Linear:
     return read_fp8(ck, module, w["strategy"])
 
 
-register_family(Family("ct_float", matches_config, _linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    # weight [O, I] (FP8) or weight_packed [O, I/2] (MXFP4); weight_scale [O, 1] per channel,
+    # [O/128, I/128] per block, [O, I/32] per MXFP4 group
+    q = ct_config(config) or {}
+    weights = [g.get("weights") or {} for g in config_groups(q).values()]
+    strategies = {w.get("strategy") for w in weights}
+    scale: tuple[str, ...] = ("out", "in")
+    if strategies <= {"channel", "tensor"}:
+        scale = ("out", "")
+    elif strategies == {"block"}:
+        blocks = {block_size(w.get("block_structure"), "") for w in weights}
+        # one block shape, else every linear is read whole and cut
+        scale = block_axes(blocks.pop())["weight_scale"] if len(blocks) == 1 else ("out?", "in?")
+    oi = ("out", "in")
+    return {**OUT_IN, "weight_packed": oi, "weight_scale": scale, "weight_shape": ("shape",)}
+
+
+register_family(Family("ct_float", matches_config, _linear, axes=_axes))

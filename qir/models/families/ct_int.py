@@ -15,7 +15,7 @@ import numpy as np
 from qir.formats import ct_int
 from qir.formats.base import FormatError, dtype_among
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import expect_matrix, tensors
 from qir.models.families.compressed_tensors import (
     config_groups,
@@ -105,4 +105,11 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-register_family(Family("ct_int", matches_config, _ct_linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    # codes [O, I*bits/32], one scale per group [O, I/g] (per channel [O, 1]: "in" by 1 is not in
+    # proportion, so such a linear is read whole and cut), weight_shape [out, in]
+    oi = ("out", "in")
+    return {**OUT_IN, "weight_packed": oi, "weight_scale": oi, "weight_shape": ("shape",)}
+
+
+register_family(Family("ct_int", matches_config, _ct_linear, axes=_axes))

@@ -16,7 +16,7 @@ import numpy as np
 from qir.formats.base import FormatError, WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import expect_matrix, modelopt_quant, tensors
 from qir.models.families.dense import is_excluded, read_dense
 from qir.types import QWeight
@@ -79,4 +79,9 @@ def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
     return read_fp8(ck, module, "tensor")
 
 
-register_family(Family("fp8_modelopt", modelopt_matches, _modelopt_linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    # weight [O, I]; weight_scale per channel [O, 1] or [O] (per tensor: one element)
+    return {**OUT_IN, "weight_scale": ("out", "")}
+
+
+register_family(Family("fp8_modelopt", modelopt_matches, _modelopt_linear, axes=_axes))

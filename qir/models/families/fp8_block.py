@@ -20,7 +20,7 @@ import numpy as np
 from qir.formats.base import FormatError
 from qir.formats.fp8_block import BLOCK, Fp8Block
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import expect_matrix, not_converted, quant_config, tensors
 from qir.models.families.dense import is_excluded, read_dense, stored_dense
 from qir.models.families.fp8 import scaled_linear
@@ -95,4 +95,16 @@ def _linear(ck: Checkpoint, module: str) -> Linear:
     return read_fp8_block(ck, module, _hf_format(q), "weight_scale_inv")
 
 
-register_family(Family("fp8_block", matches_config, _linear))
+def block_axes(fmt: Fp8Block) -> Axes:
+    # weight [O, I]; one scale per block [ceil(O/bo), ceil(I/bi)]: a part takes the blocks it
+    # covers (a cut off the blocks is read whole, then cut or refused)
+    scale = (f"out/{fmt.block_out}", f"in/{fmt.block_in}")
+    return {**OUT_IN, "weight_scale_inv": scale, "weight_scale": scale}
+
+
+def _axes(config: Mapping[str, Any]) -> Axes:
+    q = quant_config(config, "fp8")
+    return block_axes(_hf_format(q)) if q is not None else OUT_IN
+
+
+register_family(Family("fp8_block", matches_config, _linear, axes=_axes))

@@ -4,15 +4,20 @@ repacked at load (see qir.formats.gptq)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from qir.formats import gptq
 from qir.formats.base import FormatError
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
+from qir.models.families import OUT_IN, Axes, Cut, Family, Unsliceable, register_family
 from qir.models.families.common import config_int, not_converted, quant_config, tensors
 from qir.models.families.dense import read_dense, stored_dense
 from qir.types import QWeight
+
+if TYPE_CHECKING:
+    from qir.models.shard_read import ShardReader
 
 _TENSORS = ("qweight", "qzeros", "scales")
 
@@ -65,4 +70,37 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "qweight": io, "qzeros": io, "scales": io, "g_idx": ("in?",)}
 
 
-register_family(Family("gptq", matches_config, _gptq_linear, _files, _axes))
+def _parts(
+    reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
+) -> dict[str, np.ndarray] | None:
+    """A K part of a linear with g_idx: its codes in proportion, its slice of g_idx, and the
+    zeros and scales of only the groups that slice names (a desc_act part's inputs may sit in
+    any groups), padded to the part's group count and g_idx renumbered, as Gptq.columns cuts
+    them. The whole g_idx is never needed; a part in more groups than it holds cannot be exact
+    (read whole, then refused)."""
+    axis, start, stop, _ = cut
+    g_name = f"{module}.g_idx"
+    if axis != "in" or g_name not in reader:
+        return None
+    q = quant_config(config, "gptq") or {}
+    group = q.get("group_size")
+    if not isinstance(group, int) or group < 1:
+        raise Unsliceable(g_name)  # one group per row: the part's group size is not the whole's
+    n = -(-(stop - start) // group)
+    rows = {f"{module}.{t}": reader.proportional(f"{module}.{t}", cut) for t in ("qweight",)}
+    g_idx = np.asarray(reader.read(g_name, (slice(start, stop),)))
+    used = np.unique(g_idx)
+    if len(used) > n or (len(used) and used[0] < 0):
+        raise Unsliceable(g_name)
+    take = np.concatenate([np.arange(len(used)), np.zeros(n - len(used), np.intp)])
+    out = {**rows, g_name: np.searchsorted(used, g_idx).astype(np.int32)}
+    for t in ("qzeros", "scales"):
+        groups = reader.read(f"{module}.{t}", (used, slice(None)))  # the rows of `used` only
+        out[f"{module}.{t}"] = groups[take]
+    bias = f"{module}.bias"
+    if bias in reader:
+        out[bias] = reader.proportional(bias, cut)
+    return out
+
+
+register_family(Family("gptq", matches_config, _gptq_linear, _files, _axes, _parts))

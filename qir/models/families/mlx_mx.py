@@ -15,7 +15,7 @@ from qir.formats import mlx
 from qir.formats.base import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4, Mxfp8
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
+from qir.models.families import OUT_IN, Axes, Family, register_family
 from qir.models.families.common import matrix, tensor
 from qir.models.families.dense import read_dense
 from qir.types import QWeight
@@ -71,4 +71,9 @@ def _linear(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-register_family(Family("mlx_mx", matches_config, _linear))
+def _axes(config: Mapping[str, Any]) -> Axes:
+    # codes [O, I*bits/32], one scale per 32 inputs [O, I/32]
+    return {**OUT_IN, "scales": ("out", "in")}
+
+
+register_family(Family("mlx_mx", matches_config, _linear, axes=_axes))
