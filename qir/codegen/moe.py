@@ -31,6 +31,7 @@ from qir.codegen.gemv import (
     MIN_BLOCKS_PER_SM,
     WARPS_PER_BLOCK,
     GemvSpec,
+    lanes_suffix,
     target_suffix,
 )
 from qir.codegen.kernel import Kernel, KernelParam
@@ -155,7 +156,7 @@ class ExpertGemvSpec:
 
     @property
     def block_rows(self) -> int:
-        return WARPS_PER_BLOCK * self.gemv.rows_per_warp
+        return WARPS_PER_BLOCK * self.gemv.warp_rows
 
     @property
     def blocks_per_expert(self) -> int:
@@ -176,7 +177,8 @@ class ExpertGemvSpec:
         fused += target_suffix(self.target)
         return (
             f"moe_gemv_{e0.format.tag()}_{self.act.name}_e{e0.count}top{self.top}"
-            f"_n{e0.out_features}_k{e0.in_features}_m{self.m_tile}{fused}"
+            f"_n{e0.out_features}_k{e0.in_features}_m{self.m_tile}"
+            f"{lanes_suffix(self.gemv.lanes)}{fused}"
         )
 
     def params(self) -> list[KernelParam]:
@@ -269,6 +271,7 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         m_tile=spec.m_tile,
         weights_per_warp=len(spec.experts),
         rows_per_warp=g.rows_per_warp,
+        lanes=g.lanes,
         shift_back=e0.out_features >= g.rows_per_warp,
         warps=WARPS_PER_BLOCK,
         min_blocks=MIN_BLOCKS_PER_SM,

@@ -47,7 +47,7 @@ from typing import Any
 
 from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import rows_per_warp
+from qir.codegen.gemv import lanes_per_row, rows_per_warp
 from qir.codegen.lower import Launch, Plan
 from qir.dtypes import F16, F32
 from qir.errors import UsageError
@@ -70,8 +70,8 @@ class WeightStream:
     chunk_code_bytes: float  # bytes of codes in a chunk
     bytes_per_weight: float  # DRAM bytes per weight, scales included
     chunks_per_lane: int  # chunks of one row a lane handles (the most, over lanes)
-    weights_per_warp: int  # weight rows one warp computes (several rows, of a gate/up pair both)
-    row_bytes: int  # DRAM bytes of the rows one warp reads
+    weights_per_warp: int  # weight rows one lane computes (its slots: of a gate/up pair both)
+    row_bytes: int  # DRAM bytes of the rows one warp reads (all its groups of lanes)
     m_tile: int  # batch rows one block covers
 
 
@@ -196,20 +196,23 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     code_bytes = (
         math.prod(code.concrete({})) * code.dtype.itemsize / (w.out_features * w.in_features)
     )
-    # A warp computes rows_per_warp rows of each of the weights it pairs (gate/up: 2).
+    # A group of lanes computes rows_per_warp rows of each of the weights it pairs (gate/up: 2),
+    # a warp 32 / lanes such groups.
     pairs = max(1, len(weights) // max(1, len(launch.outputs)))
-    per_warp = pairs * rows_per_warp(frag, pairs, act)
+    per_lane = pairs * rows_per_warp(frag, pairs, act)
+    chunks = frag.chunks_per_row(w.in_features)
+    lanes = lanes_per_row(chunks)
     return WeightStream(
         buffers=frozenset(buffers),
         codes=frozenset(codes),
         chunk_elems=frag.chunk_elems,
         chunk_code_bytes=frag.chunk_elems * code_bytes,
         bytes_per_weight=fmt.bytes_per_weight(),
-        # Lanes take chunks in pairs (qir_chunks: lane l reads 2l and 2l + 1, 64 apart): the
-        # busiest lane's count, which sets the warp's passes.
-        chunks_per_lane=2 * -(-frag.chunks_per_row(w.in_features) // (2 * WARP)),
-        weights_per_warp=per_warp,
-        row_bytes=round(per_warp * w.in_features * fmt.bytes_per_weight()),
+        # Lanes take chunks in pairs (qir_chunks: lane l of its group reads 2l and 2l + 1, then
+        # 2 * lanes on): the busiest lane's count, which sets the warp's passes.
+        chunks_per_lane=2 * -(-chunks // (2 * lanes)),
+        weights_per_warp=per_lane,
+        row_bytes=round(per_lane * WARP // lanes * w.in_features * fmt.bytes_per_weight()),
         m_tile=launch.m_tile,
     )
 

@@ -25,6 +25,7 @@ from qir.dtypes import BF16, F16, F32, I32, DType
 from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.formats.gptq import Gptq
+from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
@@ -43,23 +44,23 @@ FORMATS = (
 
 
 def experts_graph(
-    fmt: WeightFormat, top: int, act: DType = F16, seed: int = 0
+    fmt: WeightFormat, top: int, act: DType = F16, seed: int = 0, k_in: int = K_IN, inter: int = 64
 ) -> tuple[Graph, Any]:
     """ids and router weights as inputs, so a test chooses the experts: gate/up (silu(g) * u,
-    [M, top, 64]) of x, down of those slots combined with the residual r ([M, 37]), and a
+    [M, top, inter]) of x, down of those slots combined with the residual r ([M, 37]), and a
     plain expert projection of x ([M, top, 37])."""
     rng = np.random.default_rng(seed)
     b = Builder("experts")
-    x = b.input("x", ("M", K_IN), act)
+    x = b.input("x", ("M", k_in), act)
     ids = b.input("ids", ("M", top), I32)
     rw = b.input("rw", ("M", top), F32)
     r = b.input("r", ("M", N_OUT), act)
     ws, weights = {}, {}
     for name, (o, i) in {
-        "gate": (64, K_IN),
-        "up": (64, K_IN),
-        "down": (N_OUT, 64),
-        "proj": (N_OUT, K_IN),
+        "gate": (inter, k_in),
+        "up": (inter, k_in),
+        "down": (N_OUT, inter),
+        "proj": (N_OUT, k_in),
     }.items():
         qe, weights[name] = random_experts(rng, E, o, i, fmt)
         ws[name] = b.weight(name, qe, name=f"w_{name}")
@@ -82,11 +83,13 @@ def choices(m: int, top: int, seed: int = 0) -> np.ndarray:
     return ids
 
 
-def feed(m: int, top: int, act: DType = F16, seed: int = 0) -> dict[str, np.ndarray]:
+def feed(
+    m: int, top: int, act: DType = F16, seed: int = 0, k_in: int = K_IN
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed + m)
     rw = rng.random((m, top), dtype=np.float32) + 0.1
     return {
-        "x": rng.standard_normal((m, K_IN), dtype=np.float32).astype(act.np),
+        "x": rng.standard_normal((m, k_in), dtype=np.float32).astype(act.np),
         "ids": choices(m, top, seed),
         "rw": (rw / rw.sum(axis=1, keepdims=True)).astype(np.float32),
         "r": rng.standard_normal((m, N_OUT), dtype=np.float32).astype(act.np),
@@ -137,6 +140,28 @@ def test_expert_gemvs_match_the_interpreter(
         close(ours, ref(x))
         if m == 9:
             assert reversed_bytes(c, x, monkeypatch) == {k: v.tobytes() for k, v in ours.items()}
+
+
+@pytest.mark.parametrize(
+    "fmt", [MlxAffine(4, 32, BF16), Gptq(4, 32, "gptq", 1, F16)], ids=lambda f: f.tag()
+)
+def test_short_rows_in_groups_of_lanes(fmt: WeightFormat) -> None:
+    """K of 5 chunks (gate/up, the projection: one lane per row, its last pass one chunk) and 12
+    (down: two lanes per row, three passes), N = 37 rows (no multiple of a group's rows, nor of a
+    block's): the interpreter's results at decode (the M = 1 path, slot by slot) and in tiles,
+    and a token's bytes alone equal its bytes in a batch."""
+    graph, weights = experts_graph(fmt, 2, k_in=160, inter=384)
+    c = qir.compile(graph, weights, backend="host")
+    ref = qir.compile(graph, weights, backend="reference")
+    names = [la.kernel.name for la in c.plan.launches if la.kernel.name.startswith("moe_gemv_")]
+    assert any("_k160_m8_l1" in n for n in names) and any("_k384_m8_l2_" in n for n in names)
+    for m in (1, 3, 9):
+        x = feed(m, 2, k_in=160)
+        ours = c(x)
+        close(ours, ref(x))
+        alone = c({k: v[2:3] for k, v in x.items()}) if m > 2 else None
+        for name in ("h", "y", "s") if alone else ():
+            assert alone[name][0].tobytes() == np.asarray(ours[name])[2].tobytes(), (name, m)
 
 
 def test_one_expert_per_token() -> None:
