@@ -132,6 +132,9 @@ class ExpertGemvSpec:
             raise ValueError("one expert launch takes one expert count, format and in_features")
         if self.combine and len(self.experts) != 1:
             raise ValueError("the combine takes one stacked weight")
+        if not 1 <= self.top <= 32:
+            # A decode step's slots are one ballot of a warp (moe_gemv.cu.j2).
+            raise ValueError(f"top must be 1..32 experts per token, got {self.top}")
         _ = self.gemv  # the GEMV spec checks the rest (a gate/up pair of one shape, m_tile)
 
     @property
@@ -241,6 +244,9 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         f"w{j}_bias + (size_t)e * {e0.out_features} + b.base" if w.expert.bias else "nullptr"
         for j, w in enumerate(spec.experts)
     ]
+    # At M = 1 the slots kernel runs the whole expert (row 0 on), as a dense GEMV would.
+    whole_weights = [w.replace(", b.base)", ", 0)") for w in expert_weights]
+    whole_biases = [b.replace(" + b.base", "") for b in expert_biases]
     params = spec.params()
     x = "x[m, j]" if spec.per_slot else "x[m]"
     plus = " + b_e" if e0.expert.bias else ""
@@ -285,6 +291,8 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         kind=spec.kind,
         blocks_per_expert=spec.blocks_per_expert,
         expert_weights=expert_weights,
+        whole_weights=whole_weights,
+        whole_biases=whole_biases,
         per_slot=spec.per_slot,
         residual=spec.combine == "combine_residual",
         count=spec.count,

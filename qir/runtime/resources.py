@@ -370,19 +370,22 @@ def _stream_cost(
         notes.append(f"unrolled kernel loads {chunks:.0f} chunks per lane, expected {expected}")
         return _replace(base, region=where, notes=tuple(notes))
     # A warp runs the weight loop once per `chunks` of its row's chunks, and the rest of the
-    # kernel (index set-up, the shuffle reductions, the stores) once.
+    # kernel (index set-up, the shuffle reductions, the stores) once. A weight loop inside loops
+    # of known trip counts (an expert combine's loop over a token's k slots at M = 1, each
+    # another expert's rows) streams that many times the rows.
     passes = expected / chunks
+    streams = whole.runs.get(span.head, 1) if outer else 1
     mix: dict[str, float] = {}
     for tile in range(launch.grid(m)[1]):
         share = min(stream.m_tile, m - tile * stream.m_tile) / stream.m_tile
         live_t = sass.reachable(instrs, sass.decide(instrs, flow, slots, m, tile))
         loop_mix = sass.cost(instrs, r, share, live=live_t) if outer else {}
         for mix_part, times in (
-            (loop_mix, passes),
+            (loop_mix, passes * streams),
             (sass.cost(instrs, whole, share, span if outer else None, live_t), 1.0),
         ):
             for op, n in mix_part.items():
-                mix[op] = mix.get(op, 0.0) + n * times * 512 / stream.row_bytes
+                mix[op] = mix.get(op, 0.0) + n * times * 512 / (stream.row_bytes * streams)
     unknown = [
         lp for lp in (*whole.unknown_loops, *r.unknown_loops) if lp != span and lp.head in live
     ]

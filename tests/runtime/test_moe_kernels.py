@@ -235,6 +235,13 @@ def test_route_kernel_matches_the_interpreter(rule: str) -> None:
     assert ids[1, 0] == 3 and ids[2, 0] == 0
 
 
+def test_an_expert_launch_takes_at_most_32_experts_per_token() -> None:
+    e, _ = random_experts(np.random.default_rng(0), 40, 8, 64, FMT4)
+    ExpertGemvSpec((e,), F16, 8, 32)
+    with pytest.raises(ValueError, match=r"top must be 1\.\.32 experts per token, got 33"):
+        ExpertGemvSpec((e,), F16, 8, 33)
+
+
 def _instrumented(spec: ExpertGemvSpec, args: list[Any], grid: tuple[int, int, int]) -> np.ndarray:
     """reads[e]: the weight bytes the blocks of expert e read in one launch of `spec`."""
     be = get_backend("host")
@@ -243,12 +250,15 @@ def _instrumented(spec: ExpertGemvSpec, args: list[Any], grid: tuple[int, int, i
     return reads
 
 
+@pytest.mark.parametrize("m", [4, 1], ids=["tiles", "decode"])
 @pytest.mark.parametrize("kind", ["slots", "combine"])
-def test_each_chosen_expert_is_read_once_and_the_others_never(kind: str) -> None:
+def test_each_chosen_expert_is_read_once_and_the_others_never(kind: str, m: int) -> None:
+    """At M = 4 the tiles (0 and 3 chosen by three tokens, 2 by two), at M = 1 the decode path
+    (token 0's slots, each straight through its expert)."""
     rng = np.random.default_rng(11)
-    m, top = 4, 2
-    ids = np.array([[0, 3], [3, 2], [0, 3], [2, 0]], np.int32)  # 0 and 3 by three tokens, 2 by two
-    chosen = [0, 2, 3]
+    top = 2
+    ids = np.array([[0, 3], [3, 2], [0, 3], [2, 0]], np.int32)[:m]
+    chosen = sorted(set(ids.flat))
     x = rng.standard_normal((m, 64), dtype=np.float32).astype(np.float16)
     if kind == "slots":
         (g, gb), (u, ub) = (random_experts(rng, E, 64, 64, FMT4) for _ in range(2))
