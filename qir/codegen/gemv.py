@@ -25,6 +25,7 @@ products depends on the fragment and the activation dtype (`path`):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from qir.codegen.fragments import Fragment, fragment_for
@@ -87,8 +88,14 @@ def lanes_per_row(chunks: int) -> int:
 
 
 def lanes_suffix(lanes: int) -> str:
-    """The kernel-name part of a sub-warp row (nothing for a whole warp's)."""
+    """The kernel-name part of a sub-warp row (nothing for a whole warp's), after the m-tile."""
     return "" if lanes == 32 else f"_l{lanes}"
+
+
+def lanes_of(kernel_name: str) -> int:
+    """The lanes per row a GEMV kernel's name spells (lanes_suffix)."""
+    m = re.search(r"_m\d+_l(\d+)(?:_|$)", kernel_name)
+    return int(m.group(1)) if m else 32
 
 
 def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType) -> int:
@@ -128,6 +135,8 @@ class GemvSpec:
     # With `norm`: the normed row is h = res + rms_norm(x, pw) (norm_residual; pw's dtype, its
     # eps, and whether the kernel also stores h: output h, after the y's).
     res_norm: tuple[DType, float, bool] | None = None
+    # Lanes per row at least (a power of two): an expert kernel's shared memory per block row.
+    min_lanes: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -201,7 +210,7 @@ class GemvSpec:
     @property
     def lanes(self) -> int:
         w0 = self.weights[0]
-        return lanes_per_row(self.fragment.chunks_per_row(w0.in_features))
+        return max(self.min_lanes, lanes_per_row(self.fragment.chunks_per_row(w0.in_features)))
 
     @property
     def warp_rows(self) -> int:

@@ -22,7 +22,7 @@ Prefill (the grouped path) is in qir/codegen/moe_gemm.py.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from qir.codegen.fragments import Fragment, fragment_for
@@ -43,6 +43,8 @@ from qir.target import Target
 from qir.types import QExperts
 
 COMBINES = ("", "combine", "combine_residual")
+# A block's static shared memory, and what an expert kernel's lists of rows and slots take of it.
+STATIC_SMEM, LISTS_SMEM = 48 * 1024, 2 * 1024
 _M = KernelParam("M", "int", "int")
 
 
@@ -140,13 +142,26 @@ class ExpertGemvSpec:
     @property
     def gemv(self) -> GemvSpec:
         epilogue = "silu_mul" if len(self.experts) == 2 else ""
-        return GemvSpec(
+        spec = GemvSpec(
             tuple(e.expert for e in self.experts),
             self.act,
             self.m_tile,
             epilogue=epilogue,
             target=self.target,
         )
+        # The combine keeps a float per (tile row, slot, block row) in shared memory (the decode
+        # path an act_t per (slot, block row)), every kind a tile's act_t results: short rows'
+        # many rows a block get more lanes until those fit beside a staged row of x (2 K bytes)
+        # and the tile's lists, in the 48 KB of static shared memory.
+        per_row = 2 * self.m_tile + (
+            4 * self.m_tile * self.top + 2 * self.top if self.combine else 0
+        )
+        budget = STATIC_SMEM - 2 * self.experts[0].in_features - LISTS_SMEM
+        rows = WARPS_PER_BLOCK * spec.rows_per_warp * 32
+        lanes = spec.lanes
+        while lanes < 32 and rows // lanes * per_row > budget:
+            lanes *= 2
+        return replace(spec, min_lanes=lanes)
 
     @property
     def kind(self) -> str:

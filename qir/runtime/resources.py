@@ -47,7 +47,7 @@ from typing import Any
 
 from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import lanes_per_row, rows_per_warp
+from qir.codegen.gemv import lanes_of, rows_per_warp
 from qir.codegen.lower import Launch, Plan
 from qir.dtypes import F16, F32
 from qir.errors import UsageError
@@ -201,7 +201,7 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     pairs = max(1, len(weights) // max(1, len(launch.outputs)))
     per_lane = pairs * rows_per_warp(frag, pairs, act)
     chunks = frag.chunks_per_row(w.in_features)
-    lanes = lanes_per_row(chunks)
+    lanes = lanes_of(launch.kernel.name)
     return WeightStream(
         buffers=frozenset(buffers),
         codes=frozenset(codes),

@@ -22,6 +22,7 @@ from qir.api import Compiled
 from qir.builder import Builder
 from qir.codegen.moe import ExpertGemvSpec, expert_gemv_kernel, route_kernel
 from qir.dtypes import BF16, F16, F32, I32, DType
+from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.formats.gptq import Gptq
@@ -29,8 +30,9 @@ from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.runtime import nvrtc
 from qir.runtime.backend import get_backend
-from qir.types import QExperts
+from qir.types import QExperts, QWeight
 from tests.conftest import FMT4, max_rel
 from tests.moe_common import random_experts
 
@@ -240,6 +242,20 @@ def test_an_expert_launch_takes_at_most_32_experts_per_token() -> None:
     ExpertGemvSpec((e,), F16, 8, 32)
     with pytest.raises(ValueError, match=r"top must be 1\.\.32 experts per token, got 33"):
         ExpertGemvSpec((e,), F16, 8, 33)
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+def test_short_rows_get_more_lanes_where_the_combines_shared_memory_needs_them() -> None:
+    """K = 128 (4 chunks: one lane a row) with 8 experts a token: the combine's floats per
+    (tile row, slot, block row) would take 128 KB for a block's 512 rows; its rows get 4 lanes
+    (128 rows a block), and the kernel builds for sm_90 (48 KB of static shared memory)."""
+    e = QExperts(QWeight(Awq(4, 128), 2048, 128), 16)
+    slots = ExpertGemvSpec((e, e), F16, 8, 8)
+    combine = ExpertGemvSpec((e,), F16, 8, 8, combine="combine_residual", per_slot=True)
+    assert slots.gemv.lanes == 1 and combine.gemv.lanes == 4 and combine.block_rows == 128
+    assert "_k128_m8_l4_combine_res" in combine.name
+    (result,) = nvrtc.check_no_spills(expert_gemv_kernel(combine), archs=("sm_90",))
+    assert 0 < result.report.smem_bytes <= 48 * 1024
 
 
 def _instrumented(spec: ExpertGemvSpec, args: list[Any], grid: tuple[int, int, int]) -> np.ndarray:
