@@ -744,6 +744,27 @@ GATE: tuple[Entry, ...] = (
         )
         for i, fmt in enumerate(FORMAT_ZOO)
     ),
+    # Qwen3-30B-A3B's expert shapes: gate/up at K = 2048 in groups of 16 lanes, down with the
+    # combine at K = 768 in groups of 4 (8-bit codes spilled once a lane made two passes).
+    Entry(
+        "expert-gemvs-qwen3-30b-a3b",
+        lambda arch: [
+            expert_gemv_kernel(spec)
+            for fmt in (Awq(4, 128), Mxfp8())
+            for spec in (
+                ExpertGemvSpec((QExperts(QWeight(fmt, 768, 2048), 128),) * 2, F16, 8, 8),
+                ExpertGemvSpec(
+                    (QExperts(QWeight(fmt, 2048, 768), 128),),
+                    F16,
+                    8,
+                    8,
+                    combine="combine_residual",
+                    per_slot=True,
+                ),
+            )
+        ],
+        ("_k2048_m8_l16_silumul", "_k768_m8_l4_combine_res_slots_in"),
+    ),
     # gpt-oss: the fixture's whole model (the router's biased GEMV, every kernel it plans but
     # its attention: head_dim 32's prefill attention spills 56 bytes on sm_100a with or without
     # sinks, as main's does; gpt-oss's own head_dim 64 is gptoss-20b's) and gpt-oss-20b's
