@@ -67,8 +67,8 @@ def test_dump_writes_ir_and_standalone_cu_files(tmp_path):
     assert main(["dump", str(CKPT), "--block", "mlp", "--layer", "0", "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert "before.ir" in names and "after.ir" in names and "qir_common.cuh" in names
-    assert "qgemv_mlx4g64bf16_bf16_n512_512_k256_m8_silumul.cu" in names
-    assert "qgemv_mlx4g64bf16_bf16_n256_k512_m8_res.cu" in names
+    assert "qgemv_mlx4g64bf16_bf16_n512_512_k256_m8_l2_silumul.cu" in names
+    assert "qgemv_mlx4g64bf16_bf16_n256_k512_m8_l4_res.cu" in names
     assert "%gate = qlinear %x, %w_gate" in (tmp_path / "before.ir").read_text()
 
 
@@ -77,8 +77,9 @@ def test_compile_writes_one_plan_entry_per_launch(tmp_path):
     assert main(["compile", str(CKPT), "--block", "qkv", "--m", "5", "--json", str(plan)]) == 0
     kernels = json.loads(plan.read_text())["kernels"]
     assert [k["nodes"] for k in kernels] == [["q_k_v", "q", "k", "v"]]
-    # 3 x 256 rows, four rows per warp, four warps per block
-    assert kernels[0]["grid"] == [3 * 256 // 16, 1, 1] and kernels[0]["block"] == [128, 1, 1]
+    # 3 x 256 rows; K = 256 is 8 chunks: 2 lanes a row, so 16 groups of four rows a warp, four
+    # warps a block: a block per weight
+    assert kernels[0]["grid"] == [3 * 256 // 256, 1, 1] and kernels[0]["block"] == [128, 1, 1]
 
 
 def test_compile_reports_the_memory_plan(tmp_path):

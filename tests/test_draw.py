@@ -80,7 +80,7 @@ def test_graph_draws_svg_and_png(tmp_path: Path, suffix: str, capsys: pytest.Cap
     data = out.read_bytes()
     if suffix == ".svg":
         text = data.decode()
-        assert "<svg" in text and "qgemv_nvfp4diva4_bf16_n256_k512_m8_res_a4" in text
+        assert "<svg" in text and "qgemv_nvfp4diva4_bf16_n256_k512_m8_l4_res_a4" in text
         assert text.count('class="cluster"') == 2 + 8  # before, after, one per launch
     else:
         assert data.startswith(b"\x89PNG")

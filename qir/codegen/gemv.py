@@ -25,6 +25,7 @@ products depends on the fragment and the activation dtype (`path`):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from qir.codegen.fragments import Fragment, fragment_for
@@ -70,6 +71,31 @@ def gate_spelled(fused: str, gate_act: str) -> str:
 
 
 A4_MODES = ("dynamic", "mul", "div")
+# Chunk pairs a lane takes per row at most before its row gets more lanes (lanes_per_row).
+LANE_PASSES = 3
+
+
+def lanes_per_row(chunks: int) -> int:
+    """Lanes that share one row of `chunks` chunks (a power of two, at most a warp): the fewest
+    that take its chunk pairs in LANE_PASSES passes or fewer. A warp of 32 / lanes groups computes
+    that many rows per slot: a short row (an MoE expert's K = 768: 12 pairs) would otherwise leave
+    most lanes idle, and the warp's set-up, reduction and store serve more rows."""
+    pairs = -(-chunks // 2)
+    lanes = 1
+    while lanes < 32 and -(-pairs // lanes) > LANE_PASSES:
+        lanes *= 2
+    return lanes
+
+
+def lanes_suffix(lanes: int) -> str:
+    """The kernel-name part of a sub-warp row (nothing for a whole warp's), after the m-tile."""
+    return "" if lanes == 32 else f"_l{lanes}"
+
+
+def lanes_of(kernel_name: str) -> int:
+    """The lanes per row a GEMV kernel's name spells (lanes_suffix)."""
+    m = re.search(r"_m\d+_l(\d+)(?:_|$)", kernel_name)
+    return int(m.group(1)) if m else 32
 
 
 def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType) -> int:
@@ -109,6 +135,8 @@ class GemvSpec:
     # With `norm`: the normed row is h = res + rms_norm(x, pw) (norm_residual; pw's dtype, its
     # eps, and whether the kernel also stores h: output h, after the y's).
     res_norm: tuple[DType, float, bool] | None = None
+    # Lanes per row at least (a power of two): an expert kernel's shared memory per block row.
+    min_lanes: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -158,7 +186,11 @@ class GemvSpec:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
         fused += target_suffix(self.target)
         fused = gate_spelled(fused, self.gate_act)
-        return f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}{fused}"
+        lanes = lanes_suffix(self.lanes)
+        return (
+            f"qgemv_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}"
+            f"{lanes}{fused}"
+        )
 
     @property
     def paired(self) -> bool:
@@ -172,10 +204,21 @@ class GemvSpec:
 
     @property
     def rows_per_warp(self) -> int:
+        """Rows of each weight one group of `lanes` lanes computes (its slots)."""
         return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1, self.act)
 
+    @property
+    def lanes(self) -> int:
+        w0 = self.weights[0]
+        return max(self.min_lanes, lanes_per_row(self.fragment.chunks_per_row(w0.in_features)))
+
+    @property
+    def warp_rows(self) -> int:
+        """Rows of each weight one warp computes: its groups' together."""
+        return self.rows_per_warp * 32 // self.lanes
+
     def blocks(self, w: QWeight) -> int:
-        return -(-w.out_features // (WARPS_PER_BLOCK * self.rows_per_warp))
+        return -(-w.out_features // (WARPS_PER_BLOCK * self.warp_rows))
 
     @property
     def grid_x(self) -> int:
@@ -344,6 +387,7 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         m_tile=spec.m_tile,
         weights_per_warp=len(spec.weights) if spec.paired else 1,
         rows_per_warp=spec.rows_per_warp,
+        lanes=spec.lanes,
         shift_back=all(w.out_features >= spec.rows_per_warp for w in spec.weights),
         warps=WARPS_PER_BLOCK,
         threads=32 * WARPS_PER_BLOCK,

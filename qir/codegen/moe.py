@@ -22,7 +22,7 @@ Prefill (the grouped path) is in qir/codegen/moe_gemm.py.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from qir.codegen.fragments import Fragment, fragment_for
@@ -31,6 +31,7 @@ from qir.codegen.gemv import (
     MIN_BLOCKS_PER_SM,
     WARPS_PER_BLOCK,
     GemvSpec,
+    lanes_suffix,
     target_suffix,
 )
 from qir.codegen.kernel import Kernel, KernelParam
@@ -42,6 +43,8 @@ from qir.target import Target
 from qir.types import QExperts
 
 COMBINES = ("", "combine", "combine_residual")
+# A block's static shared memory, and what an expert kernel's lists of rows and slots take of it.
+STATIC_SMEM, LISTS_SMEM = 48 * 1024, 2 * 1024
 _M = KernelParam("M", "int", "int")
 
 
@@ -131,18 +134,34 @@ class ExpertGemvSpec:
             raise ValueError("one expert launch takes one expert count, format and in_features")
         if self.combine and len(self.experts) != 1:
             raise ValueError("the combine takes one stacked weight")
+        if not 1 <= self.top <= 32:
+            # A decode step's slots are one ballot of a warp (moe_gemv.cu.j2).
+            raise ValueError(f"top must be 1..32 experts per token, got {self.top}")
         _ = self.gemv  # the GEMV spec checks the rest (a gate/up pair of one shape, m_tile)
 
     @property
     def gemv(self) -> GemvSpec:
         epilogue = "silu_mul" if len(self.experts) == 2 else ""
-        return GemvSpec(
+        spec = GemvSpec(
             tuple(e.expert for e in self.experts),
             self.act,
             self.m_tile,
             epilogue=epilogue,
             target=self.target,
         )
+        # The combine keeps a float per (tile row, slot, block row) in shared memory (the decode
+        # path an act_t per (slot, block row)), every kind a tile's act_t results: short rows'
+        # many rows a block get more lanes until those fit beside a staged row of x (2 K bytes)
+        # and the tile's lists, in the 48 KB of static shared memory.
+        per_row = 2 * self.m_tile + (
+            4 * self.m_tile * self.top + 2 * self.top if self.combine else 0
+        )
+        budget = STATIC_SMEM - 2 * self.experts[0].in_features - LISTS_SMEM
+        rows = WARPS_PER_BLOCK * spec.rows_per_warp * 32
+        lanes = spec.lanes
+        while lanes < 32 and rows // lanes * per_row > budget:
+            lanes *= 2
+        return replace(spec, min_lanes=lanes)
 
     @property
     def kind(self) -> str:
@@ -155,7 +174,7 @@ class ExpertGemvSpec:
 
     @property
     def block_rows(self) -> int:
-        return WARPS_PER_BLOCK * self.gemv.rows_per_warp
+        return WARPS_PER_BLOCK * self.gemv.warp_rows
 
     @property
     def blocks_per_expert(self) -> int:
@@ -176,7 +195,8 @@ class ExpertGemvSpec:
         fused += target_suffix(self.target)
         return (
             f"moe_gemv_{e0.format.tag()}_{self.act.name}_e{e0.count}top{self.top}"
-            f"_n{e0.out_features}_k{e0.in_features}_m{self.m_tile}{fused}"
+            f"_n{e0.out_features}_k{e0.in_features}_m{self.m_tile}"
+            f"{lanes_suffix(self.gemv.lanes)}{fused}"
         )
 
     def params(self) -> list[KernelParam]:
@@ -239,6 +259,9 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         f"w{j}_bias + (size_t)e * {e0.out_features} + b.base" if w.expert.bias else "nullptr"
         for j, w in enumerate(spec.experts)
     ]
+    # At M = 1 the slots kernel runs the whole expert (row 0 on), as a dense GEMV would.
+    whole_weights = [w.replace(", b.base)", ", 0)") for w in expert_weights]
+    whole_biases = [b.replace(" + b.base", "") for b in expert_biases]
     params = spec.params()
     x = "x[m, j]" if spec.per_slot else "x[m]"
     plus = " + b_e" if e0.expert.bias else ""
@@ -269,6 +292,7 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         m_tile=spec.m_tile,
         weights_per_warp=len(spec.experts),
         rows_per_warp=g.rows_per_warp,
+        lanes=g.lanes,
         shift_back=e0.out_features >= g.rows_per_warp,
         warps=WARPS_PER_BLOCK,
         min_blocks=MIN_BLOCKS_PER_SM,
@@ -282,6 +306,8 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         kind=spec.kind,
         blocks_per_expert=spec.blocks_per_expert,
         expert_weights=expert_weights,
+        whole_weights=whole_weights,
+        whole_biases=whole_biases,
         per_slot=spec.per_slot,
         residual=spec.combine == "combine_residual",
         count=spec.count,

@@ -47,7 +47,7 @@ from typing import Any
 
 from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import rows_per_warp
+from qir.codegen.gemv import lanes_of, rows_per_warp
 from qir.codegen.lower import Launch, Plan
 from qir.dtypes import F16, F32
 from qir.errors import UsageError
@@ -70,8 +70,8 @@ class WeightStream:
     chunk_code_bytes: float  # bytes of codes in a chunk
     bytes_per_weight: float  # DRAM bytes per weight, scales included
     chunks_per_lane: int  # chunks of one row a lane handles (the most, over lanes)
-    weights_per_warp: int  # weight rows one warp computes (several rows, of a gate/up pair both)
-    row_bytes: int  # DRAM bytes of the rows one warp reads
+    weights_per_warp: int  # weight rows one lane computes (its slots: of a gate/up pair both)
+    row_bytes: int  # DRAM bytes of the rows one warp reads (all its groups of lanes)
     m_tile: int  # batch rows one block covers
 
 
@@ -196,20 +196,23 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
     code_bytes = (
         math.prod(code.concrete({})) * code.dtype.itemsize / (w.out_features * w.in_features)
     )
-    # A warp computes rows_per_warp rows of each of the weights it pairs (gate/up: 2).
+    # A group of lanes computes rows_per_warp rows of each of the weights it pairs (gate/up: 2),
+    # a warp 32 / lanes such groups.
     pairs = max(1, len(weights) // max(1, len(launch.outputs)))
-    per_warp = pairs * rows_per_warp(frag, pairs, act)
+    per_lane = pairs * rows_per_warp(frag, pairs, act)
+    chunks = frag.chunks_per_row(w.in_features)
+    lanes = lanes_of(launch.kernel.name)
     return WeightStream(
         buffers=frozenset(buffers),
         codes=frozenset(codes),
         chunk_elems=frag.chunk_elems,
         chunk_code_bytes=frag.chunk_elems * code_bytes,
         bytes_per_weight=fmt.bytes_per_weight(),
-        # Lanes take chunks in pairs (qir_chunks: lane l reads 2l and 2l + 1, 64 apart): the
-        # busiest lane's count, which sets the warp's passes.
-        chunks_per_lane=2 * -(-frag.chunks_per_row(w.in_features) // (2 * WARP)),
-        weights_per_warp=per_warp,
-        row_bytes=round(per_warp * w.in_features * fmt.bytes_per_weight()),
+        # Lanes take chunks in pairs (qir_chunks: lane l of its group reads 2l and 2l + 1, then
+        # 2 * lanes on): the busiest lane's count, which sets the warp's passes.
+        chunks_per_lane=2 * -(-chunks // (2 * lanes)),
+        weights_per_warp=per_lane,
+        row_bytes=round(per_lane * WARP // lanes * w.in_features * fmt.bytes_per_weight()),
         m_tile=launch.m_tile,
     )
 
@@ -367,19 +370,22 @@ def _stream_cost(
         notes.append(f"unrolled kernel loads {chunks:.0f} chunks per lane, expected {expected}")
         return _replace(base, region=where, notes=tuple(notes))
     # A warp runs the weight loop once per `chunks` of its row's chunks, and the rest of the
-    # kernel (index set-up, the shuffle reductions, the stores) once.
+    # kernel (index set-up, the shuffle reductions, the stores) once. A weight loop inside loops
+    # of known trip counts (an expert combine's loop over a token's k slots at M = 1, each
+    # another expert's rows) streams that many times the rows.
     passes = expected / chunks
+    streams = whole.runs.get(span.head, 1) if outer else 1
     mix: dict[str, float] = {}
     for tile in range(launch.grid(m)[1]):
         share = min(stream.m_tile, m - tile * stream.m_tile) / stream.m_tile
         live_t = sass.reachable(instrs, sass.decide(instrs, flow, slots, m, tile))
         loop_mix = sass.cost(instrs, r, share, live=live_t) if outer else {}
         for mix_part, times in (
-            (loop_mix, passes),
+            (loop_mix, passes * streams),
             (sass.cost(instrs, whole, share, span if outer else None, live_t), 1.0),
         ):
             for op, n in mix_part.items():
-                mix[op] = mix.get(op, 0.0) + n * times * 512 / stream.row_bytes
+                mix[op] = mix.get(op, 0.0) + n * times * 512 / (stream.row_bytes * streams)
     unknown = [
         lp for lp in (*whole.unknown_loops, *r.unknown_loops) if lp != span and lp.head in live
     ]

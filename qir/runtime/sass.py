@@ -21,7 +21,8 @@ are weight buffers and which is M.
 - `decide` evaluates, at a given M and block row (blockIdx.y), the branches whose guard is
   computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`),
   and `reachable` walks the code from the entry along them: code a batch size never runs (a
-  kernel's M = 1 path at M = 8, or the other way round) is not counted.
+  kernel's M = 1 path at M = 8, or the other way round) is not counted. Nor is the target of a
+  `BRA.DIV` (the collective fallback of shuffles for a diverged warp: qir's run converged).
 - `region` and `cost` count the warp instructions one pass over a region issues: each
   instruction once, times the trip counts of the loops nested in the region. A forward branch
   that tests M in a way `decide` cannot evaluate skips one row of the batch; the instructions it
@@ -590,6 +591,11 @@ def reachable(instrs: Sequence[Instr], decided: Mapping[int, bool]) -> frozenset
             if ins.op in ("EXIT", "RET") and not ins.guard:
                 break
             t = ins.target()
+            if ins.opcode.startswith("BRA.DIV"):
+                # Taken only by a diverged warp (to a shuffle's collective fallback); qir's
+                # shuffles run in converged warps (full masks), so control falls through.
+                i += 1
+                continue
             always = ins.guard in ("", "@PT", "@UPT")
             if t is not None and (always or decided.get(i) is True):
                 i = t

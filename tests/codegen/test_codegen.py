@@ -9,11 +9,12 @@ import jinja2
 import pytest
 
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import GemvSpec, gemv_kernel
+from qir.codegen.gemv import GemvSpec, gemv_kernel, lanes_per_row
 from qir.codegen.lower import lower
 from qir.codegen.render import render
 from qir.dtypes import BF16, F16
 from qir.dump import dump
+from qir.formats.awq import Awq
 from qir.formats.mlx import MlxAffine
 from qir.models import load
 from qir.models.blocks import build
@@ -25,16 +26,16 @@ from tests.conftest import DATA
 def test_kernel_name_spells_the_specialisation():
     w = QWeight(MlxAffine(4, 128, BF16), 512, 256)
     k = gemv_kernel(GemvSpec((w,), F16, 8))
-    assert k.name == "qgemv_mlx4g128bf16_f16_n512_k256_m8"
+    assert k.name == "qgemv_mlx4g128bf16_f16_n512_k256_m8_l2"
     assert f"void __launch_bounds__(128, 3) {k.name}(" in k.source
     assert [p.name for p in k.params] == ["x", "w0_weight", "w0_scales", "w0_biases", "y0", "M"]
     assert k.headers[0][0] == "qir_common.cuh"
     dual = gemv_kernel(GemvSpec((w, w), F16, 8))
-    assert dual.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8"
+    assert dual.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8_l2"
     assert [p.name for p in dual.params][-3:] == ["y0", "y1", "M"]
     pair_spec = GemvSpec((w, w), F16, 8, epilogue="silu_mul")
     pair = gemv_kernel(pair_spec)
-    assert pair.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8_silumul"
+    assert pair.name == "qgemv_mlx4g128bf16_f16_n512_512_k256_m8_l2_silumul"
     assert [p.name for p in pair.params][-2:] == ["y0", "M"]  # one result, silu(g) * u
     # A warp computes four rows of one weight, or two rows of gate and up each.
     assert pair_spec.grid_x == 2 * GemvSpec((w,), F16, 8).grid_x
@@ -44,7 +45,7 @@ def test_kernel_name_spells_the_specialisation():
         GemvSpec((w, QWeight(MlxAffine(4, 128, BF16), 256, 256)), F16, 8, epilogue="silu_mul")
     down = QWeight(MlxAffine(4, 128, BF16), 256, 512)
     fused = gemv_kernel(GemvSpec((down,), F16, 8, prologue=True, epilogue="residual"))
-    assert fused.name == "qgemv_mlx4g128bf16_f16_n256_k512_m8_silu_res"
+    assert fused.name == "qgemv_mlx4g128bf16_f16_n256_k512_m8_l4_silu_res"
     assert [p.name for p in fused.params] == [
         "g",
         "u",
@@ -55,6 +56,21 @@ def test_kernel_name_spells_the_specialisation():
         "r",
         "M",
     ]
+
+
+def test_short_rows_take_groups_of_lanes():
+    """A row of few chunks takes the fewest lanes (a power of two) that cover its chunk pairs in
+    at most LANE_PASSES passes; the warp's groups each take their own rows, the grid shrinks by
+    as much, and the name says so (a whole warp's row: no suffix)."""
+    chunks = (1, 6, 8, 24, 64, 90, 128, 448)
+    assert [lanes_per_row(c) for c in chunks] == [1, 1, 2, 4, 16, 16, 32, 32]
+    for k, lanes in ((768, 4), (2048, 16), (4096, 32)):  # Qwen3-30B-A3B's expert K, Llama-3's
+        w = QWeight(Awq(4, 128), 100, k)
+        spec = GemvSpec((w,), F16, 8)
+        assert spec.lanes == lanes and spec.warp_rows == 4 * 32 // lanes
+        assert spec.grid_x == -(-100 // (4 * spec.warp_rows))
+        assert ("_l" in spec.name) == (lanes < 32)
+        assert f"constexpr int QIR_LANES = {lanes};" in gemv_kernel(spec).source
 
 
 def test_one_launch_rejects_mixed_formats():

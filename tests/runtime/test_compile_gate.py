@@ -472,7 +472,8 @@ GATE: tuple[Entry, ...] = (
         Entry(
             f"mlp-{tag}-llama3-8b",
             graph(lambda f=fmt, a=act: mlp(f, LLAMA3_8B, a), decode_and_res_prefill),
-            ("qgemv_", "_k4096_m8_silumul", "_k14336_m8_res", "qgemm_"),
+            # K = 4096: 16 lanes a row (2-bit codes' 64-weight chunks) or 32
+            ("qgemv_", "_k4096_m8", "_silumul", "_k14336_m8_res", "qgemm_"),
         )
         for tag, fmt, act in FRAGMENTS
     ),
@@ -508,7 +509,7 @@ GATE: tuple[Entry, ...] = (
     Entry(
         "mlp-nvfp4diva4-checkpoint",
         graph(lambda: mlp(Nvfp4("div", 4), CHECKPOINT, BF16), decode_and_res_prefill),
-        ("qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4", "quantize_act_", "_res_a4"),
+        ("qgemv_nvfp4diva4_bf16_n512_k1408_m8_l8_res_a4", "quantize_act_", "_res_a4"),
     ),
     Entry(
         "down-nvfp4mula4-checkpoint",
@@ -516,7 +517,7 @@ GATE: tuple[Entry, ...] = (
             lambda: mlp(Nvfp4("mul", 4), CHECKPOINT, F16),
             lambda la: "_k1408_" in la.kernel.name and "_a4" in la.kernel.name,
         ),
-        ("qgemv_nvfp4mula4_f16_n512_k1408_m8_res_a4", "_res_a4"),
+        ("qgemv_nvfp4mula4_f16_n512_k1408_m8_l8_res_a4", "_res_a4"),
     ),
     # silu(g) * u in down_proj's prologue: 16-bit, and W4A4 quantizing it there.
     Entry(
@@ -527,7 +528,7 @@ GATE: tuple[Entry, ...] = (
             ),
             lambda la: "_silu" in la.kernel.name,
         ),
-        ("qgemv_fp8ch_f16_n512_k1408_m8_silu", "_64x32x32s3w4x1_silu", "_128x64x32s3w2x2_silu"),
+        ("qgemv_fp8ch_f16_n512_k1408_m8_l8_silu", "_64x32x32s3w4x1_silu", "_128x64x32s3w2x2_silu"),
     ),
     # W4A4's GEMMs only: its GEMV takes 40-50 s per arch to build (silu(g) * u quantized in
     # every warp) for a form the default passes do not produce from W4A4 checkpoints (their
@@ -568,8 +569,8 @@ GATE: tuple[Entry, ...] = (
             )(arch),
         ],
         (
-            "qgemv_mlx4g64bf16_bf16_n1408_1408_k512_m8_gelumul",
-            "qgemv_fp8ch_f16_n512_k1408_m8_gelu",
+            "qgemv_mlx4g64bf16_bf16_n1408_1408_k512_m8_l4_gelumul",
+            "qgemv_fp8ch_f16_n512_k1408_m8_l8_gelu",
             "_128x64x32s3w2x2_gelu",
             "_64x32x32s3w4x1_gelu_a4dynamic",
         ),
@@ -583,9 +584,9 @@ GATE: tuple[Entry, ...] = (
             *graph(lambda: qkv(Dense(F32), CHECKPOINT, F32))(arch),
         ],
         (
-            "qgemv_mlx4g64bf16_f32_n1408_1408_k512_m8_silumul",
-            "qgemv_mlx4g64bf16_f32_n512_k1408_m8_res",
-            "qgemv_nvfp4mula4_f32_n512_128_128_k512_m8_a4",
+            "qgemv_mlx4g64bf16_f32_n1408_1408_k512_m8_l4_silumul",
+            "qgemv_mlx4g64bf16_f32_n512_k1408_m8_l8_res",
+            "qgemv_nvfp4mula4_f32_n512_128_128_k512_m8_l4_a4",
             "quantize_act_nvfp4_f32",
             "qgemv_densef32_f32_",
         ),
@@ -611,12 +612,12 @@ GATE: tuple[Entry, ...] = (
                 lambda a=act: mlp(MlxAffine(4, 64, BF16), CHECKPOINT, a),
                 lambda la: (
                     la.kernel.name.startswith("ew_")
-                    or la.kernel.name == "qgemv_mlx4g64bf16_f16_n512_k1408_m8"
+                    or la.kernel.name == "qgemv_mlx4g64bf16_f16_n512_k1408_m8_l8"
                 ),
                 passes="none",
             )(arch)
         ],
-        ("ew_silu_f16", "ew_mul_bf16", "ew_add_f32", "qgemv_mlx4g64bf16_f16_n512_k1408_m8"),
+        ("ew_silu_f16", "ew_mul_bf16", "ew_add_f32", "qgemv_mlx4g64bf16_f16_n512_k1408_m8_l8"),
     ),
     # NVFP4 rows whose K is an odd multiple of 16: the 64-bit-load chunk path.
     Entry(
@@ -727,7 +728,7 @@ GATE: tuple[Entry, ...] = (
         shared_expert(MlxAffine(4, 64, BF16)),
         (
             "moe_route_bf16_e1_top1_sigmoid_topk",
-            "moe_gemv_mlx4g64bf16_bf16_e1top1_n512_k1408_m8_combine_res",
+            "moe_gemv_mlx4g64bf16_bf16_e1top1_n512_k1408_m8_l8_combine_res",
             "moe_group_e1_top1",
             "moe_qgemm_",
             "moe_combine_bf16_top1",
@@ -742,6 +743,27 @@ GATE: tuple[Entry, ...] = (
             archs=(nvrtc.GATE_ARCHS[i % len(nvrtc.GATE_ARCHS)],),
         )
         for i, fmt in enumerate(FORMAT_ZOO)
+    ),
+    # Qwen3-30B-A3B's expert shapes: gate/up at K = 2048 in groups of 16 lanes, down with the
+    # combine at K = 768 in groups of 4 (8-bit codes spilled once a lane made two passes).
+    Entry(
+        "expert-gemvs-qwen3-30b-a3b",
+        lambda arch: [
+            expert_gemv_kernel(spec)
+            for fmt in (Awq(4, 128), Mxfp8())
+            for spec in (
+                ExpertGemvSpec((QExperts(QWeight(fmt, 768, 2048), 128),) * 2, F16, 8, 8),
+                ExpertGemvSpec(
+                    (QExperts(QWeight(fmt, 2048, 768), 128),),
+                    F16,
+                    8,
+                    8,
+                    combine="combine_residual",
+                    per_slot=True,
+                ),
+            )
+        ],
+        ("_k2048_m8_l16_silumul", "_k768_m8_l4_combine_res_slots_in"),
     ),
     # gpt-oss: the fixture's whole model (the router's biased GEMV, every kernel it plans but
     # its attention: head_dim 32's prefill attention spills 56 bytes on sm_100a with or without
@@ -758,7 +780,7 @@ GATE: tuple[Entry, ...] = (
         (
             "attn_combine_bf16_h64_d64_n32_sinks",
             "_ropeyarn150000x32_b32_1_sinks",
-            "moe_gemv_mxfp4_bf16_e32top4_n2880_k2880_m8_swiglu7a1p702_bias",
+            "moe_gemv_mxfp4_bf16_e32top4_n2880_k2880_m8_l16_swiglu7a1p702_bias",
             "moe_qgemm_mxfp4_bf16_n2880b",
             "moe_route_bf16_e32_top4_topk_softmax",
         ),

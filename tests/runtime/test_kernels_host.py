@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 import qir
 from qir.builder import Builder
 from qir.dtypes import BF16, F16, F32
+from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
+from qir.formats.nvfp4 import Nvfp4
 from qir.models import load
 from qir.models.blocks import build
 from tests.conftest import BACKENDS, DATA, MLX_FIXTURES, max_rel, mlp_graph, random_weight, rel_err
@@ -71,6 +73,39 @@ def test_qlinear_out_features_not_a_multiple_of_rows_per_block(rng, n, m, backen
     ref = qir.compile(b.graph, {"w": bufs}, backend="reference")({"x": xa})["y"]
     assert ours.shape == (m, n)
     assert max_rel(ours, ref) <= TOL[F16]
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [MlxAffine(4, 32, BF16), Gptq(4, 32, "gptq", 1, F16), Nvfp4("div", 16)],
+    ids=lambda f: f.tag(),
+)
+def test_short_rows_in_groups_of_lanes(rng, fmt):
+    """Rows of 5 chunks (one lane a row, its last pass one chunk) and 12 (two lanes, three
+    passes), N = 37 (no multiple of a group's rows): a gate/up pair with silu(g) * u, a plain
+    projection with a residual, on the packed and the float path, at decode and in tiles."""
+    for k in (160, 384):
+        b = Builder("short")
+        x = b.input("x", ("M", k), F16)
+        r = b.input("r", ("M", 37), F16)
+        weights, ws = {}, {}
+        for name in ("gate", "up", "p"):
+            qw, weights[name] = random_weight(rng, 37, k, fmt)
+            ws[name] = b.weight(name, qw, name=f"w_{name}")
+        b.output("h", b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"])))
+        b.output("y", b.add(r, b.qlinear(x, ws["p"])))
+        ours = qir.compile(b.graph, weights, backend="host")
+        lanes = f"_m8_l{1 if k == 160 else 2}"
+        assert sum(lanes in la.kernel.name for la in ours.plan.launches) == 2
+        ref = qir.compile(b.graph, weights, backend="reference")
+        for m in (1, 3, 9):
+            feed = {
+                "x": rng.standard_normal((m, k), dtype=np.float32).astype(np.float16),
+                "r": rng.standard_normal((m, 37), dtype=np.float32).astype(np.float16),
+            }
+            got, want = ours(feed), ref(feed)
+            assert max_rel(got["y"], want["y"]) <= TOL[F16], (k, m)
+            assert max_rel(got["h"], want["h"]) <= 2 * TOL[F16], (k, m)
 
 
 @settings(

@@ -22,14 +22,17 @@ from qir.api import Compiled
 from qir.builder import Builder
 from qir.codegen.moe import ExpertGemvSpec, expert_gemv_kernel, route_kernel
 from qir.dtypes import BF16, F16, F32, I32, DType
+from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.formats.gptq import Gptq
+from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.runtime import nvrtc
 from qir.runtime.backend import get_backend
-from qir.types import QExperts
+from qir.types import QExperts, QWeight
 from tests.conftest import FMT4, max_rel
 from tests.moe_common import random_experts
 
@@ -43,23 +46,23 @@ FORMATS = (
 
 
 def experts_graph(
-    fmt: WeightFormat, top: int, act: DType = F16, seed: int = 0
+    fmt: WeightFormat, top: int, act: DType = F16, seed: int = 0, k_in: int = K_IN, inter: int = 64
 ) -> tuple[Graph, Any]:
     """ids and router weights as inputs, so a test chooses the experts: gate/up (silu(g) * u,
-    [M, top, 64]) of x, down of those slots combined with the residual r ([M, 37]), and a
+    [M, top, inter]) of x, down of those slots combined with the residual r ([M, 37]), and a
     plain expert projection of x ([M, top, 37])."""
     rng = np.random.default_rng(seed)
     b = Builder("experts")
-    x = b.input("x", ("M", K_IN), act)
+    x = b.input("x", ("M", k_in), act)
     ids = b.input("ids", ("M", top), I32)
     rw = b.input("rw", ("M", top), F32)
     r = b.input("r", ("M", N_OUT), act)
     ws, weights = {}, {}
     for name, (o, i) in {
-        "gate": (64, K_IN),
-        "up": (64, K_IN),
-        "down": (N_OUT, 64),
-        "proj": (N_OUT, K_IN),
+        "gate": (inter, k_in),
+        "up": (inter, k_in),
+        "down": (N_OUT, inter),
+        "proj": (N_OUT, k_in),
     }.items():
         qe, weights[name] = random_experts(rng, E, o, i, fmt)
         ws[name] = b.weight(name, qe, name=f"w_{name}")
@@ -82,11 +85,13 @@ def choices(m: int, top: int, seed: int = 0) -> np.ndarray:
     return ids
 
 
-def feed(m: int, top: int, act: DType = F16, seed: int = 0) -> dict[str, np.ndarray]:
+def feed(
+    m: int, top: int, act: DType = F16, seed: int = 0, k_in: int = K_IN
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed + m)
     rw = rng.random((m, top), dtype=np.float32) + 0.1
     return {
-        "x": rng.standard_normal((m, K_IN), dtype=np.float32).astype(act.np),
+        "x": rng.standard_normal((m, k_in), dtype=np.float32).astype(act.np),
         "ids": choices(m, top, seed),
         "rw": (rw / rw.sum(axis=1, keepdims=True)).astype(np.float32),
         "r": rng.standard_normal((m, N_OUT), dtype=np.float32).astype(act.np),
@@ -137,6 +142,28 @@ def test_expert_gemvs_match_the_interpreter(
         close(ours, ref(x))
         if m == 9:
             assert reversed_bytes(c, x, monkeypatch) == {k: v.tobytes() for k, v in ours.items()}
+
+
+@pytest.mark.parametrize(
+    "fmt", [MlxAffine(4, 32, BF16), Gptq(4, 32, "gptq", 1, F16)], ids=lambda f: f.tag()
+)
+def test_short_rows_in_groups_of_lanes(fmt: WeightFormat) -> None:
+    """K of 5 chunks (gate/up, the projection: one lane per row, its last pass one chunk) and 12
+    (down: two lanes per row, three passes), N = 37 rows (no multiple of a group's rows, nor of a
+    block's): the interpreter's results at decode (the M = 1 path, slot by slot) and in tiles,
+    and a token's bytes alone equal its bytes in a batch."""
+    graph, weights = experts_graph(fmt, 2, k_in=160, inter=384)
+    c = qir.compile(graph, weights, backend="host")
+    ref = qir.compile(graph, weights, backend="reference")
+    names = [la.kernel.name for la in c.plan.launches if la.kernel.name.startswith("moe_gemv_")]
+    assert any("_k160_m8_l1" in n for n in names) and any("_k384_m8_l2_" in n for n in names)
+    for m in (1, 3, 9):
+        x = feed(m, 2, k_in=160)
+        ours = c(x)
+        close(ours, ref(x))
+        alone = c({k: v[2:3] for k, v in x.items()}) if m > 2 else None
+        for name in ("h", "y", "s") if alone else ():
+            assert alone[name][0].tobytes() == np.asarray(ours[name])[2].tobytes(), (name, m)
 
 
 def test_one_expert_per_token() -> None:
@@ -210,6 +237,27 @@ def test_route_kernel_matches_the_interpreter(rule: str) -> None:
     assert ids[1, 0] == 3 and ids[2, 0] == 0
 
 
+def test_an_expert_launch_takes_at_most_32_experts_per_token() -> None:
+    e, _ = random_experts(np.random.default_rng(0), 40, 8, 64, FMT4)
+    ExpertGemvSpec((e,), F16, 8, 32)
+    with pytest.raises(ValueError, match=r"top must be 1\.\.32 experts per token, got 33"):
+        ExpertGemvSpec((e,), F16, 8, 33)
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+def test_short_rows_get_more_lanes_where_the_combines_shared_memory_needs_them() -> None:
+    """K = 128 (4 chunks: one lane a row) with 8 experts a token: the combine's floats per
+    (tile row, slot, block row) would take 128 KB for a block's 512 rows; its rows get 4 lanes
+    (128 rows a block), and the kernel builds for sm_90 (48 KB of static shared memory)."""
+    e = QExperts(QWeight(Awq(4, 128), 2048, 128), 16)
+    slots = ExpertGemvSpec((e, e), F16, 8, 8)
+    combine = ExpertGemvSpec((e,), F16, 8, 8, combine="combine_residual", per_slot=True)
+    assert slots.gemv.lanes == 1 and combine.gemv.lanes == 4 and combine.block_rows == 128
+    assert "_k128_m8_l4_combine_res" in combine.name
+    (result,) = nvrtc.check_no_spills(expert_gemv_kernel(combine), archs=("sm_90",))
+    assert 0 < result.report.smem_bytes <= 48 * 1024
+
+
 def _instrumented(spec: ExpertGemvSpec, args: list[Any], grid: tuple[int, int, int]) -> np.ndarray:
     """reads[e]: the weight bytes the blocks of expert e read in one launch of `spec`."""
     be = get_backend("host")
@@ -218,12 +266,15 @@ def _instrumented(spec: ExpertGemvSpec, args: list[Any], grid: tuple[int, int, i
     return reads
 
 
+@pytest.mark.parametrize("m", [4, 1], ids=["tiles", "decode"])
 @pytest.mark.parametrize("kind", ["slots", "combine"])
-def test_each_chosen_expert_is_read_once_and_the_others_never(kind: str) -> None:
+def test_each_chosen_expert_is_read_once_and_the_others_never(kind: str, m: int) -> None:
+    """At M = 4 the tiles (0 and 3 chosen by three tokens, 2 by two), at M = 1 the decode path
+    (token 0's slots, each straight through its expert)."""
     rng = np.random.default_rng(11)
-    m, top = 4, 2
-    ids = np.array([[0, 3], [3, 2], [0, 3], [2, 0]], np.int32)  # 0 and 3 by three tokens, 2 by two
-    chosen = [0, 2, 3]
+    top = 2
+    ids = np.array([[0, 3], [3, 2], [0, 3], [2, 0]], np.int32)[:m]
+    chosen = sorted(set(ids.flat))
     x = rng.standard_normal((m, 64), dtype=np.float32).astype(np.float16)
     if kind == "slots":
         (g, gb), (u, ub) = (random_experts(rng, E, 64, 64, FMT4) for _ in range(2))

@@ -223,7 +223,7 @@ def _issue14_down_projection() -> Kernel:
     packed-pair rewrite)."""
     g, _ = mlp_graph(np.random.default_rng(0), 512, 1408, Nvfp4("div", 4), BF16)
     plan = lower(run_pipeline(g, "default")[0])
-    name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_res_a4"
+    name = "qgemv_nvfp4diva4_bf16_n512_k1408_m8_l8_res_a4"
     return next(la.kernel for la in plan.launches if la.kernel.name == name)
 
 
