@@ -138,25 +138,13 @@ class TensorParallel:
         return fired
 
     def _mlp(self, graph: Graph, down: str) -> int:
-        n, r = self.ranks, self.rank
-        h = graph.operands(down)[0]
-        if graph.node(h).op != "mul":
+        pair = _gate_up(graph, graph.operands(down)[0])
+        if pair is None:
             return 0
-        act, up = graph.operands(h)
-        if graph.node(act).op not in GATE_ACTS:
-            return 0
-        gate = graph.operands(act)[0]
-        if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
-            return 0
+        gate, up = pair
         for p in (gate, up, down):
             _plain(graph, p)
-        inter = _out(graph, gate)
-        if inter % n:
-            raise TensorParallelError(
-                f"tensor_parallel: %{gate} has {inter} intermediate features, not divisible by "
-                f"{n} ranks"
-            )
-        lo, hi = r * inter // n, (r + 1) * inter // n
+        lo, hi = self._features(_out(graph, gate), f"%{gate} has")
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, down, "in", lo, hi)
@@ -167,7 +155,6 @@ class TensorParallel:
         """A MoE MLP: every expert split by its intermediate features, as the dense MLP (the
         router replicated, so every rank routes alike); the combine of each rank's partial
         rows, then an all_reduce, the residual in rank 0's combine only."""
-        n, r = self.ranks, self.rank
         h = graph.operands(down)[0]
         node = graph.node(down)
         if graph.node(h).op != "expert_qlinear" or graph.node(h).attr("epilogue") != "silu_mul":
@@ -180,20 +167,13 @@ class TensorParallel:
             )
         gate = graph.node(graph.operands(h)[1]).type
         assert isinstance(gate, QExperts)
-        inter = gate.expert.out_features
-        if inter % n:
-            raise TensorParallelError(
-                f"tensor_parallel: %{h}'s experts have {inter} intermediate features, not "
-                f"divisible by {n} ranks"
-            )
-        lo, hi = r * inter // n, (r + 1) * inter // n
+        lo, hi = self._features(gate.expert.out_features, f"%{h}'s experts have")
         self._split(graph, h, "out", lo, hi, at=1)
         self._split(graph, h, "out", lo, hi, at=2)
         self._split(graph, down, "in", lo, hi, at=1)
         shared = self._shared_expert(graph, down) if epilogue == "combine_residual" else 0
-        if epilogue == "combine_residual" and r != 0 and not shared:  # rank 0's to add
-            graph.set_operands(down, graph.operands(down)[:-1])
-            graph.set_node(down, graph.node(down).with_attrs(epilogue="combine"))
+        if epilogue == "combine_residual" and self.rank != 0 and not shared:
+            _drop_residual(graph, down)
         reduce = self._after(graph, down, "all_reduce")
         if epilogue == "combine":
             self._residual_first(graph, reduce)
@@ -205,35 +185,22 @@ class TensorParallel:
         its features, its down by the same inputs), so each rank adds its part into its routed
         combine and the all_reduce after it sums the parts once; the residual stays in rank 0's.
         Returns the weights split (0 where `y`'s residual is no shared expert)."""
-        n, r = self.ranks, self.rank
         s = graph.operands(y)[-1]
         node = graph.node(s)
         if node.op != "expert_qlinear" or node.attr("epilogue") != "combine_residual":
             return 0
-        h = graph.operands(s)[0]
-        if graph.node(h).op != "mul" or node.attr("kernel") is not None:
+        pair = _gate_up(graph, graph.operands(s)[0])
+        if pair is None or node.attr("kernel") is not None:
             return 0
-        act, up = graph.operands(h)
-        if graph.node(act).op not in GATE_ACTS:
-            return 0
-        gate = graph.operands(act)[0]
-        if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
-            return 0
+        gate, up = pair
         _plain(graph, gate)
         _plain(graph, up)
-        size = _out(graph, gate)
-        if size % n:
-            raise TensorParallelError(
-                f"tensor_parallel: %{gate} (a shared expert) has {size} intermediate features, "
-                f"not divisible by {n} ranks"
-            )
-        lo, hi = r * size // n, (r + 1) * size // n
+        lo, hi = self._features(_out(graph, gate), f"%{gate} (a shared expert) has")
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, s, "in", lo, hi, at=1)
-        if r != 0:  # the residual is rank 0's to add
-            graph.set_operands(s, graph.operands(s)[:-1])
-            graph.set_node(s, graph.node(s).with_attrs(epilogue="combine"))
+        if self.rank != 0:
+            _drop_residual(graph, s)
         return 3
 
     def _lm_head(self, graph: Graph, sample: str) -> int:
@@ -256,6 +223,16 @@ class TensorParallel:
         return 1
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _features(self, size: int, subject: str) -> tuple[int, int]:
+        """This rank's range of `size` intermediate features (`subject`: whose, for the error)."""
+        n = self.ranks
+        if size % n:
+            raise TensorParallelError(
+                f"tensor_parallel: {subject} {size} intermediate features, not divisible by "
+                f"{n} ranks"
+            )
+        return self.rank * size // n, (self.rank + 1) * size // n
 
     def _split(self, graph: Graph, q: str, axis: str, start: int, stop: int, at: int = 1) -> None:
         """Point q's weight operand `at` at the weight's rows (axis "out") or inputs ("in")
@@ -356,6 +333,25 @@ def _projection(graph: Graph, value: str, reader: str) -> str:
         )
     _plain(graph, value)
     return value
+
+
+def _gate_up(graph: Graph, h: str) -> tuple[str, str] | None:
+    """The gate and up qlinears of h = act(gate) * up; None for any other h."""
+    if graph.node(h).op != "mul":
+        return None
+    act, up = graph.operands(h)
+    if graph.node(act).op not in GATE_ACTS:
+        return None
+    gate = graph.operands(act)[0]
+    if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
+        return None
+    return gate, up
+
+
+def _drop_residual(graph: Graph, combine: str) -> None:
+    """An expert combine without its residual operand: rank 0's alone adds it."""
+    graph.set_operands(combine, graph.operands(combine)[:-1])
+    graph.set_node(combine, graph.node(combine).with_attrs(epilogue="combine"))
 
 
 def _plain(graph: Graph, q: str) -> None:
