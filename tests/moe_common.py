@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file, save_file
 
 from qir.builder import Builder
@@ -105,3 +107,33 @@ def qwen2moe_g32(out: Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=4))
     return out
+
+
+def copy_fixture(tmp_path: Path, fixture: str) -> Path:
+    """A copy of tests/data/`fixture` to break."""
+    dst = tmp_path / fixture
+    shutil.copytree(DATA / fixture, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def refused(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line `qir run` prints refusing the checkpoint at `path` (exit 2)."""
+    from qir.cli import main
+
+    argv = ["-q", "run", str(path), "--block", "model", "--tokens", "3,10"]
+    assert main([*argv, "--out", str(path / "y.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from qir.models import Model, load
 from qir.models.blocks import build
 from qir.models.experts import gate_act, moe_of, read_experts
 from tests.conftest import DATA, max_rel
+from tests.moe_common import copy_fixture, edit_config, edit_tensors, refused
 
 GPTOSS = "gptoss_mxfp4"
 
@@ -153,38 +153,10 @@ def test_inspect_names_the_family_and_its_features(
     )
 
 
-def _copy(tmp_path: Path) -> Path:
-    dst = tmp_path / GPTOSS
-    shutil.copytree(DATA / GPTOSS, dst)
-    return dst
-
-
-def _edit_config(path: Path, **changes: object) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(path: Path, edit) -> None:
-    from safetensors.numpy import load_file, save_file
-
-    tensors = load_file(str(path / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _refused(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    argv = ["-q", "run", str(path), "--block", "model", "--tokens", "3,10"]
-    assert main([*argv, "--out", str(path / "y.npz")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err
-    return err
-
-
 def test_bad_gpt_oss_checkpoints_are_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _copy(tmp_path)
+    path = copy_fixture(tmp_path, GPTOSS)
     # absent, the limit and alpha are transformers' GptOssConfig defaults, as it reads them
     cfg = json.loads((path / "config.json").read_text())
     del cfg["swiglu_limit"], cfg["swiglu_alpha"]
@@ -193,31 +165,31 @@ def test_bad_gpt_oss_checkpoints_are_refused_in_one_line(
     spec = moe_of(ck)
     assert spec is not None
     assert gate_act(ck, spec) == {"act": "swiglu_clamp", "limit": 7.0, "alpha": 1.702}
-    _edit_config(path, swiglu_limit=3.0)
+    edit_config(path, swiglu_limit=3.0)
     ck = load(path)
     assert gate_act(ck, spec)["limit"] == 3.0
-    _edit_config(path, swiglu_limit="7")
-    assert "swiglu_limit is '7', expected" in _refused(path, capsys)
-    _edit_config(path, swiglu_limit=-1.0)
-    assert "swiglu_limit is -1.0, expected" in _refused(path, capsys)
+    edit_config(path, swiglu_limit="7")
+    assert "swiglu_limit is '7', expected" in refused(path, capsys)
+    edit_config(path, swiglu_limit=-1.0)
+    assert "swiglu_limit is -1.0, expected" in refused(path, capsys)
     rope = json.loads((path / "config.json").read_text())["rope_parameters"]
-    _edit_config(path, swiglu_limit=7.0, rope_parameters={**rope, "truncate": "no"})
-    assert "rope_parameters.truncate is 'no', expected" in _refused(path, capsys)
-    _edit_config(path, rope_parameters=rope)
+    edit_config(path, swiglu_limit=7.0, rope_parameters={**rope, "truncate": "no"})
+    assert "rope_parameters.truncate is 'no', expected" in refused(path, capsys)
+    edit_config(path, rope_parameters=rope)
 
     def sinks(t: dict) -> None:
         t["model.layers.1.self_attn.sinks"] = t["model.layers.1.self_attn.sinks"][:3]
 
-    _edit_tensors(path, sinks)
-    err = _refused(path, capsys)
+    edit_tensors(path, sinks)
+    err = refused(path, capsys)
     assert "model.layers.1.self_attn.sinks: shape [3], expected [4] (num_attention_heads)" in err
 
     def no_bias(t: dict) -> None:
         t["model.layers.1.self_attn.sinks"] = np.zeros(4, np.float32)
         del t["model.layers.0.mlp.experts.down_proj_bias"]
 
-    _edit_tensors(path, no_bias)
-    err = _refused(path, capsys)
+    edit_tensors(path, no_bias)
+    err = refused(path, capsys)
     assert "model.layers.0.mlp.experts.down_proj_bias: missing" in err
 
     def scales(t: dict) -> None:
@@ -226,11 +198,11 @@ def test_bad_gpt_oss_checkpoints_are_refused_in_one_line(
             "model.layers.2.mlp.experts.gate_up_proj_scales"
         ][:, :, :3]
 
-    _edit_tensors(path, scales)
-    err = _refused(path, capsys)
+    edit_tensors(path, scales)
+    err = refused(path, capsys)
     assert "model.layers.2.mlp.experts.gate_up_proj_scales: uint8 [4, 128, 3], expected" in err
-    _edit_config(path, intermediate_size=32)
-    err = _refused(path, capsys)
+    edit_config(path, intermediate_size=32)
+    err = refused(path, capsys)
     assert "gate_up_proj_blocks: holds [64, 128] experts (gate rows" in err
 
 
@@ -238,7 +210,7 @@ def test_yarn_reads_transformers_defaults(tmp_path: Path) -> None:
     """What transformers fills into a yarn config: beta_fast 32, beta_slow 1, truncate true,
     attention_factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio), and
     original_max_position_embeddings from the top level first, else max_position_embeddings."""
-    path = _copy(tmp_path)
+    path = copy_fixture(tmp_path, GPTOSS)
     assert load(path).rope == {
         "head_dim": 32,
         "theta": 150000.0,
@@ -251,12 +223,12 @@ def test_yarn_reads_transformers_defaults(tmp_path: Path) -> None:
         "attention_factor": pytest.approx(0.1 * np.log(4.0) + 1.0),
     }
     bare = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0}
-    _edit_config(path, rope_parameters=bare)
+    edit_config(path, rope_parameters=bare)
     rope = load(path).rope
     assert (rope["truncate"], rope["beta_fast"], rope["beta_slow"]) == (True, 32.0, 1.0)
     assert rope["original_max_position_embeddings"] == 256  # max_position_embeddings
-    _edit_config(path, original_max_position_embeddings=128)
+    edit_config(path, original_max_position_embeddings=128)
     assert load(path).rope["original_max_position_embeddings"] == 128
-    _edit_config(path, rope_parameters={**bare, "mscale": 2.0, "mscale_all_dim": 1.0})
+    edit_config(path, rope_parameters={**bare, "mscale": 2.0, "mscale_all_dim": 1.0})
     want = (0.2 * np.log(4.0) + 1.0) / (0.1 * np.log(4.0) + 1.0)
     assert load(path).rope["attention_factor"] == pytest.approx(want)

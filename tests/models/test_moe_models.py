@@ -7,7 +7,6 @@ bound); the plan's bytes per token; bad checkpoints refused in one line (exit 2)
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from qir.models import Model, load
 from qir.models.blocks import build
 from qir.models.experts import Moe, is_moe_layer, moe_of, read_experts
 from tests.conftest import DATA, greedy_prefix, max_rel
+from tests.moe_common import copy_fixture, edit_config, edit_tensors, refused
 
 MLX, AWQ = "mixtral_mlx4_g64", "mixtral_awq_gemm_g64"
 GOLDEN_TOL = 2e-2  # 16-bit activations against transformers' float32 (the layer tests' bound)
@@ -122,49 +122,21 @@ def test_compile_reports_total_and_active_weight_bytes_and_launches(tmp_path: Pa
     assert [n.split("_")[1] for n in per_layer[-3:]] == ["route", "gemv", "gemv"]
 
 
-def _copy(tmp_path: Path, fixture: str) -> Path:
-    dst = tmp_path / fixture
-    shutil.copytree(DATA / fixture, dst)
-    return dst
-
-
-def _edit_config(path: Path, **changes: object) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(path: Path, edit) -> None:
-    from safetensors.numpy import load_file, save_file
-
-    tensors = load_file(str(path / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _refused(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    argv = ["-q", "run", str(path), "--block", "model", "--tokens", "3,10"]
-    assert main([*argv, "--out", str(path / "y.npz")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err
-    return err
-
-
 def test_bad_moe_checkpoints_are_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _copy(tmp_path, AWQ)
-    _edit_config(path, num_experts_per_tok=7)
-    assert "num_experts_per_tok 7 is above num_local_experts 6" in _refused(path, capsys)
-    _edit_config(path, num_experts_per_tok=2, num_local_experts=7)
-    assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in _refused(path, capsys)
-    _edit_config(path, num_local_experts=6)
+    path = copy_fixture(tmp_path, AWQ)
+    edit_config(path, num_experts_per_tok=7)
+    assert "num_experts_per_tok 7 is above num_local_experts 6" in refused(path, capsys)
+    edit_config(path, num_experts_per_tok=2, num_local_experts=7)
+    assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in refused(path, capsys)
+    edit_config(path, num_local_experts=6)
 
     def missing(t: dict) -> None:
         del t["model.layers.0.block_sparse_moe.experts.4.w3.scales"]
 
-    _edit_tensors(path, missing)
-    assert "model.layers.0.block_sparse_moe.experts.4.w3.scales: missing" in _refused(path, capsys)
+    edit_tensors(path, missing)
+    assert "model.layers.0.block_sparse_moe.experts.4.w3.scales: missing" in refused(path, capsys)
 
     def swapped(t: dict) -> None:  # expert 3's gate holds its down projection (and 4's up is back)
         pre = "model.layers.0.block_sparse_moe.experts"
@@ -172,8 +144,8 @@ def test_bad_moe_checkpoints_are_refused_in_one_line(
             t[f"{pre}.3.w1.{part}"] = t[f"{pre}.3.w2.{part}"]
         t[f"{pre}.4.w3.scales"] = t[f"{pre}.4.w1.scales"]
 
-    _edit_tensors(path, swapped)
-    err = _refused(path, capsys)
+    edit_tensors(path, swapped)
+    err = refused(path, capsys)
     assert (
         "experts.3.w1.weight: holds a [256, 128] expert, but config.json implies [128, 256]" in err
     )
@@ -187,16 +159,16 @@ def test_bad_moe_checkpoints_are_refused_in_one_line(
         for part in ("qweight", "qzeros", "scales"):
             t[f"{pre0}.3.w1.{part}"] = t[f"{pre0}.2.w1.{part}"]
 
-    _edit_tensors(path, dense)
+    edit_tensors(path, dense)
     q = json.loads((path / "config.json").read_text())["quantization_config"]
-    _edit_config(
+    edit_config(
         path,
         quantization_config={
             **q,
             "modules_to_not_convert": ["gate", "layers.1.block_sparse_moe.experts.2.w3"],
         },
     )
-    err = _refused(path, capsys)
+    err = refused(path, capsys)
     assert (
         "experts.2.w3: dense<dtype=f16> differs from" in err and "awq<bits=4,group_size=64>" in err
     )
@@ -206,7 +178,7 @@ def test_expert_biases_join_the_chosen_experts_sums(tmp_path: Path) -> None:
     """A bias on one expert's down projection (one module per expert, AutoAWQ's): the MoE block
     moves by that bias times the router's weight, on the tokens that chose the expert, and
     nowhere else (the interpreter and the host backend's expert GEMVs)."""
-    path = _copy(tmp_path, AWQ)
+    path = copy_fixture(tmp_path, AWQ)
     bias = np.linspace(-1, 1, 256, dtype=np.float32).astype(np.float16)
 
     def biased(t: dict) -> None:
@@ -214,7 +186,7 @@ def test_expert_biases_join_the_chosen_experts_sums(tmp_path: Path) -> None:
         for e in (0, *range(2, 6)):  # one projection's experts share one type: zeros for the rest
             t[f"model.layers.0.block_sparse_moe.experts.{e}.w2.bias"] = np.zeros(256, np.float16)
 
-    _edit_tensors(path, biased)
+    edit_tensors(path, biased)
     golden = np.load(DATA / AWQ / "golden.npz")
     block = build(load(path), "mlp", 0, F32)
     host = qir.compile(block.graph, block.weights, backend="host")
@@ -232,7 +204,7 @@ def test_expert_biases_join_the_chosen_experts_sums(tmp_path: Path) -> None:
 def test_stacked_experts_of_another_count_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _copy(tmp_path, MLX)
+    path = copy_fixture(tmp_path, MLX)
     ck = load(path)
     spec = moe_of(ck)
     assert spec is not None
@@ -240,8 +212,8 @@ def test_stacked_experts_of_another_count_are_refused(
         FormatError, match=r"switch_mlp.gate_proj.biases: shape \[6, 128, 4\], expected 5"
     ):
         read_experts(ck, Moe(spec.family, 5, 2, 128, spec.rule, spec.count_key), 0, "gate")
-    _edit_config(path, num_local_experts=5)
-    assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in _refused(path, capsys)
+    edit_config(path, num_local_experts=5)
+    assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in refused(path, capsys)
 
 
 def test_route_rule_matches_torchs_topk_on_the_fixture_router() -> None:
@@ -384,43 +356,43 @@ def test_qwen2_moe_decode_layer_is_13_launches(tmp_path: Path) -> None:
 def test_bad_shared_experts_are_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _copy(tmp_path, QWEN2)
-    _edit_config(path, shared_expert_intermediate_size=96)
+    path = copy_fixture(tmp_path, QWEN2)
+    edit_config(path, shared_expert_intermediate_size=96)
     assert (
         "mlp.shared_expert.gate_proj.weight: holds a [128, 128] linear, but config.json implies "
         "[96, 128] (shared_expert_intermediate_size, hidden_size)"
-    ) in _refused(path, capsys)
-    _edit_config(path, shared_expert_intermediate_size=None)
-    assert "lacks shared_expert_intermediate_size" in _refused(path, capsys)
-    _edit_config(path, shared_expert_intermediate_size=128)
+    ) in refused(path, capsys)
+    edit_config(path, shared_expert_intermediate_size=None)
+    assert "lacks shared_expert_intermediate_size" in refused(path, capsys)
+    edit_config(path, shared_expert_intermediate_size=128)
 
     def wide_gate(t: dict) -> None:  # a gate of two rows
         for part in ("weight", "scales", "biases"):
             name = f"model.layers.1.mlp.shared_expert_gate.{part}"
             t[name] = np.concatenate([t[name], t[name]])
 
-    _edit_tensors(path, wide_gate)
+    edit_tensors(path, wide_gate)
     assert (
         "model.layers.1.mlp.shared_expert_gate.weight: holds a [2, 128] linear, but config.json "
         "implies [1, 128]"
-    ) in _refused(path, capsys)
+    ) in refused(path, capsys)
 
 
 def test_qwen2_moe_qkv_biases_follow_qkv_bias(tmp_path: Path) -> None:
     """q/k/v biases are implied (transformers 5's qkv_bias, default true): without them the
     checkpoint is refused naming the tensor, unless qkv_bias is false."""
-    path = _copy(tmp_path, QWEN2)
+    path = copy_fixture(tmp_path, QWEN2)
     assert load(path).features.biases == ("q", "k", "v")
 
     def unbiased(t: dict) -> None:
         for name in [n for n in t if n.endswith("_proj.bias")]:
             del t[name]
 
-    _edit_tensors(path, unbiased)
+    edit_tensors(path, unbiased)
     (path / "model.safetensors.index.json").unlink()  # it lists the biases
     with pytest.raises(FormatError, match=r"q_proj.bias: missing \(model_type 'qwen2_moe'"):
         _ = load(path).features
-    _edit_config(path, qkv_bias=False)
+    edit_config(path, qkv_bias=False)
     assert load(path).features.biases == ()
 
 
@@ -430,13 +402,13 @@ def test_qwen2_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers(
     """As transformers' Qwen2MoeDecoderLayer: a layer routes when it is not in mlp_only_layers
     and its index + 1 is a multiple of decoder_sparse_step; the others are dense MLPs (here
     their mlp.gate_proj is missing, and the refusal names it)."""
-    path = _copy(tmp_path, QWEN2)
+    path = copy_fixture(tmp_path, QWEN2)
     for changes, routed in (
         ({}, [True, True]),
         ({"decoder_sparse_step": 2}, [False, True]),
         ({"decoder_sparse_step": 1, "mlp_only_layers": [1]}, [True, False]),
     ):
-        _edit_config(path, **changes)
+        edit_config(path, **changes)
         ck = load(path)
         assert [is_moe_layer(ck, layer) for layer in (0, 1)] == routed, changes
     with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.gate_proj"):
