@@ -15,6 +15,7 @@ backend's buffers, in program order between the kernels.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -93,7 +94,7 @@ EXIT_TIMEOUT = 3
 class MpiComm:
     """One rank per MPI process (mpi4py). An exchange is an Iallgather polled until `timeout`
     seconds: where a rank died or hangs, the first rank to give up prints why (naming itself
-    and the collective) and aborts the job (MPI_Abort: every rank exits), instead of waiting
+    and the collective) and ends the job (every rank exits), instead of waiting
     forever."""
 
     def __init__(self, mpi_comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -141,11 +142,13 @@ class MpiComm:
             pause = min(pause * 2, 1e-3)
 
     def _abort(self, message: str) -> None:
-        """Say why and end every rank of the job: a clean exit would wait in MPI_Finalize for
-        the collective that never completes."""
+        """Say why and end this rank unfinalized: MPI_Finalize would wait for the collective
+        that never completes. An exit, not MPI_Abort: mpiexec (MPICH's and Open MPI's) forwards
+        an exited rank's output to its end and then ends the job's other ranks, where MPI_Abort
+        raced the forwarding and lost this line on a loaded machine."""
         sys.stderr.write(f"qir: error: rank {self.rank}: {message}\n")
         sys.stderr.flush()
-        self.c.Abort(EXIT_TIMEOUT)
+        os._exit(EXIT_TIMEOUT)
 
 
 class NcclComm:
