@@ -10,9 +10,10 @@ gate/up 4096 -> 2 x 14336 (one launch, silu(g) * u as its epilogue) and down 143
 the residual add, all f16 activations, through the default passes. Weights are types only: the
 kernels do not depend on their values.
 
---blocks moe: a routed MLP (router, gate/up pair, down + combine) of stacked experts at
-Qwen3-30B-A3B's expert shapes (gpt-oss-20b's for MXFP4); an expert GEMV's cost at M = 1 is per
-512 B of one chosen expert's rows, the bytes a decode step reads.
+--blocks moe: a routed MLP behind its RMSNorm (the router and the gate/up pair normalising
+their input, down + combine) of stacked experts at Qwen3-30B-A3B's expert shapes (gpt-oss-20b's
+for MXFP4); an expert GEMV's cost at M = 1 is per 512 B of one chosen expert's rows, the bytes a
+decode step reads.
 
 Per kernel: registers, spill bytes, resident blocks per SM, warp instructions per 512 B of
 weights at M, bytes of weights in flight per SM, and per GPU of the arch the bound that implies:
@@ -48,7 +49,7 @@ from qir.runtime import sass
 from qir.runtime.gpus import gpus_for
 from qir.runtime.resources import KernelCost, kernel_costs
 from qir.target import Target
-from qir.types import QExperts, QWeight
+from qir.types import QExperts, QWeight, TensorType
 
 LLAMA3_8B = {"hidden": 4096, "inter": 14336, "q": 4096, "kv": 1024}
 # One of each format and variant decode kernels specialise on (after tests/conftest.py's zoo),
@@ -114,13 +115,15 @@ def graph(block: str, fmt: WeightFormat, d: dict[str, int]) -> Graph:
 
 
 def moe_graph(fmt: WeightFormat, d: dict[str, int]) -> Graph:
-    """y = x + moe(x): an f16 router choosing k of the experts, gate/up (silu(g) * u), down with
-    the router's weights and the residual; experts stacked [E, out, in] in `fmt`."""
+    """y = x + moe(rms_norm(x)): an f16 router choosing k of the experts, gate/up (silu(g) * u),
+    down with the router's weights and the residual; experts stacked [E, out, in] in `fmt`. The
+    default passes put the norm in the router's and the gate/up's prologues."""
     b = Builder("moe")
     x = b.input("x", ("M", d["hidden"]), F16)
+    xn = b.rms_norm(x, b.param("norm", TensorType((d["hidden"],), BF16), name="w_norm"), 1e-6)
     router = b.weight("router", QWeight(Dense(F16), d["experts"], d["hidden"]), name="w_router")
     ids, rw = b.route(
-        b.qlinear(x, router, name="logits"), d["k"], "softmax_topk_norm", name="route"
+        b.qlinear(xn, router, name="logits"), d["k"], "softmax_topk_norm", name="route"
     )
     shapes = {
         "gate": (d["inter"], d["hidden"]),
@@ -131,7 +134,7 @@ def moe_graph(fmt: WeightFormat, d: dict[str, int]) -> Graph:
         n: b.weight(n, QExperts(QWeight(fmt, o, i), d["experts"]), name=f"w_{n}")
         for n, (o, i) in shapes.items()
     }
-    h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h")
+    h = b.expert_qlinear(xn, (ws["gate"], ws["up"]), ids, name="h")
     b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, x, name="y"))
     return b.graph
 

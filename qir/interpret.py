@@ -16,7 +16,14 @@ from qir import collectives, moe, rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, cache_operands, qlinear_layout, sinks_operand
+from qir.ops import (
+    ACT_SCALE_ATTRS,
+    W4A4_MAX_M,
+    cache_operands,
+    expert_layout,
+    qlinear_layout,
+    sinks_operand,
+)
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
@@ -471,7 +478,8 @@ def evaluate(
         elif node.op == "route":
             env[name] = moe.route(args[0], node.attr("k"), node.attr("rule"))
         elif node.op == "expert_qlinear":
-            ws = slice(1, 3 if node.attr("epilogue") == "silu_mul" else 2)
+            types = [graph.node(o).type for o in graph.operands(name)]
+            ws = expert_layout(types, dict(node.attrs))[0]
             env[name] = expert_qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
@@ -509,11 +517,15 @@ def expert_qlinear(
     float32 sums), rounded to the activation type as a qlinear's result (silu_mul: g, u, act(g)
     and the product each rounded, as qlinear's epilogue; swiglu_clamp rounds its gate and up
     factors so); combined in float32, rounded once, then the residual added and rounded
-    again."""
+    again. An rms_norm prologue rounds the normalised rows as rms_norm stores them."""
     epilogue = node.attr("epilogue")
     t = node.type
     assert isinstance(t, TensorType)
     dt = t.dtype.np
+    if node.attr("prologue") == "rms_norm":
+        eps = node.attr("eps")
+        assert isinstance(eps, float)
+        args = [rms_norm(args[0], args[1], eps).astype(dt), *args[2:]]
     n_w = 2 if epilogue == "silu_mul" else 1
     x, ws, ids = args[0], args[1 : 1 + n_w], args[1 + n_w]
     if ids.size and (ids.min() < 0 or ids.max() >= ws[0].shape[0]):

@@ -24,7 +24,8 @@ one), rounded to the activation type as a plain qlinear's result; with the silu_
 act(g) * u of a gate/up pair as qlinear's (act: silu, gelu_tanh, or gpt-oss's "swiglu_clamp":
 swiglu_gate(g) * swiglu_up(u) with the node's limit and alpha); with "combine",
 sum_j w[m, j] * y[m, j] in float32, slot 0 first, rounded once ("combine_residual": then r plus
-that, rounded again, as a separate add would)."""
+that, rounded again, as a separate add would). With the rms_norm prologue the rows read are
+rms_norm(x, nw) rounded to the activation type, as the separate rms_norm stores them."""
 
 from __future__ import annotations
 

@@ -784,27 +784,38 @@ def _infer_route(
     return TupleType((TensorType((BATCH, k), INDEX_DTYPE), TensorType((BATCH, k), dtypes.F32)))
 
 
-def expert_layout(types: Sequence[ValueType]) -> tuple[slice, int]:
-    """Where an expert qlinear's weights sit among its operands (after the input, before the
-    ids), and the ids' index."""
-    end = 1
+def expert_layout(types: Sequence[ValueType], attrs: Mapping[str, Any]) -> tuple[slice, int]:
+    """Where an expert qlinear's weights sit among its operands (after the input x, or x and
+    the norm's weight with prologue rms_norm; before the ids), and the ids' index."""
+    start = 2 if attrs.get("prologue") == "rms_norm" else 1
+    end = start
     while end < len(types) and isinstance(types[end], QExperts):
         end += 1
-    return slice(1, end), end
+    return slice(start, end), end
 
 
 def _infer_expert_qlinear(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(x, W[, W_up], ids[, weights[, r]]): for each row m and slot j, x[m] (or x[m, j] for an
-    input of one row per slot, [M, k, K]) times expert ids[m, j] of the stacked weights. Result
-    [M, k, N], one row per slot; with epilogue silu_mul (gate and up) silu(g) * u; with
+    """(x[, nw], W[, W_up], ids[, weights[, r]]): for each row m and slot j, x[m] (or x[m, j]
+    for an input of one row per slot, [M, k, K]) times expert ids[m, j] of the stacked weights.
+    Result [M, k, N], one row per slot; with epilogue silu_mul (gate and up) silu(g) * u; with
     "combine" [M, N], the slots' rows summed weighted by `weights` f32[M, k] (qir.moe);
-    "combine_residual" adds r [M, N]."""
+    "combine_residual" adds r [M, N]. With prologue rms_norm (attribute eps; an input of one
+    row per token, no combine) the rows read are rms_norm(x, nw), as qlinear's prologue."""
     op = "expert_qlinear"
     epilogue = attrs.get("epilogue")
     if epilogue is not None and epilogue not in moe.EPILOGUES:
         raise IRTypeError(f"{op}: unknown epilogue {epilogue!r}; known: {', '.join(moe.EPILOGUES)}")
+    prologue = attrs.get("prologue")
+    if prologue is not None:
+        if prologue != "rms_norm":
+            raise IRTypeError(f"{op}: unknown prologue {prologue!r}; known: rms_norm")
+        if epilogue in ("combine", "combine_residual"):
+            raise IRTypeError(f"{op}: the rms_norm prologue takes no combine epilogue")
+        _infer_row_norm(op, types[:2], names[:2], attrs)  # x [M, K] and nw [K]
+    elif attrs.get("eps") is not None:
+        raise IRTypeError(f"{op}: eps is the rms_norm prologue's")
     x = types[0]
     if not (
         isinstance(x, TensorType)
@@ -829,7 +840,7 @@ def _infer_expert_qlinear(
             raise IRTypeError(f"{op}: {key} goes with act swiglu_clamp (and it needs one)")
         if v is not None and (not isinstance(v, float) or not v > 0):
             raise IRTypeError(f"{op}: {key} must be a positive float, got {v!r}")
-    ws, at = expert_layout(types)
+    ws, at = expert_layout(types, attrs)
     want = 2 if epilogue == "silu_mul" else 1
     if ws.stop - ws.start != want:
         raise IRTypeError(
@@ -956,7 +967,19 @@ OPS: dict[str, OpSpec] = {
             "expert_qlinear",
             VARIADIC,
             _infer_expert_qlinear,
-            frozenset({"epilogue", "kernel", "gemm_from_m", "act", "limit", "alpha"}),
+            frozenset(
+                {
+                    "epilogue",
+                    "kernel",
+                    "gemm_from_m",
+                    "act",
+                    "limit",
+                    "alpha",
+                    "prologue",
+                    "eps",
+                    "fused",
+                }
+            ),
         ),
     )
 }

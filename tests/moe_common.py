@@ -18,7 +18,7 @@ from qir.formats.base import WeightFormat
 from qir.formats.dense import Dense
 from qir.formats.mlx import MlxAffine
 from qir.graph import Graph
-from qir.types import QExperts, QWeight
+from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import DATA, random_weight
 
 Weights = dict[str, dict[str, np.ndarray]]
@@ -44,13 +44,18 @@ def moe_graph(
     act: DType = F16,
     rule: str = "softmax_topk_norm",
     router_scale: float = 1.0,
+    norm: bool = False,
 ) -> tuple[Graph, Weights]:
     """y = x + moe(x): a dense router (in the activation type), `rule` choosing k of `experts`,
     gate/up with silu(g) * u, down combined with the router's weights and the residual x.
-    Outputs y, the logits and the ids."""
+    `norm`: the router and gate/up read rms_norm(x, w) (a decoder layer's post-attention norm,
+    w a bf16 vector), the residual is still x. Outputs y, the logits and the ids."""
     b = Builder("moe")
     weights: Weights = {}
-    x = b.input("x", ("M", hidden), act)
+    r = x = b.input("x", ("M", hidden), act)
+    if norm:
+        weights["norm"] = {"weight": (1 + rng.standard_normal(hidden) / 8).astype(BF16.np)}
+        x = b.rms_norm(x, b.param("norm", TensorType((hidden,), BF16), name="w_norm"), 1e-5)
     router_fmt = Dense(act)
     w = rng.standard_normal((experts, hidden), dtype=np.float32) * router_scale / hidden**0.5
     weights["router"] = router_fmt.quantize(w)
@@ -67,7 +72,7 @@ def moe_graph(
         weights[name] = bufs
         ws[name] = b.weight(name, qe, name=f"w_{name}")
     h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h")
-    y = b.expert_qlinear(h, ws["down"], ids, rw, x, name="y")
+    y = b.expert_qlinear(h, ws["down"], ids, rw, r, name="y")
     b.output("y", y)
     b.output("logits", logits)
     b.output("ids", ids)

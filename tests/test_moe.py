@@ -312,3 +312,53 @@ def test_clamped_swiglu_experts_with_biases_match_a_per_token_reference(rng):
             want[m] += feed["rw"][m, j] * (w64["down"][e] @ hm + b64["down"][e])
     assert clamped > 100
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _normed(
+    extra: str = "",
+    attrs: str = 'eps=1e-05, prologue="rms_norm"',
+    result: str = "f16[M, 2, 32]",
+    nw: int = 64,
+    inputs: str = "%x, %nw",
+) -> str:
+    fmt = "mlx_affine<bits=4,group_size=64,scale_dtype=bf16>"
+    return f"""
+graph t {{
+  %x = input : f16[M, 64]
+  %lg = input : f16[M, 6]
+  %nw = weight {{key="norm"}} : bf16[{nw}]
+  %w = weight {{key="e"}} : experts<6, qweight<{fmt}>[32, 64]>
+  %r = route %lg {{k=2, rule="softmax_topk"}} : (i32[M, 2], f32[M, 2])
+  %ids = get %r {{index=0}} : i32[M, 2]
+  %rw = get %r {{index=1}} : f32[M, 2]
+  %h = expert_qlinear {inputs}, %w, %ids{extra} {{{attrs}}} : {result}
+  output y = %h
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {
+                "extra": ", %rw",
+                "attrs": 'epilogue="combine", eps=1e-05, prologue="rms_norm"',
+                "result": "f16[M, 32]",
+            },
+            "the rms_norm prologue takes no combine epilogue",
+        ),
+        (
+            {"attrs": 'eps=1e-05, prologue="silu_mul"'},
+            "unknown prologue 'silu_mul'",
+        ),
+        ({"nw": 32}, "an rms_norm prologue normalises whole rows"),
+        ({"inputs": "%x", "attrs": "eps=1e-05"}, "eps is the rms_norm prologue's"),
+    ],
+)
+def test_the_experts_norm_prologue_is_verified(changes, message):
+    """x and the norm's weight before the experts (prologue rms_norm, eps); refused in one line
+    with a combine, another prologue, a norm of groups, or eps without the prologue."""
+    assert parse(_normed()).node("h").attr("prologue") == "rms_norm"
+    with pytest.raises(VerifyError, match=f"%h: expert_qlinear: {message}"):
+        parse(_normed(**changes))

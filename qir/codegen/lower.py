@@ -142,7 +142,8 @@ def experts_per_row(graph: Graph, weight: str) -> int:
     """k: the experts each row chooses, for stacked experts `weight` (its readers' ids)."""
     for user in graph.users(weight):
         operands = graph.operands(user)
-        ids = graph.node(operands[expert_layout([graph.node(o).type for o in operands])[1]]).type
+        types = [graph.node(o).type for o in operands]
+        ids = graph.node(operands[expert_layout(types, dict(graph.node(user).attrs))[1]]).type
         if isinstance(ids, TensorType) and isinstance(ids.shape[1], int):
             return ids.shape[1]
     return 1

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from qir.codegen import moe
 from qir.codegen.gemv import for_target
 from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch
+from qir.dtypes import DType
 from qir.graph import Graph
 from qir.ops import expert_layout
 from qir.target import Target
@@ -66,6 +67,25 @@ def expert_weight_args(
     )
 
 
+def norm_of(graph: Graph, name: str) -> tuple[DType, float] | None:
+    """An expert qlinear's rms_norm prologue as the kernels' specs take it (the norm weight's
+    dtype, eps), or None."""
+    node = graph.node(name)
+    if node.attr("prologue") != "rms_norm":
+        return None
+    nw, eps = _tensor(graph, graph.operands(name)[1]), node.attr("eps")
+    assert isinstance(eps, float)
+    return nw.dtype, eps
+
+
+def input_args(graph: Graph, name: str) -> tuple[Arg, ...]:
+    """An expert kernel's input arguments: x, then the norm's weight with the prologue."""
+    operands = graph.operands(name)
+    if graph.node(name).attr("prologue") == "rms_norm":
+        return Arg("value", operands[0]), Arg("weight", operands[1], "weight")
+    return (Arg("value", operands[0]),)
+
+
 def lower_expert_qlinear(
     graph: Graph, name: str, temps: Mapping[str, TensorType], target: Target
 ) -> Lowered:
@@ -74,7 +94,7 @@ def lower_expert_qlinear(
     node = graph.node(name)
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
-    ws, at = expert_layout(types)
+    ws, at = expert_layout(types, dict(node.attrs))
     experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
     ids = operands[at]
     top = _tensor(graph, ids).shape[1]
@@ -89,6 +109,7 @@ def lower_expert_qlinear(
     specialised = for_target(target, w0.format, w0.out_features, w0.in_features)
     launches: list[Launch] = []
     new_temps: dict[str, TensorType] = {}
+    covers = (name, *node.attr("fused", ()))
     if gemm_from > 1:
         spec = moe.ExpertGemvSpec(
             experts,
@@ -99,9 +120,10 @@ def lower_expert_qlinear(
             x.rank == 3,
             target=specialised,
             gate_act=moe.expert_act(dict(node.attrs)),
+            norm=norm_of(graph, name),
         )
         args = (
-            Arg("value", operands[0]),
+            *input_args(graph, name),
             *expert_weight_args(operands[ws], experts, spec.fragment.buffers),
             *(Arg("value", v) for v in operands[at:]),
             Arg("value", name),
@@ -110,12 +132,10 @@ def lower_expert_qlinear(
         when = (1, min(ALL_M[1], gemm_from - 1))
         kernel = moe.expert_gemv_kernel(spec)
         if combine:
-            launches.append(Launch(kernel, spec.grid_x, spec.m_tile, args, (name,), (name,), when))
+            launches.append(Launch(kernel, spec.grid_x, spec.m_tile, args, (name,), covers, when))
         else:
             launches.append(
-                Launch(
-                    kernel, spec.grid_x, 1, args, (name,), (name,), when, rows_per_m=0, extra_y=1
-                )
+                Launch(kernel, spec.grid_x, 1, args, (name,), covers, when, rows_per_m=0, extra_y=1)
             )
     if gemm_from <= ALL_M[1]:
         from qir.codegen.moe_gemm import lower_grouped

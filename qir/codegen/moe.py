@@ -16,6 +16,10 @@ Decode (the GEMV family, qgemv.cu.j2 extended by moe_gemv.cu.j2):
   tile, then sums each token's slots in slot order (no atomics: a token's bytes do not depend on
   the batch's other tokens).
 
+With the rms_norm prologue (passes/norm_prologue: a MoE layer's post-attention norm) the slots
+kernel reads rms_norm(x, nw): at M = 1 the dense GEMV's staged, normalised row; in tiles each
+listed row's divisor summed by the block (qir_act_rows_norm), so the norm has no launch.
+
 Prefill (the grouped path) is in qir/codegen/moe_gemm.py.
 """
 
@@ -32,6 +36,9 @@ from qir.codegen.gemv import (
     WARPS_PER_BLOCK,
     GemvSpec,
     lanes_suffix,
+    norm_doc,
+    norm_param,
+    norm_suffix,
     target_suffix,
 )
 from qir.codegen.kernel import Kernel, KernelParam
@@ -126,10 +133,14 @@ class ExpertGemvSpec:
     target: Target | None = None
     # the gate/up pair's activation: ("silu",), ("gelu_tanh",) or ("swiglu_clamp", limit, alpha)
     gate_act: tuple[Any, ...] = ("silu",)
+    # The rms_norm prologue (the norm weight's dtype, eps): the rows read are rms_norm(x, nw).
+    norm: tuple[DType, float] | None = None
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r}; known: {COMBINES}")
+        if self.norm is not None and (self.combine or self.per_slot):
+            raise ValueError("the rms_norm prologue takes a row per token and no combine")
         if len({(e.count, e.format, e.in_features) for e in self.experts}) != 1:
             raise ValueError("one expert launch takes one expert count, format and in_features")
         if self.combine and len(self.experts) != 1:
@@ -191,6 +202,7 @@ class ExpertGemvSpec:
         fused = act_tag(self.gate_act) if len(self.experts) == 2 else ""
         fused += "_bias" if self.experts[0].expert.bias else ""
         fused += {"": "", "combine": "_combine", "combine_residual": "_combine_res"}[self.combine]
+        fused += norm_suffix(self.norm)
         fused += ("_slots_in" if self.per_slot else "") + ("_count" if self.count else "")
         fused += target_suffix(self.target)
         return (
@@ -217,6 +229,7 @@ class ExpertGemvSpec:
         reads = [_buf("reads", "unsigned long long", False)] if self.count else []
         return [
             _buf("x", act),
+            *((norm_param(self.norm),) if self.norm else ()),
             *weights,
             _buf("ids", "int32_t"),
             *router,
@@ -264,6 +277,8 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
     whole_biases = [b.replace(" + b.base", "") for b in expert_biases]
     params = spec.params()
     x = "x[m, j]" if spec.per_slot else "x[m]"
+    if spec.norm:
+        x = norm_doc(spec.norm, None).replace("(x, nw)", "(x[m], nw)")
     plus = " + b_e" if e0.expert.bias else ""
     pair = f"{spec.gate_act[0]}({x} G_e^T{plus}) * ({x} U_e^T{plus})"
     if spec.gate_act[0] == "swiglu_clamp":
@@ -309,6 +324,18 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         whole_weights=whole_weights,
         whole_biases=whole_biases,
         per_slot=spec.per_slot,
+        norm=spec.norm is not None,
+        # where a tile's rows and the M = 1 row come from (qgemv.cu.j2, moe_gemv.cu.j2)
+        rows_source=(
+            f"qir_act_rows_norm<{spec.norm[0].c_type}>{{x, rows, nw, {spec.norm[1]!r}, row_invs}}"
+            if spec.norm
+            else "qir_act_rows{x, rows}"
+        ),
+        row_source=(
+            f"qir_act_norm<{spec.norm[0].c_type}>{{x, nw, {spec.norm[1]!r}}}"
+            if spec.norm
+            else "qir_act_x{x" + (" + (size_t)j * QIR_K" if spec.per_slot else "") + "}"
+        ),
         residual=spec.combine == "combine_residual",
         count=spec.count,
         row_bytes=row_bytes(e0) * len(spec.experts),

@@ -18,10 +18,10 @@ from typing import Any
 
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemm import GemmSpec, GroupedGemm, bucket_ranges, gemm_kernel, pair_value
-from qir.codegen.gemv import GATE_ACTS, target_suffix
+from qir.codegen.gemv import GATE_ACTS, norm_doc, norm_param, target_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.lower import Arg, Launch
-from qir.codegen.lower_moe import expert_weight_args
+from qir.codegen.lower_moe import expert_weight_args, input_args, norm_of
 from qir.codegen.moe import act_tag, expert_act, expert_strides, swiglu_consts
 from qir.codegen.render import common_header, render
 from qir.dtypes import I32, DType
@@ -82,13 +82,18 @@ def grouped_gemm(
     per_slot: bool,
     gate_act: tuple[Any, ...] = ("silu",),
     target: Target | None = None,
+    norm: tuple[DType, float] | None = None,
 ) -> tuple[Kernel, GemmSpec]:
     """The grouped GEMM of `experts` (one, or gate and up: act(g) * u, `gate_act` as
     qir.codegen.moe.ExpertGemvSpec's) for the tile bucket ending at m_max rows, and the
     GemmSpec whose tile and pipeline it runs (specialised for `target` as GemmSpec.target says).
-    Biased experts add expert e's bias to its sums."""
+    Biased experts add expert e's bias to its sums. `norm` (the norm weight's dtype, eps): the
+    rms_norm prologue, the dense GEMM's on the gathered rows (each tile's rows' divisors first,
+    then the normalised tiles)."""
     e0 = experts[0]
     paired = len(experts) == 2
+    if norm is not None and per_slot:
+        raise ValueError("the rms_norm prologue takes a row per token")
     spec = GemmSpec(
         tuple(e.expert for e in experts),
         act,
@@ -97,6 +102,7 @@ def grouped_gemm(
         target=target,
         # the clamped SwiGLU replaces the gate function (the swiglu context below)
         gate_act="silu" if gate_act[0] == "swiglu_clamp" else gate_act[0],
+        norm=norm,
     )
     bias = e0.expert.bias
     frag = fragment_for(e0.format, e0.out_features, e0.in_features)
@@ -122,6 +128,7 @@ def grouped_gemm(
     name = f"moe_{base}_e{e0.count}top{top}" + ("_slots_in" if per_slot else "") + suffix
     params = (
         _buf("x", act.c_type),
+        *((norm_param(norm),) if norm else ()),
         *(
             param
             for j in range(len(experts))
@@ -139,7 +146,13 @@ def grouped_gemm(
         _M,
     )
     plus = " + b_e" if bias else ""
-    what = f"{gate_act[0]}(x G_e^T{plus}) * (x U_e^T{plus})" if paired else f"x W_e^T{plus}"
+    x = norm_doc(norm, None) if norm else "x"
+    what = f"{gate_act[0]}({x} G_e^T{plus}) * ({x} U_e^T{plus})" if paired else f"{x} W_e^T{plus}"
+    # The tile's rows are those its pairs gathered (-1: no pair), not m0 on.
+    rows = {"row_of": "qir_rows[row]", "row_in": "m >= 0"}
+    loader = (
+        render("gemm/a_norm.cuh.j2", **rows) if norm else render("gemm/a_gather.cuh.j2")
+    ).rstrip("\n")
     doc = [
         f"Grouped: y[p] = {what} for each (token, slot) pair p of expert e (moe_group's lists);",
         f"experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}, {top} per token.",
@@ -155,7 +168,20 @@ def grouped_gemm(
             "expert_pointers": pointers,
             "select": [],
             "b_args": b_args,
-            "a_loader": render("gemm/a_gather.cuh.j2").rstrip("\n"),
+            "a_loader": loader,
+            **(
+                {
+                    "row_scale": render(
+                        "gemm/row_norm.cuh.j2",
+                        eps=repr(norm[1]),
+                        res_eps=None,
+                        stores_h=False,
+                        **rows,
+                    )
+                }
+                if norm
+                else {}
+            ),
             "doc": "\n".join(f"// {line}" for line in doc),
             "pair_value": pair_value(GATE_ACTS.get(gate_act[0], ""), swiglu_consts(gate_act)),
             # expert e's biases join the float sums (the pointers above)
@@ -179,7 +205,7 @@ def lower_grouped(
     node = graph.node(name)
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
-    ws, at = expert_layout(types)
+    ws, at = expert_layout(types, dict(node.attrs))
     experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
     ids = operands[at]
     ids_t, x_t, out_t = (graph.node(v).type for v in (ids, operands[0], name))
@@ -221,9 +247,10 @@ def lower_grouped(
             x_t.rank == 3,
             expert_act(dict(node.attrs)),
             target,
+            norm_of(graph, name),
         )
         args = (
-            Arg("value", operands[0]),
+            *input_args(graph, name),
             *expert_weight_args(operands[ws], experts, frag_buffers),
             Arg("value", order),
             Arg("value", offsets),
@@ -237,7 +264,7 @@ def lower_grouped(
                 spec.tile.bm,
                 args,
                 (slots,),
-                (name,),
+                (name, *node.attr("fused", ())),
                 bucket,
                 rows_per_m=top,
                 extra_y=count,

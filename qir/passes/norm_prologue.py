@@ -3,14 +3,20 @@
 kernel normalises each row of x while it reads it, so the normalised activation is never written
 and the norm's own launch goes. In a decoder layer that is the input norm before the merged
 q/k/v and the post-attention norm before the gate/up pair (and the final norm before lm_head).
+A mixture of experts' post-attention norm is read by the router (a qlinear, merged with a
+shared expert's gate) and by the experts' gate/up, `expert_qlinear(rms_norm(x, w), W, W_up,
+ids)`, which becomes `expert_qlinear x, w, W, W_up, ids {prologue="rms_norm", eps}` (and by a
+shared expert's gate/up, a plain qlinear): the expert GEMVs and grouped GEMMs normalise the rows
+they gather, so a MoE layer's norm has no launch of its own either.
 
 Preconditions: after merge_parallel and silu_epilogue (one merged node per shared input, so the
 norm is recomputed by one launch, not one per projection) and after the W4A4 passes
 (route_w4a4, share_act_quant, norm_act_quant), which own norms that feed 4-bit activations.
 Numerics are unchanged: the kernel rounds the normalised row to the act dtype as rms_norm stores
 it. Does not fire: when the rms_norm result is a block output or has a reader that is not such a
-qlinear (a quantize_act, a residual operand, another op: the value must exist anyway), or on a
-qlinear that already has a prologue or quantizes its input.
+qlinear or expert_qlinear (a quantize_act, a residual operand, an expert qlinear with a combine
+or reading it as anything but its input, another op: the value must exist anyway), or on a
+reader that already has a prologue or quantizes its input.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 def _reads_as_input(graph: Graph, user: str, value: str) -> bool:
     node = graph.node(user)
     operands = graph.operands(user)
+    takes = node.op == "qlinear" or (
+        # the expert kernels that read a row per token; a combine's input is a row per slot
+        node.op == "expert_qlinear" and node.attr("epilogue") not in ("combine", "combine_residual")
+    )
     return (
-        node.op == "qlinear"
+        takes
         and node.attr("prologue") is None
         and node.attr("act_quant") is None
         and operands[0] == value
@@ -54,6 +64,7 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 
 RULE = Rule("norm_prologue", Pat("qlinear", check=_candidate), _fold)
+EXPERTS_RULE = Rule("norm_prologue", Pat("expert_qlinear", check=_candidate), _fold)
 
 
 @dataclass(frozen=True)
@@ -61,4 +72,4 @@ class NormPrologue:
     name: str = "norm_prologue"
 
     def run(self, graph: Graph) -> int:
-        return apply_rules(graph, [RULE])
+        return apply_rules(graph, [RULE, EXPERTS_RULE])

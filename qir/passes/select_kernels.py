@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from qir.dtypes import F32
 from qir.graph import AttrValue, Graph, Node
-from qir.ops import qlinear_layout
+from qir.ops import expert_layout, qlinear_layout
 from qir.types import QActType, QExperts, QWeight, TensorType, TupleType
 
 FAMILIES = ("gemv", "gemv|gemm", "gemm")
@@ -52,7 +52,8 @@ def gemm_from_m(graph: Graph, name: str) -> int | None:
         return None
     operands = graph.operands(name)
     if node.op == "expert_qlinear":  # the grouped GEMM from the same M as a plain one
-        w = graph.node(operands[1]).type
+        types = [graph.node(o).type for o in operands]
+        w = types[expert_layout(types, dict(node.attrs))[0].start]
         assert isinstance(w, QExperts)
         return GEMM_FROM_M[w.format.fragment]
     _, ws, _ = qlinear_layout(len(operands), dict(node.attrs))

@@ -116,6 +116,21 @@ def test_host_f32_logits_and_greedy_ids_match_transformers() -> None:
     np.testing.assert_array_equal(gen.tokens, golden["greedy"])
 
 
+def test_a_decode_layer_is_10_launches(tmp_path: Path) -> None:
+    """The 6 of attention (q/k/v with the input norm, q's YaRN rotation, kv append, split
+    attention, its combine with the sinks, o + residual), then the biased router and the MXFP4
+    gate/up (each with the post-attention norm as its prologue), route, down + combine +
+    residual: the norm has no launch of its own."""
+    out = tmp_path / "plan.json"
+    argv = ["-q", "compile", str(DATA / GPTOSS), "--block", "model", "--max-seq", "16"]
+    assert main([*argv, "--m", "1", "--json", str(out)]) == 0
+    kernels = [k for k in json.loads(out.read_text())["kernels"] if k["nodes"][0].startswith("l0.")]
+    assert len(kernels) == 10, [k["name"] for k in kernels]
+    normed = [k["name"] for k in kernels if "l0.mlp_norm" in k["nodes"]]
+    assert [n.split("_")[0] for n in normed] == ["qgemv", "moe"], normed
+    assert all(n.endswith("_rmsnorm_wbf16") for n in normed), normed
+
+
 def test_inspect_names_the_family_and_its_features(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

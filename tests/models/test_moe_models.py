@@ -115,11 +115,15 @@ def test_compile_reports_total_and_active_weight_bytes_and_launches(tmp_path: Pa
         for a in read_experts(ck, moe_of(ck), layer, proj)[2].values()
     )
     assert mem["weights_bytes"] - mem["active_weights_bytes"] == experts * 4 // 6  # 2 of 6 read
-    per_layer = [k["name"] for k in plan["kernels"] if k["nodes"][0].startswith("l0.")]
+    kernels = [k for k in plan["kernels"] if k["nodes"][0].startswith("l0.")]
+    per_layer = [k["name"] for k in kernels]
     # attention: q/k/v (norm prologue), kv append, split attention, its combine, o + residual;
-    # MoE: the norm, the router, route, gate/up of the chosen experts, down + combine + residual
-    assert len(per_layer) == 10, per_layer
+    # MoE: the router and the gate/up of the chosen experts (both with the post-attention norm
+    # as their prologue), route, down + combine + residual
+    assert len(per_layer) == 9, per_layer
     assert [n.split("_")[1] for n in per_layer[-3:]] == ["route", "gemv", "gemv"]
+    normed = [k["name"] for k in kernels if "l0.mlp_norm" in k["nodes"]]
+    assert normed == [per_layer[5], per_layer[7]] and all("_rmsnorm_" in n for n in normed)
 
 
 def test_bad_moe_checkpoints_are_refused_in_one_line(
@@ -332,17 +336,20 @@ def test_qwen2_moe_block_in_bf16_on_both_kernel_families() -> None:
         assert max_rel(y, ref({"x": x})["y"]) <= GOLDEN_TOL, m
 
 
-def test_qwen2_moe_decode_layer_is_13_launches(tmp_path: Path) -> None:
-    """Mixtral's 10, plus the shared expert's three: its gate/up pair (merged apart from the
+def test_qwen2_moe_decode_layer_is_12_launches(tmp_path: Path) -> None:
+    """Mixtral's 9, plus the shared expert's three: its gate/up pair (merged apart from the
     router, silu(g) * u its epilogue), its gate's sigmoid (route), its down (an expert GEMV of
     one expert whose combine adds the residual; the routed down then adds that). The router and
-    the shared expert's gate share one launch."""
+    the shared expert's gate share one launch; it, the shared gate/up and the routed gate/up
+    each normalise their input (the post-attention norm has no launch)."""
     plan = _plan(tmp_path, QWEN2, "--m", "1")
     per_layer = [k for k in plan["kernels"] if k["nodes"][0].startswith("l0.")]
-    assert len(per_layer) == 13, [k["name"] for k in per_layer]
+    assert len(per_layer) == 12, [k["name"] for k in per_layer]
+    normed = [k["nodes"][0] for k in per_layer if "l0.mlp_norm" in k["nodes"]]
+    assert normed == ["l0.shared_h", "l0.router_l0.shared_expert_gate", "l0.experts_h"]
+    assert all("_rmsnorm_wbf16" in k["name"] for k in per_layer if "l0.mlp_norm" in k["nodes"])
     mlp = {k["name"].split("_k")[0]: k["nodes"][0] for k in per_layer[5:]}
     assert mlp == {
-        "rms_norm_bf16_n128_wbf16": "l0.mlp_norm",
         "qgemv_mlx4g64bf16_bf16_n128_128": "l0.shared_h",
         "qgemv_mlx4g64bf16_bf16_n6_1": "l0.router_l0.shared_expert_gate",
         "moe_route_bf16_e6_top2_softmax_topk": "l0.route",

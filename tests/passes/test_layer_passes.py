@@ -11,8 +11,9 @@ from qir.interpret import empty_state
 from qir.models import load
 from qir.models.blocks import build
 from qir.passes.manager import PASSES, PIPELINES, PassOptions, run_pipeline
-from qir.types import TensorType
+from qir.types import QExperts, TensorType
 from tests.conftest import DATA, random_weight
+from tests.moe_common import random_experts
 
 ROPE = 'head_dim=32, rope_type="default", theta=10000.0'
 CACHE = "f16[16, 2, 32]"
@@ -45,6 +46,11 @@ def weights_for(text: str, rng: np.random.Generator) -> dict[str, dict[str, np.n
             out[g.node(w).attr("key")] = {
                 "weight": (1 + rng.standard_normal(t.shape) / 8).astype(t.dtype.np)
             }
+        elif isinstance(t, QExperts):
+            e = t.expert
+            out[g.node(w).attr("key")] = random_experts(
+                rng, t.count, e.out_features, e.in_features, e.format
+            )[1]
         else:
             out[g.node(w).attr("key")] = random_weight(
                 rng, t.out_features, t.in_features, t.format
@@ -280,3 +286,59 @@ def test_norm_prologue_does_not_fire_when_the_norm_is_needed_anyway():
         "  output q", "  %s = silu %xn : f16[M, 128]\n  output s = %s\n  output q"
     )
     assert run_pass(silu, "norm_prologue")[1] == 0
+
+
+MOE16 = f"""
+graph moe16 {{
+  %x = input : f16[M, 128]
+  %nw = weight {{key="norm"}} : bf16[128]
+  %xn = rms_norm %x, %nw {{eps=1e-05}} : f16[M, 128]
+  %wr = weight {{key="router"}} : {W16}[6, 128]
+  %logits = qlinear %xn, %wr : f16[M, 6]
+  %route = route %logits {{k=2, rule="softmax_topk_norm"}} : (i32[M, 2], f32[M, 2])
+  %ids = get %route {{index=0}} : i32[M, 2]
+  %rw = get %route {{index=1}} : f32[M, 2]
+  %wg = weight {{key="gate"}} : experts<6, {W16}[64, 128]>
+  %wu = weight {{key="up"}} : experts<6, {W16}[64, 128]>
+  %wd = weight {{key="down"}} : experts<6, {W16}[128, 64]>
+  %h = expert_qlinear %xn, %wg, %wu, %ids {{epilogue="silu_mul"}} : f16[M, 2, 64]
+  %y = expert_qlinear %h, %wd, %ids, %rw, %x {{epilogue="combine_residual"}} : f16[M, 128]
+  output y = %y
+  output ids = %ids
+}}
+"""
+
+
+def test_norm_prologue_reaches_the_router_and_the_experts(rng):
+    # A MoE layer's post-attention norm: read by the router and the experts' gate/up, both fold
+    # it, so no launch computes it alone; the down (a row per slot) reads no norm.
+    after, fired = run_pass(MOE16, "norm_prologue")
+    assert fired == 2 and "rms_norm %x" not in after
+    assert '%logits = qlinear %x, %nw, %wr {eps=1e-05, fused=["xn"], prologue="rms_norm"}' in after
+    assert (
+        "%h = expert_qlinear %x, %nw, %wg, %wu, %ids "
+        '{epilogue="silu_mul", eps=1e-05, fused=["xn"], prologue="rms_norm"} : f16[M, 2, 64]'
+    ) in after
+    assert "%y = expert_qlinear %h, %wd, %ids, %rw, %x {" in after
+    for m in (1, 5, 40):
+        assert_same_numbers(MOE16, after, rng, m=m)
+    assert run_pass(after, "norm_prologue") == (after, 0)
+    # the whole pipeline: the same fold, the grouped GEMM chosen from its M on
+    passed = print_graph(run_pipeline(parse(MOE16), "default")[0])
+    assert "rms_norm" not in passed.replace('prologue="rms_norm"', "")
+
+
+def test_norm_prologue_does_not_fire_where_an_expert_reader_cannot_take_it():
+    # The norm read as a combine's residual (it must exist), or as the input of an expert
+    # qlinear with a combine (its kernel reads rows as they are): the norm stays, for every
+    # reader.
+    residual = MOE16.replace("%rw, %x {", "%rw, %xn {")
+    assert run_pass(residual, "norm_prologue")[1] == 0
+    combine = MOE16.replace(
+        "  output y = %y\n",
+        f'  %wp = weight {{key="proj"}} : experts<6, {W16}[128, 128]>\n'
+        '  %p = expert_qlinear %xn, %wp, %ids, %rw {epilogue="combine"} : f16[M, 128]\n'
+        "  output y = %y\n  output p = %p\n",
+    )
+    assert "%p = expert_qlinear %xn" in combine
+    assert run_pass(combine, "norm_prologue")[1] == 0

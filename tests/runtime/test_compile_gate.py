@@ -75,7 +75,7 @@ from qir.ops import W4A4_MAX_M
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime import nvrtc
 from qir.target import Target
-from qir.types import QExperts, QWeight
+from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import DATA, FORMAT_ZOO
 from tests.moe_common import moe_graph
 
@@ -311,14 +311,15 @@ def longrope_attention() -> Callable[[str], list[Kernel]]:
 
 
 def moe(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
-    """A mixture-of-experts layer at a checkpoint's shapes (8 experts, 2 a token): route, the
-    grouping, the expert GEMVs (gate/up with silu(g) * u; down with the combine and the residual
-    at K = 1408), the grouped GEMMs of the 64-row bucket and the combine."""
+    """A mixture-of-experts layer at a checkpoint's shapes (8 experts, 2 a token) behind its
+    RMSNorm: route, the grouping, the expert GEMVs (gate/up with the norm as their prologue and
+    silu(g) * u; down with the combine and the residual at K = 1408), the grouped GEMMs of the
+    64-row bucket (gate/up's normalising its gathered rows) and the combine."""
     act = BF16 if isinstance(fmt, Nvfp4) else F16
 
     def make() -> Graph:
         rng = np.random.default_rng(0)
-        return moe_graph(rng, CHECKPOINT.hidden, CHECKPOINT.inter, 8, 2, fmt, act)[0]
+        return moe_graph(rng, CHECKPOINT.hidden, CHECKPOINT.inter, 8, 2, fmt, act, norm=True)[0]
 
     def keep(la: Launch) -> bool:
         name = la.kernel.name
@@ -395,7 +396,8 @@ def gptoss_20b() -> Callable[[str], list[Kernel]]:
     """gpt-oss-20b's layer kernels: the sinks in the combine and the prefill attention (a full
     and a sliding layer's cache: a ring of the window plus a prefill chunk), YaRN in the append
     and attention's q load; the router (bf16 with a bias), top-4-then-softmax of 32, the biased
-    MXFP4 expert GEMVs with the clamped SwiGLU, the grouped GEMMs of the 64-row bucket."""
+    MXFP4 expert GEMVs with the clamped SwiGLU, the grouped GEMMs of the 64-row bucket; the
+    router and the gate/up with the post-attention norm as their prologue."""
     hidden, experts = 2880, 32
     caches = (CacheShape(BF16, 4096, 8, 64), CacheShape(BF16, 128 + 255, 8, 64, window=128))
     specs = [AttentionSpec(c, 64, 64**-0.5, GPTOSS_ROPE, sinks=True) for c in caches]
@@ -403,14 +405,15 @@ def gptoss_20b() -> Callable[[str], list[Kernel]]:
     def make() -> Graph:
         b = Builder("gptoss_moe")
         x = b.input("x", ("M", hidden), BF16)
+        xn = b.rms_norm(x, b.param("norm", TensorType((hidden,), BF16)), 1e-5)
         router = b.weight("router", QWeight(Dense(BF16), experts, hidden, bias=True))
-        ids, rw = b.route(b.qlinear(x, router, name="logits"), 4, "topk_softmax", name="route")
+        ids, rw = b.route(b.qlinear(xn, router, name="logits"), 4, "topk_softmax", name="route")
         ws = {
             n: b.weight(n, QExperts(QWeight(Mxfp4(), hidden, hidden, bias=True), experts))
             for n in ("gate", "up", "down")
         }
         act = {"act": "swiglu_clamp", "limit": 7.0, "alpha": 1.702}
-        h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h", act=act)
+        h = b.expert_qlinear(xn, (ws["gate"], ws["up"]), ids, name="h", act=act)
         b.output("y", b.expert_qlinear(h, ws["down"], ids, rw, x, name="y"))
         return b.graph
 
@@ -715,14 +718,24 @@ GATE: tuple[Entry, ...] = (
     Entry(
         "moe-mlx3g64-checkpoint",
         moe(MlxAffine(3, 64, BF16)),
-        ("moe_route_", "moe_group_", "moe_gemv_", "moe_qgemm_", "moe_combine_"),
+        (
+            "moe_route_",
+            "moe_group_",
+            "_silumul_rmsnorm_wbf16",  # the gate/up GEMV
+            "_rmsnorm_wbf16_silumul_e8top2",  # the gate/up grouped GEMM
+            "moe_combine_",
+        ),
     ),
     Entry(
         "moe-fp8tensor-checkpoint",
         lambda arch: [k for k in moe(Fp8("tensor"))(arch) if not k.name.startswith("moe_qgemm")],
-        ("moe_gemv_",),
+        ("_silumul_rmsnorm_wbf16",),
     ),
-    Entry("moe-nvfp4mul-checkpoint", moe(Nvfp4("mul", 16)), ("moe_gemv_", "moe_qgemm_")),
+    Entry(
+        "moe-nvfp4mul-checkpoint",
+        moe(Nvfp4("mul", 16)),
+        ("_silumul_rmsnorm_wbf16", "_rmsnorm_wbf16_silumul_e8top2"),
+    ),
     Entry(
         "moe-shared-expert-mlx4-checkpoint",
         shared_expert(MlxAffine(4, 64, BF16)),
@@ -780,8 +793,9 @@ GATE: tuple[Entry, ...] = (
         (
             "attn_combine_bf16_h64_d64_n32_sinks",
             "_ropeyarn150000x32_b32_1_sinks",
-            "moe_gemv_mxfp4_bf16_e32top4_n2880_k2880_m8_l16_swiglu7a1p702_bias",
-            "moe_qgemm_mxfp4_bf16_n2880b",
+            "moe_gemv_mxfp4_bf16_e32top4_n2880_k2880_m8_l16_swiglu7a1p702_bias_rmsnorm_wbf16",
+            "moe_qgemm_mxfp4_bf16_n2880b_2880b_k2880_",
+            "_rmsnorm_wbf16_swiglu7a1p702_e32top4",
             "moe_route_bf16_e32_top4_topk_softmax",
         ),
     ),

@@ -32,7 +32,7 @@ from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
 from qir.runtime import nvrtc
 from qir.runtime.backend import get_backend
-from qir.types import QExperts, QWeight
+from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import FMT4, max_rel
 from tests.moe_common import random_experts
 
@@ -219,6 +219,55 @@ def test_a_captured_decode_step_replays_with_new_expert_choices() -> None:
         close(replayed, ref(x))
 
 
+def normed_experts_graph(act: DType) -> tuple[Graph, Any]:
+    """A post-attention norm read only by experts: gate/up (silu(g) * u) and a plain expert
+    projection of rms_norm(x, w) (both [M, 2, 37]: a ragged N), w bf16; norm_prologue folds the
+    norm into both."""
+    rng = np.random.default_rng(11)
+    b = Builder("normed_experts")
+    x = b.input("x", ("M", K_IN), act)
+    ids = b.input("ids", ("M", 2), I32)
+    weights: dict[str, Any] = {
+        "norm": {"weight": (1 + rng.standard_normal(K_IN) / 8).astype(BF16.np)}
+    }
+    xn = b.rms_norm(x, b.param("norm", TensorType((K_IN,), BF16)), 1e-5)
+    ws = {}
+    for name in ("gate", "up", "proj"):
+        qe, weights[name] = random_experts(rng, E, N_OUT, K_IN, FMT4)
+        ws[name] = b.weight(name, qe, name=f"w_{name}")
+    b.output("h", b.expert_qlinear(xn, (ws["gate"], ws["up"]), ids, name="h"))
+    b.output("s", b.expert_qlinear(xn, ws["proj"], ids, name="s"))
+    return b.graph, weights
+
+
+@pytest.mark.parametrize(
+    ("act", "gemm"), [(BF16, False), (F32, False), (BF16, True)], ids=["bf16", "f32", "grouped"]
+)
+def test_the_norm_prologue_in_the_expert_kernels(act: DType, gemm: bool) -> None:
+    """The experts normalise the rows they read (the decode GEMVs, slot by slot at M = 1 and
+    in tiles of listed rows above; the grouped GEMMs' gathered rows): no launch computes the
+    norm alone, and the results equal the interpreter's unfused graph on ragged batches."""
+    graph, weights = normed_experts_graph(act)
+    c = qir.compile(graph, weights, backend="host", gemm_from_m=1 if gemm else None)
+    ref = qir.compile(graph, weights, backend="reference")
+    assert c.plan is not None
+    names = [la.kernel.name for la in c.plan.launches]
+    experts = [n for n in names if n.startswith(("moe_gemv", "moe_qgemm"))]
+    assert experts and all("_rmsnorm_wbf16" in n for n in experts), names
+    assert not any(n.startswith("rms_norm") for n in names), names
+    assert c.launches_for(1) == (3 if gemm else 2)  # (the grouping,) gate/up, the projection
+    rng = np.random.default_rng(12)
+    for m in (3, 9, 40) if gemm else (1, 3, 9):
+        x = {
+            "x": (3 * rng.standard_normal((m, K_IN), dtype=np.float32)).astype(act.np),
+            "ids": choices(m, 2),
+        }
+        ours, want = c(x), ref(x)
+        for name in ("h", "s"):
+            tol = 1e-5 if act == F32 else 1.6e-2
+            assert max_rel(np.asarray(ours[name]), want[name]) <= tol, (m, name)
+
+
 @pytest.mark.parametrize("rule", moe.RULES)
 def test_route_kernel_matches_the_interpreter(rule: str) -> None:
     """37 experts (two logits per lane), top 4 and top 1, ties among the largest logits."""
@@ -314,12 +363,13 @@ def test_each_chosen_expert_is_read_once_and_the_others_never(kind: str, m: int)
 
 @pytest.mark.parametrize("act", [F32, BF16])
 def test_moe_mlp_with_its_router_matches_the_interpreter(act: DType) -> None:
-    """A whole MoE MLP (router, route, gate/up, down + combine + residual): f32 stays on the
-    expert GEMVs at every M (1e-5), bf16 takes the grouped path from 17 rows."""
+    """A whole MoE MLP behind its RMSNorm (router, route, gate/up, down + combine + residual;
+    the norm in the router's and the gate/up's prologues): f32 stays on the expert GEMVs at
+    every M (1e-5), bf16 takes the grouped path from 17 rows."""
     from tests.moe_common import inputs, moe_graph
 
     rng = np.random.default_rng(5)
-    graph, weights = moe_graph(rng, 64, 128, 6, 2, FMT4, act=act, router_scale=3.0)
+    graph, weights = moe_graph(rng, 64, 128, 6, 2, FMT4, act=act, router_scale=3.0, norm=True)
     c = qir.compile(graph, weights, backend="host")
     ref = qir.compile(graph, weights, backend="reference")
     for m in (1, 20):
@@ -327,7 +377,8 @@ def test_moe_mlp_with_its_router_matches_the_interpreter(act: DType) -> None:
         ours, want = c(x), ref(x)
         np.testing.assert_array_equal(ours["ids"], want["ids"])
         assert max_rel(ours["y"], want["y"]) <= (1e-5 if act == F32 else 1e-2)
-    assert c.launches_for(1) == 4  # router, route, gate/up, down + combine + residual
+    # router, route, gate/up, down + combine + residual: the norm has no launch of its own
+    assert c.launches_for(1) == 4
     assert c.launches_for(20) == (4 if act == F32 else 6)  # + group, combine
 
 
