@@ -27,6 +27,7 @@ from typing import Any
 
 from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.gemv import (
+    A4_MODES,
     GATE_ACTS,
     MIN_BLOCKS_PER_SM,
     WARPS_PER_BLOCK,
@@ -126,6 +127,11 @@ class ExpertGemvSpec:
     target: Target | None = None
     # the gate/up pair's activation: ("silu",), ("gelu_tanh",) or ("swiglu_clamp", limit, alpha)
     gate_act: tuple[Any, ...] = ("silu",)
+    # W4A4 (NVFP4 experts): each slot's input quantized as it is read, under a per-row scale
+    # ("dynamic") or its expert's calibrated one ("mul": ModelOpt's decode factor, "div":
+    # compressed-tensors' encode factor; the act_scale parameter, the experts' input_scale
+    # buffer [E, 1]). "": 16-bit activations.
+    a4_mode: str = ""
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
@@ -134,6 +140,8 @@ class ExpertGemvSpec:
             raise ValueError("one expert launch takes one expert count, format and in_features")
         if self.combine and len(self.experts) != 1:
             raise ValueError("the combine takes one stacked weight")
+        if self.a4_mode not in ("", *A4_MODES):
+            raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
         if not 1 <= self.top <= 32:
             # A decode step's slots are one ballot of a warp (moe_gemv.cu.j2).
             raise ValueError(f"top must be 1..32 experts per token, got {self.top}")
@@ -148,6 +156,7 @@ class ExpertGemvSpec:
             self.m_tile,
             epilogue=epilogue,
             target=self.target,
+            a4=bool(self.a4_mode),
         )
         # The combine keeps a float per (tile row, slot, block row) in shared memory (the decode
         # path an act_t per (slot, block row)), every kind a tile's act_t results: short rows'
@@ -156,7 +165,9 @@ class ExpertGemvSpec:
         per_row = 2 * self.m_tile + (
             4 * self.m_tile * self.top + 2 * self.top if self.combine else 0
         )
-        budget = STATIC_SMEM - 2 * self.experts[0].in_features - LISTS_SMEM
+        # (W4A4 stages at most 2 K bytes of f16 pairs and K / 4 of block factors)
+        k = self.experts[0].in_features
+        budget = STATIC_SMEM - (2 * k + (k // 4 if self.a4_mode else 0)) - LISTS_SMEM
         rows = WARPS_PER_BLOCK * spec.rows_per_warp * 32
         lanes = spec.lanes
         while lanes < 32 and rows // lanes * per_row > budget:
@@ -192,6 +203,7 @@ class ExpertGemvSpec:
         fused += "_bias" if self.experts[0].expert.bias else ""
         fused += {"": "", "combine": "_combine", "combine_residual": "_combine_res"}[self.combine]
         fused += ("_slots_in" if self.per_slot else "") + ("_count" if self.count else "")
+        fused += f"_a4{self.a4_mode}" if self.a4_mode else ""
         fused += target_suffix(self.target)
         return (
             f"moe_gemv_{e0.format.tag()}_{self.act.name}_e{e0.count}top{self.top}"
@@ -212,12 +224,14 @@ class ExpertGemvSpec:
                 *((_buf(f"w{j}_bias", "float"),) if e.expert.bias else ()),
             )
         ]
+        scale = [_buf("act_scale", "float")] if self.a4_mode in ("mul", "div") else []
         router = [_buf("rw", "float")] if self.combine else []
         residual = [_buf("r", act)] if self.combine == "combine_residual" else []
         reads = [_buf("reads", "unsigned long long", False)] if self.count else []
         return [
             _buf("x", act),
             *weights,
+            *scale,
             _buf("ids", "int32_t"),
             *router,
             *residual,
@@ -273,6 +287,10 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         (pair if len(spec.experts) == 2 else f"{x} W_e^T{plus}")
         + f", e = ids[m, j]; experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}"
     )
+    if spec.a4_mode:
+        what += f"; W4A4: {x} quantized to NVFP4 under " + (
+            "a per-row scale" if spec.a4_mode == "dynamic" else "expert e's input scale"
+        )
     header = [
         f"y[m, j] = {what}"
         if not spec.combine
@@ -315,6 +333,8 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         has_bias=e0.expert.bias,
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
+        a4=bool(spec.a4_mode),
+        a4_mode=("dynamic", "mul", "div").index(spec.a4_mode) if spec.a4_mode else 0,
         **frag.context,
     )
     return Kernel(
