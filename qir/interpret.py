@@ -537,7 +537,7 @@ def expert_input_scales(graph: Graph, name: str, weights: Weights) -> ActScales:
             raise BindError(
                 f"%{name}: W4A4 experts %{operands[ws][0]} and %{w} differ in input_scale "
                 f"(expert {e}: {scales[0][e]} and {other[e]}); a gate/up pair quantizes its "
-                "input once"
+                "input once (run it with --weight-quantization w4a16)"
             )
     return scales[0], attr
 

@@ -334,7 +334,7 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         a4=bool(spec.a4_mode),
-        a4_mode=("dynamic", "mul", "div").index(spec.a4_mode) if spec.a4_mode else 0,
+        a4_mode=A4_MODES.index(spec.a4_mode) if spec.a4_mode else 0,  # MODE of qir_act_quant_a4
         **frag.context,
     )
     return Kernel(
