@@ -1,7 +1,8 @@
 """W4A4 audit: how much each 4-bit-activation projection departs from its 16-bit twin and from
 a float32 reference, so a user can see which layers W4A4 hurts before deploying it.
 
-Per projection routed to W4A4 (in the unfused graph, so each projection is its own node):
+Per projection routed to W4A4 (in the unfused graph, so each projection is its own node; an
+expert projection is one node for all its experts, [M, k, N] or combined):
   w4a4 vs w4a16 = ||y_w4a4 - y_w4a16|| / ||y_w4a16||
   w4a4 vs f32, w4a16 vs f32: the same against the block run with float32 activations and
   16-bit (unquantized) activations.
@@ -63,7 +64,7 @@ def audit(
         n
         for n in routed_graph.of_op("qlinear")
         if isinstance(routed_graph.node(routed_graph.operands(n)[0]).type, QActType)
-    ]
+    ] + [n for n in routed_graph.of_op("expert_qlinear") if routed_graph.node(n).attr("act_quant")]
     if not routed or any(a.shape[0] > W4A4_MAX_M for a in inputs.values()):
         return []
     y4 = evaluate(routed_graph, inputs, weights)

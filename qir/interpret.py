@@ -480,7 +480,9 @@ def evaluate(
         elif node.op == "expert_qlinear":
             types = [graph.node(o).type for o in graph.operands(name)]
             ws = expert_layout(types, dict(node.attrs))[0]
-            env[name] = expert_qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
+            ops = graph.operands(name)
+            scales = expert_input_scales(graph, name, weights) if node.attr("act_quant") else None
+            env[name] = expert_qlinear(node, args, [biases[w] for w in ops[ws]], scales)
         elif node.op == "get":
             env[name] = args[0][node.attr("index")]
         elif node.op in ("all_reduce", "all_gather"):
@@ -510,14 +512,50 @@ def collective(name: str, node: Node, x: np.ndarray, comm: collectives.Comm | No
     return collectives.all_gather(comm, x, node.attr("axis"), f"%{name} = all_gather")
 
 
+ActScales = tuple[np.ndarray, str] | None
+
+
+def expert_input_scales(graph: Graph, name: str, weights: Weights) -> ActScales:
+    """The calibrated input scale of each expert of expert_qlinear `name` (W4A4: float32 [E] and
+    the quantizer's keyword for it), or None where its format calibrated none. A gate/up pair
+    quantizes its input once, so its gate and up experts' scales must be equal (they are where
+    the producer calibrated both on that input)."""
+    operands = graph.operands(name)
+    types = [graph.node(o).type for o in operands]
+    ws = expert_layout(types, dict(graph.node(name).attrs))[0]
+    first = types[ws][0]
+    assert isinstance(first, QExperts)
+    attr = first.format.act_scale_attr()
+    if attr is None:
+        return None
+    scales = [
+        np.asarray(weight_buffers(graph.node(w), weights)["input_scale"], np.float32).reshape(-1)
+        for w in operands[ws]
+    ]
+    for w, other in zip(operands[ws][1:], scales[1:], strict=True):
+        if not np.array_equal(other, scales[0]):
+            e = int(np.flatnonzero(other != scales[0])[0])
+            raise BindError(
+                f"%{name}: W4A4 experts %{operands[ws][0]} and %{w} differ in input_scale "
+                f"(expert {e}: {scales[0][e]} and {other[e]}); a gate/up pair quantizes its "
+                "input once (run it with --weight-quantization w4a16)"
+            )
+    return scales[0], attr
+
+
 def expert_qlinear(
-    node: Node, args: list[np.ndarray], biases: list[np.ndarray | None] | None = None
+    node: Node,
+    args: list[np.ndarray],
+    biases: list[np.ndarray | None] | None = None,
+    act_scales: ActScales = None,
 ) -> np.ndarray:
     """qir.moe's semantics: each slot's row through its expert (plus the expert's bias, in the
     float32 sums), rounded to the activation type as a qlinear's result (silu_mul: g, u, act(g)
     and the product each rounded, as qlinear's epilogue; swiglu_clamp rounds its gate and up
     factors so); combined in float32, rounded once, then the residual added and rounded
-    again. An rms_norm prologue rounds the normalised rows as rms_norm stores them."""
+    again. An rms_norm prologue rounds the normalised rows as rms_norm stores them. With
+    `act_quant` (at most W4A4_MAX_M rows) each slot's input is first quantized under its
+    expert's scale (`act_scales`, as expert_input_scales gives them)."""
     epilogue = node.attr("epilogue")
     t = node.type
     assert isinstance(t, TensorType)
@@ -534,6 +572,10 @@ def expert_qlinear(
             f"{ws[0].shape[0]} experts"
         )
     xs = moe.per_slot(x, ids.shape[1])
+    scheme = node.attr("act_quant")
+    if scheme is not None and x.shape[0] <= W4A4_MAX_M:
+        scales, attr = act_scales or (None, None)
+        xs = moe.quantize_slots(xs, ids, ACT_QUANTIZERS[scheme], scales, attr)
     bs = biases or [None] * len(ws)
     ys = [moe.expert_matmul(xs, w, ids, b).astype(dt) for w, b in zip(ws, bs, strict=True)]
     if epilogue == "silu_mul":

@@ -25,11 +25,21 @@ act(g) * u of a gate/up pair as qlinear's (act: silu, gelu_tanh, or gpt-oss's "s
 swiglu_gate(g) * swiglu_up(u) with the node's limit and alpha); with "combine",
 sum_j w[m, j] * y[m, j] in float32, slot 0 first, rounded once ("combine_residual": then r plus
 that, rounded again, as a separate add would). With the rms_norm prologue the rows read are
-rms_norm(x, nw) rounded to the activation type, as the separate rms_norm stores them."""
+rms_norm(x, nw) rounded to the activation type, as the separate rms_norm stores them.
+
+W4A4 experts (`act_quant`, batches of at most W4A4_MAX_M rows) quantize each (row m, slot j)'s
+input with expert ids[m, j]'s own calibrated scale (`quantize_slots`), as the producers'
+runtimes quantize each expert module's input with its own input quantizer: the same token
+routed to two experts is quantized twice, once under each scale. This is exact against the
+reference; one quantization per token under a per-row runtime scale would not be (the block
+scales, hence the codes, depend on the global scale). Experts that calibrated no scale
+(`--weight-quantization w4a4` on W4A16 checkpoints) take a per-row scale, which is the same for
+every expert a row chose. A gate/up pair quantizes its input once: its gate and up experts'
+scales must agree (the producers calibrate both on the same input)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -96,6 +106,27 @@ def expert_matmul(
     for e in np.unique(ids):
         rows = ids == e
         out[rows] = x[rows] @ w[e].T + (np.float32(0) if bias is None else bias[e])
+    return out
+
+
+def quantize_slots(
+    x: np.ndarray,
+    ids: np.ndarray,
+    quantize: Callable[..., np.ndarray],
+    scales: np.ndarray | None = None,
+    attr: str | None = None,
+) -> np.ndarray:
+    """float32 [M, k, K]: each slot's input row x [M, k, K] fake-quantized by `quantize` (an
+    activation quantizer, qir.formats.ACT_QUANTIZERS) under its expert's scale: keyword `attr`
+    with scales[ids[m, j]] (scales [E], as stored), or per row where `scales` is None."""
+    x = np.asarray(x, np.float32)
+    if scales is None:
+        return quantize(x)
+    assert attr is not None
+    out = np.empty_like(x)
+    for e in np.unique(ids):
+        rows = ids == e
+        out[rows] = quantize(x[rows], **{attr: float(scales[e])})
     return out
 
 

@@ -878,6 +878,20 @@ def _infer_expert_qlinear(
             f"{op}: input {_desc(names[0], x)} has a row per slot but ids {_desc(names[at], ids)} "
             f"choose {k} experts per row"
         )
+    scheme = attrs.get("act_quant")
+    if scheme is not None:
+        # W4A4 experts: each (row, slot)'s input quantized with its expert's calibrated scale
+        # (the experts' input_scale buffer) or, where they calibrated none, a per-row one.
+        _check_act_rule(op, attrs, "act_quant")
+        if first.format.act_quant_scheme() != scheme:
+            raise IRTypeError(
+                f"{op}: {scheme} activations need experts that take them, not "
+                f"{_desc(names[ws.start], first)}"
+            )
+        if first.in_features % 64:
+            raise IRTypeError(
+                f"{op}: {scheme} activations need K % 64 == 0, got {first.in_features}"
+            )
     per_slot = TensorType((BATCH, k, first.out_features), x.dtype)
     if not extras:
         return per_slot
@@ -978,6 +992,7 @@ OPS: dict[str, OpSpec] = {
                     "prologue",
                     "eps",
                     "fused",
+                    "act_quant",
                 }
             ),
         ),

@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -142,3 +143,58 @@ def refused(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     return err
+
+
+def mixtral_nvfp4(out: Path) -> Path:
+    """mixtral_awq_gemm_g64's weights re-quantized as ModelOpt writes NVFP4 W4A4 (weight,
+    weight_scale E4M3, weight_scale_2 and input_scale float32 scalars; the router excluded, as
+    ModelOpt's configs leave it): every expert calibrated for its own input amax, gate (w1) and
+    up (w3) for the same one with one global scale, as ModelOpt shares them across a fused pair.
+    Its numbers are the interpreter's, not transformers'."""
+    from qir.formats.nvfp4 import Nvfp4
+    from qir.models import load
+    from tests.models.test_nvfp4_families import _save
+
+    src = DATA / "mixtral_awq_gemm_g64"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out)
+    ck = load(src)
+    tensors = {k: v for k, v in load_file(src / "model.safetensors").items()}
+    modules = sorted({k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")})
+    dense = {m: ck.linear(m) for m in modules}
+    floats = {
+        m: lin.weight.format.dequantize(
+            lin.buffers, lin.weight.out_features, lin.weight.in_features
+        )
+        for m, lin in dense.items()
+    }
+    fmt = Nvfp4("mul", 4)
+    for m in modules:
+        for suffix in ("qweight", "qzeros", "scales"):
+            tensors.pop(f"{m}.{suffix}")
+        expert = m.split(".experts.")[1].split(".")[0] if ".experts." in m else None
+        # one amax per expert (its w1 and w3 alike), about what the fixture's inputs reach
+        # (x up to 4-5, h up to 7-8 on its golden tokens), 5 for the attention inputs
+        e = -1 if expert is None else int(expert)
+        amax = 5.0 if e < 0 else (6.0 + e if m.endswith("w2") else 4.0 + 0.5 * e)
+        pair = [p for p in (m[:-2] + "w1", m[:-2] + "w3") if m.endswith(("w1", "w3"))]
+        g = max(float(np.abs(floats[p]).max()) for p in pair) if pair else None
+        bufs = fmt.quantize(floats[m], global_amax=g, input_amax=amax)
+        tensors[f"{m}.weight"] = bufs["weight"]
+        tensors[f"{m}.weight_scale"] = bufs["block_scale"].view(ml_dtypes.float8_e4m3fn)
+        tensors[f"{m}.weight_scale_2"] = bufs["global_scale"].reshape(())
+        tensors[f"{m}.input_scale"] = bufs["input_scale"].reshape(())
+    _save(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    quant = json.loads((DATA / "modelopt_nvfp4_S" / "config.json").read_text())[
+        "quantization_config"
+    ]
+    quant["ignore"] = [*quant["ignore"], "model.layers.*.block_sparse_moe.gate"]
+    config["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+    hf = json.loads((DATA / "modelopt_nvfp4_S" / "hf_quant_config.json").read_text())
+    hf["quantization"]["exclude_modules"] = quant["ignore"]
+    (out / "hf_quant_config.json").write_text(json.dumps(hf, indent=4))
+    return out

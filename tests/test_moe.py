@@ -8,11 +8,12 @@ import math
 import numpy as np
 import pytest
 
+import qir
 from qir import interpret, moe, parse, print_graph
 from qir.builder import Builder
 from qir.dtypes import F16, F32, I32
 from qir.formats.mlx import MlxAffine
-from qir.formats.nvfp4 import Nvfp4
+from qir.formats.nvfp4 import Nvfp4, quantize_activation_nvfp4
 from qir.interpret import BindError, evaluate
 from qir.ops import IRTypeError
 from qir.types import QExperts, QWeight
@@ -362,3 +363,100 @@ def test_the_experts_norm_prologue_is_verified(changes, message):
     assert parse(_normed()).node("h").attr("prologue") == "rms_norm"
     with pytest.raises(VerifyError, match=f"%h: expert_qlinear: {message}"):
         parse(_normed(**changes))
+
+
+A4_EXPERTS = """
+graph t {
+  %x = input : f16[M, K]
+  %ids = input : i32[M, 2]
+  %w = weight {key="e"} : experts<6, qweight<WFMT>[32, K]>
+  %h = expert_qlinear %x, %w, %ids ATTRS : f16[M, 2, 32]
+  output h = %h
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("fmt", "k", "attrs", "message"),
+    [
+        ("mlx_affine<bits=4,group_size=64,scale_dtype=bf16>", 64, "", "need experts that take"),
+        ("nvfp4<scale_mode=div,act_bits=4>", 48, "", r"need K % 64 == 0, got 48"),
+        (
+            "nvfp4<scale_mode=div,act_bits=4>",
+            64,
+            ", input_global_scale=2.0",
+            r"unknown attributes \['input_global_scale'\]",
+        ),
+        ("nvfp4<scale_mode=div,act_bits=4>", 64, ', act_quant="mxfp4"', "unknown activation"),
+    ],
+)
+def test_w4a4_experts_refuse_what_their_kernels_cannot_take(fmt, k, attrs, message):
+    text = A4_EXPERTS.replace("WFMT", fmt).replace("K]", f"{k}]")
+    quant = attrs if "act_quant" in attrs else f', act_quant="nvfp4"{attrs}'
+    with pytest.raises(VerifyError, match=message):
+        parse(text.replace("ATTRS", "{" + quant.lstrip(", ") + "}"))
+
+
+def _a4_experts(rng, mode: str, act_bits: int = 4):
+    """gate/up and down W4A4 experts whose calibrated input scales differ per expert (gate's
+    and up's the same, as the producers calibrate them on one input)."""
+    g, w = moe_graph(rng, 64, 128, 6, 2, Nvfp4(mode, act_bits), act=F32, router_scale=4.0)
+    if act_bits == 4:
+        spread = np.array([1.0, 4.0, 0.25, 2.0, 0.5, 8.0], np.float32)[:, None]
+        for n in ("gate", "down"):
+            w[n]["input_scale"] = w[n]["input_scale"] * (spread if mode == "mul" else 1 / spread)
+        w["up"]["input_scale"] = w["gate"]["input_scale"].copy()
+    return g, w
+
+
+@pytest.mark.parametrize(("mode", "act_bits"), [("mul", 4), ("div", 4), ("div", 16)])
+def test_w4a4_experts_quantize_each_slot_under_its_experts_scale(rng, mode, act_bits):
+    """Each (token, expert) pair's input quantized as that expert module's input quantizer
+    does in the producer (its own calibrated scale; a per-row one where it has none), for
+    gate/up (x) and down (h, a row per slot); by hand, per token."""
+    from qir.passes.manager import PassOptions, run_pipeline
+
+    g, w = _a4_experts(rng, mode, act_bits)
+    routed, _ = run_pipeline(g, options=PassOptions(weight_quantization="w4a4"))
+    assert [routed.node(n).attr("act_quant") for n in ("h", "y")] == ["nvfp4", "nvfp4"]
+    x = inputs(rng, 9, 64, F32)
+    env = evaluate(routed, x, w)
+    ids, rw = env["route.ids"], env["route.weights"]
+    assert len(np.unique(ids)) >= 4
+    fmt = Nvfp4(mode, act_bits)
+
+    def quantized(v, name, e):
+        if act_bits == 16:  # per row: 2688 / amax
+            return quantize_activation_nvfp4(v)
+        return fmt.quantize_activation(v, {"input_scale": w[name]["input_scale"][e]})
+
+    deq = {n: env[f"w_{n}"] for n in ("gate", "up", "down")}
+    want = x["x"].astype(np.float32).copy()
+    for m in range(9):
+        for j, e in enumerate(ids[m]):
+            xq = quantized(x["x"][m], "gate", e)
+            a, u = xq @ deq["gate"][e].T, xq @ deq["up"][e].T
+            h = (a / (1 + np.exp(-a)) * u).astype(np.float32)
+            np.testing.assert_allclose(env["h"][m, j], h, rtol=1e-5, atol=1e-6)
+            want[m] += rw[m, j] * (quantized(env["h"][m, j], "down", e) @ deq["down"][e].T)
+    np.testing.assert_allclose(env["y"], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if act_bits == 4:  # every expert's own scale matters: expert 0's for all differs
+        one = {n: dict(b) for n, b in w.items()}
+        for n in ("gate", "up", "down"):
+            one[n]["input_scale"] = np.repeat(w[n]["input_scale"][:1], 6, axis=0)
+        assert np.abs(evaluate(routed, x, one)["y"] - env["y"]).max() > 1e-3
+
+
+def test_a_w4a4_gate_up_pair_needs_one_input_scale_per_expert(rng):
+    from qir.passes.manager import PassOptions, run_pipeline
+
+    g, w = _a4_experts(rng, "mul")
+    w["up"]["input_scale"] = w["up"]["input_scale"] * 2
+    routed, _ = run_pipeline(g, options=PassOptions(weight_quantization="declared"))
+    message = r"%h: W4A4 experts %w_gate and %w_up differ in input_scale \(expert 0: "
+    with pytest.raises(BindError, match=message):
+        evaluate(routed, inputs(rng, 2, 64, F32), w)
+    with pytest.raises(BindError, match=message):  # the kernels too, when bound
+        qir.compile(g, w, backend="host")
+    w16 = qir.compile(g, w, backend="host", weight_quantization="w4a16")  # 16-bit: no matter
+    assert w16.plan is not None

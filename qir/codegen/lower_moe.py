@@ -11,9 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from qir.codegen import moe
 from qir.codegen.gemv import for_target
 from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch
+from qir.codegen.quantize_act import MODES
 from qir.dtypes import DType
 from qir.graph import Graph
-from qir.ops import expert_layout
+from qir.ops import W4A4_MAX_M, expert_layout
 from qir.target import Target
 from qir.types import QExperts, TensorType
 
@@ -90,7 +91,9 @@ def lower_expert_qlinear(
     graph: Graph, name: str, temps: Mapping[str, TensorType], target: Target
 ) -> Lowered:
     """The expert GEMV below gemm_from_m rows, the grouped path from there; both specialised
-    for `target` where its FP4 conversion changes the experts' decode (as the dense kernels)."""
+    for `target` where its FP4 conversion changes the experts' decode (as the dense kernels).
+    W4A4 experts (act_quant) run the W4A4 expert GEMV up to W4A4_MAX_M rows whatever the
+    label, the label's 16-bit families above."""
     node = graph.node(name)
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
@@ -110,7 +113,8 @@ def lower_expert_qlinear(
     launches: list[Launch] = []
     new_temps: dict[str, TensorType] = {}
     covers = (name, *node.attr("fused", ()))
-    if gemm_from > 1:
+
+    def gemv(when: tuple[int, int], a4_mode: str = "") -> None:
         spec = moe.ExpertGemvSpec(
             experts,
             _tensor(graph, name).dtype,
@@ -121,15 +125,18 @@ def lower_expert_qlinear(
             target=specialised,
             gate_act=moe.expert_act(dict(node.attrs)),
             norm=norm_of(graph, name),
+            a4_mode=a4_mode,
         )
+        # the gate's experts' scales (the up experts' are the same: qir.moe)
+        scale = [Arg("weight", operands[ws][0], "input_scale")] if a4_mode in MODES.values() else []
         args = (
             *input_args(graph, name),
             *expert_weight_args(operands[ws], experts, spec.fragment.buffers),
+            *scale,
             *(Arg("value", v) for v in operands[at:]),
             Arg("value", name),
             Arg("M"),
         )
-        when = (1, min(ALL_M[1], gemm_from - 1))
         kernel = moe.expert_gemv_kernel(spec)
         if combine:
             launches.append(Launch(kernel, spec.grid_x, spec.m_tile, args, (name,), covers, when))
@@ -137,10 +144,22 @@ def lower_expert_qlinear(
             launches.append(
                 Launch(kernel, spec.grid_x, 1, args, (name,), covers, when, rows_per_m=0, extra_y=1)
             )
+
+    lo = 1
+    if node.attr("act_quant") is not None:
+        # W4A4 up to W4A4_MAX_M rows on the expert GEMV, which quantizes each slot's input as it
+        # reads it (there is no W4A4 grouped GEMM: the label's families run the 16-bit rest).
+        attr = w0.format.act_scale_attr()
+        gemv((1, W4A4_MAX_M), MODES[attr] if attr else "dynamic")
+        lo = W4A4_MAX_M + 1
+    if lo < gemm_from:
+        gemv((lo, min(ALL_M[1], gemm_from - 1)))
     if gemm_from <= ALL_M[1]:
         from qir.codegen.moe_gemm import lower_grouped
 
-        more, more_temps = lower_grouped(graph, name, temps, (gemm_from, ALL_M[1]), specialised)
+        more, more_temps = lower_grouped(
+            graph, name, temps, (max(lo, gemm_from), ALL_M[1]), specialised
+        )
         launches += more
         new_temps.update(more_temps)
     return launches, new_temps

@@ -31,6 +31,7 @@ from typing import Any
 
 from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.gemv import (
+    A4_MODES,
     GATE_ACTS,
     MIN_BLOCKS_PER_SM,
     WARPS_PER_BLOCK,
@@ -135,16 +136,26 @@ class ExpertGemvSpec:
     gate_act: tuple[Any, ...] = ("silu",)
     # The rms_norm prologue (the norm weight's dtype, eps): the rows read are rms_norm(x, nw).
     norm: tuple[DType, float] | None = None
+    # W4A4 (NVFP4 experts): each slot's input quantized as it is read, under a per-row scale
+    # ("dynamic") or its expert's calibrated one ("mul": ModelOpt's decode factor, "div":
+    # compressed-tensors' encode factor; the act_scale parameter, the experts' input_scale
+    # buffer [E, 1]). "": 16-bit activations.
+    a4_mode: str = ""
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r}; known: {COMBINES}")
         if self.norm is not None and (self.combine or self.per_slot):
             raise ValueError("the rms_norm prologue takes a row per token and no combine")
+        if self.norm is not None and self.a4_mode:
+            # under W4A4 the norm belongs to the activation quantization (norm_prologue's rule)
+            raise ValueError("the rms_norm prologue reads 16-bit activations, not W4A4's")
         if len({(e.count, e.format, e.in_features) for e in self.experts}) != 1:
             raise ValueError("one expert launch takes one expert count, format and in_features")
         if self.combine and len(self.experts) != 1:
             raise ValueError("the combine takes one stacked weight")
+        if self.a4_mode not in ("", *A4_MODES):
+            raise ValueError(f"unknown a4_mode {self.a4_mode!r}; known: {A4_MODES}")
         if not 1 <= self.top <= 32:
             # A decode step's slots are one ballot of a warp (moe_gemv.cu.j2).
             raise ValueError(f"top must be 1..32 experts per token, got {self.top}")
@@ -159,6 +170,7 @@ class ExpertGemvSpec:
             self.m_tile,
             epilogue=epilogue,
             target=self.target,
+            a4=bool(self.a4_mode),
         )
         # The combine keeps a float per (tile row, slot, block row) in shared memory (the decode
         # path an act_t per (slot, block row)), every kind a tile's act_t results: short rows'
@@ -167,7 +179,9 @@ class ExpertGemvSpec:
         per_row = 2 * self.m_tile + (
             4 * self.m_tile * self.top + 2 * self.top if self.combine else 0
         )
-        budget = STATIC_SMEM - 2 * self.experts[0].in_features - LISTS_SMEM
+        # (W4A4 stages at most 2 K bytes of f16 pairs and K / 4 of block factors)
+        k = self.experts[0].in_features
+        budget = STATIC_SMEM - (2 * k + (k // 4 if self.a4_mode else 0)) - LISTS_SMEM
         rows = WARPS_PER_BLOCK * spec.rows_per_warp * 32
         lanes = spec.lanes
         while lanes < 32 and rows // lanes * per_row > budget:
@@ -204,6 +218,7 @@ class ExpertGemvSpec:
         fused += {"": "", "combine": "_combine", "combine_residual": "_combine_res"}[self.combine]
         fused += norm_suffix(self.norm)
         fused += ("_slots_in" if self.per_slot else "") + ("_count" if self.count else "")
+        fused += f"_a4{self.a4_mode}" if self.a4_mode else ""
         fused += target_suffix(self.target)
         return (
             f"moe_gemv_{e0.format.tag()}_{self.act.name}_e{e0.count}top{self.top}"
@@ -224,6 +239,7 @@ class ExpertGemvSpec:
                 *((_buf(f"w{j}_bias", "float"),) if e.expert.bias else ()),
             )
         ]
+        scale = [_buf("act_scale", "float")] if self.a4_mode in ("mul", "div") else []
         router = [_buf("rw", "float")] if self.combine else []
         residual = [_buf("r", act)] if self.combine == "combine_residual" else []
         reads = [_buf("reads", "unsigned long long", False)] if self.count else []
@@ -231,6 +247,7 @@ class ExpertGemvSpec:
             _buf("x", act),
             *((norm_param(self.norm),) if self.norm else ()),
             *weights,
+            *scale,
             _buf("ids", "int32_t"),
             *router,
             *residual,
@@ -256,6 +273,16 @@ def expert_act(attrs: Mapping[str, Any]) -> tuple[Any, ...]:
     """An expert_qlinear's gate activation as the kernels' spec takes it."""
     act = attrs.get("act") or "silu"
     return (act, attrs["limit"], attrs["alpha"]) if act == "swiglu_clamp" else (act,)
+
+
+def _a4_source(spec: ExpertGemvSpec, kind: str, source: str) -> str:
+    """`source` (a `kind`), quantized as it is read for W4A4 experts, under expert e's input
+    scale where the experts calibrated one (a per-row scale takes none)."""
+    if not spec.a4_mode:
+        return source
+    scale = "act_scale[e]" if spec.a4_mode in ("mul", "div") else "0.0f"
+    mode = A4_MODES.index(spec.a4_mode)
+    return f"qir_act_quant_a4<{mode}, {kind}>{{{source}, {scale}}}"
 
 
 def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
@@ -288,12 +315,24 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         (pair if len(spec.experts) == 2 else f"{x} W_e^T{plus}")
         + f", e = ids[m, j]; experts [{e0.count}, {e0.out_features}, {e0.in_features}] in {e0.format.spell()}"
     )
+    if spec.a4_mode:
+        what += f"; W4A4: {x} quantized to NVFP4 under " + (
+            "a per-row scale" if spec.a4_mode == "dynamic" else "expert e's input scale"
+        )
     header = [
         f"y[m, j] = {what}"
         if not spec.combine
         else f"y[m] = {'r[m] + ' if spec.combine == 'combine_residual' else ''}sum_j rw[m, j] * ({what})",
         f"{spec.kind}: {'a block per (expert, row block)' if spec.kind == 'slots' else 'a block per (row block, tile of tokens)'}",
     ]
+    # where a tile's rows and the M = 1 row come from (qgemv.cu.j2, moe_gemv.cu.j2)
+    if spec.norm:
+        nw_t, eps = spec.norm[0].c_type, spec.norm[1]
+        rows_source = f"qir_act_rows_norm<{nw_t}>{{x, rows, nw, {eps!r}, row_invs}}"
+        row_source = f"qir_act_norm<{nw_t}>{{x, nw, {eps!r}}}"
+    else:
+        rows_source = "qir_act_rows{x, rows}"
+        row_source = "qir_act_x{x" + (" + (size_t)j * QIR_K" if spec.per_slot else "") + "}"
     source = render(
         "moe_gemv.cu.j2",
         name=spec.name,
@@ -326,22 +365,15 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         per_slot=spec.per_slot,
         norm=spec.norm is not None,
         # where a tile's rows and the M = 1 row come from (qgemv.cu.j2, moe_gemv.cu.j2)
-        rows_source=(
-            f"qir_act_rows_norm<{spec.norm[0].c_type}>{{x, rows, nw, {spec.norm[1]!r}, row_invs}}"
-            if spec.norm
-            else "qir_act_rows{x, rows}"
-        ),
-        row_source=(
-            f"qir_act_norm<{spec.norm[0].c_type}>{{x, nw, {spec.norm[1]!r}}}"
-            if spec.norm
-            else "qir_act_x{x" + (" + (size_t)j * QIR_K" if spec.per_slot else "") + "}"
-        ),
+        rows_source=_a4_source(spec, "qir_act_rows", rows_source),
+        row_source=_a4_source(spec, "qir_act_x", row_source),
         residual=spec.combine == "combine_residual",
         count=spec.count,
         row_bytes=row_bytes(e0) * len(spec.experts),
         has_bias=e0.expert.bias,
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
+        a4=bool(spec.a4_mode),
         **frag.context,
     )
     return Kernel(

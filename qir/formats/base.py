@@ -161,6 +161,11 @@ class WeightFormat(ABC):
         (empty: a per-row scale computed at run time)."""
         return {}
 
+    def act_scale_attr(self) -> str | None:
+        """The attribute act_quant_rule names its calibrated scale by (the weight's buffer of
+        that scale is `input_scale`), or None where the format calibrated none."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Facts for `qir inspect`: `bits` per weight element, `group` (inputs per scale; None
         for one scale per row or tensor) and `w4a4` (calibrated for 4-bit activations). The

@@ -181,10 +181,15 @@ class Nvfp4(WeightFormat):
         """The calibrated input scale as stored, named by its convention: ModelOpt's decode
         factor (`input_scale`) or CT's encode factor (`input_global_scale`); inverting one into
         the other is not exact (see the module docstring)."""
-        if self.act_bits != 4:
+        attr = self.act_scale_attr()
+        if attr is None:
             return {}
-        scale = float(np.asarray(bufs["input_scale"]).reshape(-1)[0])
-        return {"input_scale" if self.scale_mode == "mul" else "input_global_scale": scale}
+        return {attr: float(np.asarray(bufs["input_scale"]).reshape(-1)[0])}
+
+    def act_scale_attr(self) -> str | None:
+        if self.act_bits != 4:
+            return None
+        return "input_scale" if self.scale_mode == "mul" else "input_global_scale"
 
     def bytes_per_weight(self) -> float:
         return 0.5 + 1 / GROUP_SIZE

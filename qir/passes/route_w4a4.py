@@ -15,6 +15,10 @@ dynamic one lives in the kernels and the interpreter: a batch of more than 64 ro
 16-bit path (W4A4_MAX_M).
 Does not handle: weights of one merged node whose calibrated scales differ (they then share a
 per-row scale: the producers this was built for share input scales across q/k/v and gate/up).
+
+Experts (`expert_qlinear`) are routed by the same tiers and K rule, as an `act_quant`
+attribute: each (row, slot)'s input is quantized inside the expert kernel under its own
+expert's calibrated scale (qir.moe), so there is no quantize_act node to share.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from qir.formats.base import WeightFormat
 from qir.graph import AttrValue, Graph, Node, make_attrs
 from qir.ops import ACT_SCALE_ATTRS, qlinear_layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
-from qir.types import QActType, QWeight, TensorType
+from qir.types import QActType, QExperts, QWeight, TensorType
 
 TIERS = ("declared", "w4a4", "w4a16")
 MAX_K = 32768
@@ -102,6 +106,31 @@ class RouteW4A4:
         rw.redefine(m.root, node, [xq, *operands[1:]])
         return True
 
+    def _routable_experts(self, graph: Graph, value: str) -> bool:
+        if self.tier == "w4a16" or graph.node(value).attr("act_quant"):
+            return False
+        w = graph.node(graph.operands(value)[1]).type
+        assert isinstance(w, QExperts)
+        k = w.in_features
+        return not k % 64 and k <= MAX_K and _routes_format(self.tier, w.format)
+
+    def _route_experts(self, rw: Rewriter, m: Match) -> bool:
+        graph = rw.graph
+        node = graph.node(m.root)
+        w = graph.node(graph.operands(m.root)[1]).type
+        assert isinstance(w, QExperts)
+        scheme = w.format.act_quant_scheme()
+        assert scheme is not None
+        rw.redefine(
+            m.root,
+            node.with_attrs(act_quant=scheme),
+            graph.operands(m.root),
+        )
+        return True
+
     def run(self, graph: Graph) -> int:
         rule = Rule("route_w4a4", Pat("qlinear", check=self._routable), self._route)
-        return apply_rules(graph, [rule])
+        experts = Rule(
+            "route_w4a4", Pat("expert_qlinear", check=self._routable_experts), self._route_experts
+        )
+        return apply_rules(graph, [rule, experts])

@@ -48,7 +48,14 @@ from qir.codegen.kernel import Kernel
 from qir.codegen.lower import Launch, Plan, resolve_rows
 from qir.collectives import Comm
 from qir.errors import UsageError
-from qir.interpret import BindError, Weights, check_inputs, declared_inputs, weight_buffers
+from qir.interpret import (
+    BindError,
+    Weights,
+    check_inputs,
+    declared_inputs,
+    expert_input_scales,
+    weight_buffers,
+)
 from qir.logs import Progress
 from qir.runtime.backend import Backend, BoundLaunch, InStream
 from qir.runtime.collectives import CollectiveRunner, collective_runner
@@ -293,6 +300,10 @@ class CompiledBlock:
             self._weights[wname] = {
                 b: backend.to_device(np.ascontiguousarray(bufs[b])) for b in names
             }
+        for name in graph.of_op("expert_qlinear"):
+            if graph.node(name).attr("act_quant"):
+                # the kernels read the gate's scales for a pair: refuse a pair of two
+                expert_input_scales(graph, name, weights)
         self._loaded: list[Any] = [None] * len(plan.launches)
         self._load_lock = threading.Lock()
         # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.

@@ -22,7 +22,7 @@ from qir.models import Model, load
 from qir.models.blocks import build
 from qir.models.experts import Moe, is_moe_layer, moe_of, read_experts
 from tests.conftest import DATA, greedy_prefix, max_rel
-from tests.moe_common import copy_fixture, edit_config, edit_tensors, refused
+from tests.moe_common import copy_fixture, edit_config, edit_tensors, mixtral_nvfp4, refused
 
 MLX, AWQ = "mixtral_mlx4_g64", "mixtral_awq_gemm_g64"
 GOLDEN_TOL = 2e-2  # 16-bit activations against transformers' float32 (the layer tests' bound)
@@ -420,3 +420,44 @@ def test_qwen2_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers(
         assert [is_moe_layer(ck, layer) for layer in (0, 1)] == routed, changes
     with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.gate_proj"):
         build(ck, "mlp", 1, F32)
+
+
+def test_modelopt_nvfp4_w4a4_experts_run_4_bit_activations_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ModelOpt NVFP4 W4A4 Mixtral (the AWQ fixture's weights re-quantized, every expert its
+    own calibrated input scale: tests/moe_common.mixtral_nvfp4): its decode layer runs the
+    experts' W4A4 GEMVs (12 launches: W4A16's 9, the post-attention norm's own launch, which
+    the experts' quantization reads, and the attention's two quantize_act); host
+    f32 logits and greedy ids equal the interpreter's, whose W4A4 numbers differ from W4A16's;
+    `qir run --audit` reports the experts' W4A4 error."""
+    path = mixtral_nvfp4(tmp_path / "mixtral_nvfp4")
+    plan = tmp_path / "plan.json"
+    argv = ["-q", "compile", str(path), "--block", "model", "--max-seq", "16", "--m", "1"]
+    assert main([*argv, "--json", str(plan)]) == 0
+    kernels = json.loads(plan.read_text())["kernels"]
+    layer = [k["name"] for k in kernels if k["nodes"][0].startswith("l0.")]
+    assert len(layer) == 12 and [n.split("_")[0] for n in layer].count("quantize") == 2, layer
+    assert layer[-2].endswith("_silumul_a4mul") and layer[-1].endswith(
+        "_combine_res_slots_in_a4mul"
+    )
+    tokens = np.load(DATA / AWQ / "golden_model.npz")["tokens"]
+    ref = Model.load(path, act=F32)
+    want = ref.logits(tokens)
+    w4a16 = Model.load(path, act=F32, weight_quantization="w4a16").logits(tokens)
+    assert max_rel(w4a16, want) > 1e-2
+    host = Model.load(path, act=F32, backend="host")
+    assert max_rel(host.logits(tokens), want) <= 1e-5
+    gen, ref_gen = (m.generate(tokens, 4, do_sample=False) for m in (host, ref))
+    np.testing.assert_array_equal(gen.tokens, ref_gen.tokens)
+    assert max_rel(gen.logits, ref_gen.logits) <= 1e-5
+    x = tmp_path / "x.npy"
+    np.save(x, np.random.default_rng(0).standard_normal((5, 256)).astype(np.float32))
+    capsys.readouterr()
+    run = ["run", str(path), "--block", "mlp", "--input", str(x), "--out", str(tmp_path / "o.npz")]
+    assert main([*run, "--audit"]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = {ln.split()[0]: [float(v) for v in ln.split()[1:]] for ln in lines}
+    assert sorted(rows) == ["experts_h", "y"]  # gate/up and down + combine: the experts
+    for w4a4_vs_w4a16, w4a4_vs_f32, w4a16_vs_f32 in rows.values():
+        assert 0.01 < w4a4_vs_w4a16 < 0.5 and w4a16_vs_f32 < 0.01 < w4a4_vs_f32

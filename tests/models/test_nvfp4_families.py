@@ -24,6 +24,7 @@ _DTYPE = {
     np.dtype(np.uint8): "U8",
     np.dtype(np.uint32): "U32",
     np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
     np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
 }

@@ -191,3 +191,66 @@ def test_verifier_rejects_4_bit_activations_for_weights_that_cannot_take_them():
     """
     with pytest.raises(ValueError, match="nvfp4 activations need weights that take them"):
         parse(text)
+
+
+EXPERTS = """
+graph moe {{
+  %x = input : f16[M, 64]
+  %ids = input : i32[M, 2]
+  %rw = input : f32[M, 2]
+  %wg = weight {{key="g"}} : experts<4, {w}[32, 64]>
+  %wu = weight {{key="u"}} : experts<4, {w}[32, 64]>
+  %wd = weight {{key="d"}} : experts<4, {w}[64, 32]>
+  %h = expert_qlinear %x, %wg, %wu, %ids {{epilogue="silu_mul"}} : f16[M, 2, 32]
+  %y = expert_qlinear %h, %wd, %ids, %rw, %x {{epilogue="combine_residual"}} : f16[M, 64]
+  output y = %y
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("w", "tier", "fired"),
+    [
+        (A4, "declared", 1),
+        (A4, "w4a4", 1),
+        (A16, "w4a4", 1),
+        (A16, "declared", 0),
+        (A4, "w4a16", 0),
+    ],
+)
+def test_route_marks_experts_w4a4_by_tier(w, tier, fired):
+    """Experts quantize in their own kernel (each slot under its expert's scale): the routed
+    node gets `act_quant`, no quantize_act; gate/up at K 64, down at K 32 (not whole 64-element
+    tiles: stays 16-bit)."""
+    after, count = route(EXPERTS.format(w=w), tier)
+    assert count == fired
+    assert "quantize_act" not in after
+    routed = 'expert_qlinear %x, %wg, %wu, %ids {act_quant="nvfp4", epilogue="silu_mul"}'
+    assert (routed in after) == bool(fired)
+    assert 'expert_qlinear %h, %wd, %ids, %rw, %x {epilogue="combine_residual"}' in after
+    again = parse(after)  # and routing is idempotent
+    assert PASSES["route_w4a4"](PassOptions(weight_quantization=tier)).run(again) == 0
+
+
+def test_w4a4_experts_change_the_numbers_only_up_to_64_rows():
+    """The differential run: the routed graph against the 16-bit one, through the interpreter."""
+    from tests.moe_common import random_experts
+
+    rng = np.random.default_rng(0)
+    text = EXPERTS.format(w=A4).replace("[64, 32]", "[64, 64]").replace("2, 32]", "2, 64]")
+    text = text.replace("[32, 64]", "[64, 64]")
+    g = parse(text)
+    fmt = g.node("wg").type.format
+    weights = {k: random_experts(rng, 4, 64, 64, fmt)[1] for k in ("g", "u", "d")}
+    weights["u"]["input_scale"] = weights["g"]["input_scale"]
+    routed = parse(route(text)[0])
+    assert sum(routed.node(n).attr("act_quant") == "nvfp4" for n in ("h", "y")) == 2
+    for m, differs in ((5, True), (65, False)):
+        x = {
+            "x": rng.standard_normal((m, 64)).astype(np.float16),
+            "ids": rng.integers(0, 4, (m, 2)).astype(np.int32),
+            "rw": np.full((m, 2), 0.5, np.float32),
+        }
+        a4, a16 = interpret(routed, x, weights)["y"], interpret(g, x, weights)["y"]
+        assert (rel_err(a4, a16) > 1e-3) == differs, (m, rel_err(a4, a16))
+        assert rel_err(a4, a16) < 0.2

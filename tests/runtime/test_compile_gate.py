@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 
 from qir.builder import Builder
+from qir.codegen.gemv import for_target
 from qir.codegen.kernel import Kernel
 from qir.codegen.layer_kernels import (
     AttentionSpec,
@@ -735,6 +736,42 @@ GATE: tuple[Entry, ...] = (
         "moe-nvfp4mul-checkpoint",
         moe(Nvfp4("mul", 16)),
         ("_silumul_rmsnorm_wbf16", "_rmsnorm_wbf16_silumul_e8top2"),
+    ),
+    # W4A4 experts (ModelOpt's declared W4A4): the expert GEMVs quantizing each slot's input
+    # under its expert's scale; compressed-tensors' encode factor and the per-row scale of
+    # --weight-quantization w4a4 on two archs (one with the FP4 conversion, one without).
+    Entry(
+        "moe-nvfp4mula4-checkpoint",
+        lambda arch: [k for k in moe(Nvfp4("mul", 4))(arch) if "_a4" in k.name],
+        ("_silumul_a4mul", "_combine_res_slots_in_a4mul"),
+    ),
+    Entry(
+        "expert-gemvs-nvfp4-a4div-a4dynamic-checkpoint",
+        lambda arch: [
+            expert_gemv_kernel(
+                ExpertGemvSpec(
+                    (QExperts(QWeight(fmt, n, k), 8),) * (2 if combine == "" else 1),
+                    BF16,
+                    8,
+                    2,
+                    combine=combine,
+                    per_slot=bool(combine),
+                    target=for_target(Target(arch), fmt, n, k),
+                    a4_mode=mode,
+                )
+            )
+            for fmt, mode, combine, (n, k) in (
+                (Nvfp4("div", 4), "div", "", (CHECKPOINT.inter, CHECKPOINT.hidden)),
+                (
+                    Nvfp4("div", 16),
+                    "dynamic",
+                    "combine_residual",
+                    (CHECKPOINT.hidden, CHECKPOINT.inter),
+                ),
+            )
+        ],
+        ("_silumul_a4div", "_combine_res_slots_in_a4dynamic"),
+        archs=("sm_80", "sm_100a"),
     ),
     Entry(
         "moe-shared-expert-mlx4-checkpoint",

@@ -449,3 +449,50 @@ def test_expert_biases_and_the_clamped_swiglu_match_the_interpreter(gemm: bool) 
     for k in plain:
         plain[k]["bias"] = np.zeros_like(plain[k]["bias"])
     assert max_rel(qir.compile(graph, plain, backend="reference")(x)["h"], h) > 0.1
+
+
+def a4_weights(fmt: Nvfp4, weights: Any) -> Any:
+    """Each expert its own calibrated input scale (gate's and up's the same, as calibrated on
+    one input), so that a kernel quantizing under the wrong expert's scale shows."""
+    if fmt.act_bits == 4:
+        spread = np.array([1.0, 4.0, 0.25, 2.0, 0.5], np.float32)[:, None]
+        for n in ("gate", "down", "proj"):
+            s = spread if fmt.scale_mode == "mul" else 1 / spread
+            weights[n]["input_scale"] = weights[n]["input_scale"] * s
+        weights["up"]["input_scale"] = weights["gate"]["input_scale"].copy()
+    return weights
+
+
+@pytest.mark.parametrize(
+    ("fmt", "act", "batches"),
+    [
+        (Nvfp4("mul", 4), F16, (1, 3, 9, 70)),  # ModelOpt's calibrated decode factors
+        (Nvfp4("div", 4), BF16, (1, 3, 9)),  # compressed-tensors' encode factors
+        (Nvfp4("div", 16), F32, (1, 9)),  # --weight-quantization w4a4: a per-row scale
+    ],
+    ids=lambda v: v.tag() if isinstance(v, Nvfp4) else None,
+)
+def test_w4a4_expert_gemvs_match_the_interpreter(
+    fmt: Nvfp4, act: DType, batches: tuple[int, ...]
+) -> None:
+    """NVFP4 experts with 4-bit activations: the expert GEMVs quantize each slot's input as
+    they read it, under its expert's scale (decode: the staged row; tiles: each block as read),
+    up to 64 rows; above, the 16-bit grouped GEMMs (f32: the 16-bit expert GEMVs). Ragged N
+    (37), experts chosen by many tokens and by none."""
+    graph, weights = experts_graph(fmt, 2, act)
+    weights = a4_weights(fmt, weights)
+    c = qir.compile(graph, weights, backend="host", weight_quantization="w4a4")
+    ref = qir.compile(graph, weights, backend="reference", weight_quantization="w4a4")
+    a16 = qir.compile(graph, weights, backend="reference", weight_quantization="w4a16")
+    mode = {"mul": "mul", "div": "div"}[fmt.scale_mode] if fmt.act_bits == 4 else "dynamic"
+    for m in (*batches, 65):
+        names = [la.kernel.name for la in c.plan.launches if la.runs_for(m)]
+        experts = [n for n in names if n.startswith(("moe_gemv", "moe_qgemm"))]
+        assert len(experts) == 3 and all(n.endswith(f"_a4{mode}") == (m <= 64) for n in experts)
+        if m not in batches:
+            continue
+        x = feed(m, 2, act)
+        ours, want = c(x), ref(x)
+        close(ours, want)
+        if m == 9:  # the 4-bit activations are in the reference the kernels met
+            assert max_rel(a16(x)["s"], want["s"]) > 1e-2
