@@ -12,14 +12,17 @@ are weight buffers and which is M.
   order but reaching an earlier use through a back edge keeps its first labels (pointer
   increments redefine a register from itself, so they keep theirs).
 - Loops are back edges: a BRA to an earlier instruction (the self-branch after the last
-  EXIT is padding, not a loop). Two back edges to one head are one loop.
+  EXIT is padding, not a loop; nor is a back branch in code no M reaches: a shuffle's
+  divergence fallback returning to the code after its BRA.DIV). Two back edges to one head are
+  one loop.
 - A loop's trip count is solved when its back edge tests an induction register against an
   immediate, the register is stepped by one immediate add in the body and set to a constant
   before the loop (sm_80 code leaves by `@P CALL.REL.NOINC` just before a plain back branch: the
   same test, negated); anything else (a lane-dependent start, a bound in a register, an
   induction register spilled to the stack) is "unknown".
 - `decide` evaluates, at a given M and block row (blockIdx.y), the branches whose guard is
-  computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`),
+  computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`;
+  M loaded by LDC / ULDC, or on sm_80 read straight from the constant bank as an operand),
   and `reachable` walks the code from the entry along them: code a batch size never runs (a
   kernel's M = 1 path at M = 8, or the other way round) is not counted. Nor is the target of a
   `BRA.DIV` (the collective fallback of shuffles for a diverged warp: qir's run converged).
@@ -308,11 +311,14 @@ class Loop:
         return other != self and other.head <= self.head and self.tail <= other.tail
 
 
-def loops(instrs: Sequence[Instr]) -> tuple[Loop, ...]:
+def loops(instrs: Sequence[Instr], live: frozenset[int] | None = None) -> tuple[Loop, ...]:
+    """The back edges, as loops; with `live` (the code reachable at some M), those whose back
+    branch is live: a shuffle's divergence fallback returns by a branch back to the code after
+    its BRA.DIV, a back edge from dead code, not a loop."""
     tails: dict[int, int] = {}
     for ins in instrs:
         t = ins.target()
-        if t is not None and t < ins.index:
+        if t is not None and t < ins.index and (live is None or ins.index in live):
             tails[t] = max(tails.get(t, 0), ins.index)
     return tuple(Loop(h, t) for h, t in sorted(tails.items()))
 
@@ -456,6 +462,11 @@ def value(
     imm = _imm(tok)
     if imm is not None:
         return -imm if neg else imm
+    if cbank := _CBANK.fullmatch(tok):
+        # A parameter read as an operand (sm_80: `IMAD.MOV.U32 R7, RZ, RZ, c[0x0][0x198]`, where
+        # later archs load it by LDC / ULDC first): only M's word has a value here.
+        m = env.get("M") if slots.get(int(cbank.group(1), 16)) == "M" else None
+        return None if m is None else -m if neg else m
     if re.fullmatch(r"U?R\d+|U?P\d", tok) is None:
         return None
     d = _last_def(instrs, tok, 0, at)
