@@ -361,9 +361,11 @@ def _negate(guard: str) -> str:
     return guard.replace("@!", "@") if guard.startswith("@!") else guard.replace("@", "@!")
 
 
-def _last_def(instrs: Sequence[Instr], reg: str, start: int, end: int) -> int | None:
+def _last_def(
+    instrs: Sequence[Instr], reg: str, start: int, end: int, live: frozenset[int] | None = None
+) -> int | None:
     for i in range(end - 1, start - 1, -1):
-        if reg in instrs[i].dests:
+        if reg in instrs[i].dests and (live is None or i in live):
             return i
     return None
 
@@ -446,11 +448,16 @@ def _signed(v: int) -> int:
 
 
 def value(
-    instrs: Sequence[Instr], at: int, tok: str, slots: Mapping[int, str], env: Mapping[str, int]
+    instrs: Sequence[Instr],
+    at: int,
+    tok: str,
+    slots: Mapping[int, str],
+    env: Mapping[str, int],
+    live: frozenset[int] | None = None,
 ) -> int | None:
     """The 32-bit value of operand `tok` just before instruction `at` (its last definition in
-    address order), if it follows from constants, M (env["M"]) and blockIdx.y
-    (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
+    address order, in `live` code if given), if it follows from constants, M (env["M"]) and
+    blockIdx.y (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
     neg, inverted = tok.startswith("-"), tok.startswith("!")
     tok = tok.lstrip("-!")
     if re.match(r"U?[RP]", tok):
@@ -469,10 +476,10 @@ def value(
         return None if m is None else -m if neg else m
     if re.fullmatch(r"U?R\d+|U?P\d", tok) is None:
         return None
-    d = _last_def(instrs, tok, 0, at)
+    d = _last_def(instrs, tok, 0, at, live)
     if d is None:
         return None
-    got = _define(instrs, d, tok, slots, env)
+    got = _define(instrs, d, tok, slots, env, live)
     if got is None:
         return None
     return int(not got) if inverted else -got if neg else got
@@ -482,7 +489,12 @@ _UNIFORM_TWINS = {"IADD3", "SEL", "ISETP", "SHF", "LEA", "IMAD", "MOV"}
 
 
 def _define(
-    instrs: Sequence[Instr], d: int, reg: str, slots: Mapping[int, str], env: Mapping[str, int]
+    instrs: Sequence[Instr],
+    d: int,
+    reg: str,
+    slots: Mapping[int, str],
+    env: Mapping[str, int],
+    live: frozenset[int] | None,
 ) -> int | None:
     ins = instrs[d]
     if ins.guard:
@@ -490,7 +502,7 @@ def _define(
     src = ins.sources
 
     def v(k: int) -> int | None:
-        return value(instrs, d, src[k], slots, env) if k < len(src) else None
+        return value(instrs, d, src[k], slots, env, live) if k < len(src) else None
 
     op, parts = ins.op, ins.parts
     # The uniform datapath's twins (UIADD3, USEL, UISETP, S2UR, ...) compute the same.
@@ -560,7 +572,8 @@ def _define(
     if op in ("IADD3", "VIADD"):
         return sum(a) & _MASK
     if op == "IMAD" and len(a) == 3 and not {"WIDE", "HI", "X"} & set(parts):
-        return ((a[0] << a[1]) + a[2] if "SHL" in parts else a[0] * a[1] + a[2]) & _MASK
+        # IMAD.SHL's immediate is the power of two it multiplies by (x << 3 prints as 0x8).
+        return (a[0] * a[1] + a[2]) & _MASK
     if op == "SHF" and len(a) >= 3:
         if parts[1:3] == ("L", "U32"):
             return (a[0] << a[1]) & _MASK
@@ -576,15 +589,27 @@ def decide(
     instrs: Sequence[Instr], flow: Flow, slots: Mapping[int, str], m: int, tile: int
 ) -> dict[int, bool]:
     """Branch -> taken, for the guarded branches that test M (flow.guard) and evaluate at batch
-    size `m` in block row `tile`."""
+    size `m` in block row `tile`. A register's last definition in address order may lie on
+    another M's path (sm_80 lays the tile path out before the one-row path, and reuses its
+    registers): the branches are decided again from the definitions in the code the last
+    decisions reach, until that code stays the same."""
     env = {"M": m, "SR_CTAID.Y": tile}
-    out = {}
-    for i, ins in enumerate(instrs):
-        if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
-            continue
-        p = value(instrs, i, ins.guard.lstrip("@"), slots, env)
-        if p is not None:
-            out[i] = bool(p)
+    live: frozenset[int] | None = None
+    out: dict[int, bool] = {}
+    for _ in range(8):
+        out = {}
+        for i, ins in enumerate(instrs):
+            if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
+                continue
+            if live is not None and i not in live:
+                continue
+            p = value(instrs, i, ins.guard.lstrip("@"), slots, env, live)
+            if p is not None:
+                out[i] = bool(p)
+        reached = reachable(instrs, out)
+        if reached == live:
+            break
+        live = reached
     return out
 
 

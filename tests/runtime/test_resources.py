@@ -449,6 +449,34 @@ def test_a_compare_and_or_with_m_decides_alone() -> None:
     assert sass.decide(code, flow, slots, 2, 0) == {}  # then the row count decides: unknown
 
 
+def test_a_branch_reads_its_registers_from_the_path_it_is_on() -> None:
+    """sm_80 lays the tile path out before the one-row path and reuses its registers: the last
+    definition of R4 in address order (8 M, on the tile path) is not what the one-row path's
+    test reads (the lane's index). Decided from it, the test skipped the one-row path's work at
+    M = 1; decided from the code M = 1 reaches, it is a lane's test, not decided."""
+    slots = {0x198: "M"}
+    code = _ins(
+        "S2R R4, SR_TID.X",
+        "IMAD.MOV.U32 R7, RZ, RZ, c[0x0][0x198]",
+        "ISETP.NE.AND P0, PT, R7, 0x1, PT",
+        f"@!P0 BRA {_at(6)}",
+        "IMAD.SHL.U32 R4, R7, 0x400, RZ",  # the tile path
+        "EXIT",
+        "ISETP.GT.U32.AND P1, PT, R4, 0x2ff, PT",  # the one-row path
+        f"@P1 BRA {_at(9)}",
+        "LDG.E.128.CONSTANT R8, [R2.64]",
+        "EXIT",
+    )
+    flow = sass.labels(code, slots)
+    assert flow.guard[7] == {"M"}  # address order: R4 last came from M
+    # IMAD.SHL multiplies by its immediate, a power of two: 1024 M on the tile path.
+    assert sass.value(code, 6, "R4", slots, {"M": 1, "SR_CTAID.Y": 0}) == 0x400
+    one = sass.decide(code, flow, slots, 1, 0)
+    assert one == {3: True}
+    assert sass.reachable(code, one) == frozenset({0, 1, 2, 3, 6, 7, 8, 9})
+    assert sass.decide(code, flow, slots, 2, 0) == {3: False}
+
+
 def _experts(
     fmt, hidden: int, inter: int, experts: int, k: int, norm: bool = False, arch: str = "sm_90"
 ) -> Plan:
