@@ -291,7 +291,7 @@ def _mma_cost(base: KernelCost, launch: Launch, instrs: Sequence[sass.Instr], m:
     mmas = [i for i in live if instrs[i].op in MMA_OPS]
     if not mmas:
         return _replace(base, notes=("no MMA instruction in the SASS",))
-    loops = sass.loops(instrs)
+    loops = sass.loops(instrs, live)
     holding = [lp for lp in loops if any(i in lp for i in mmas)]
     outer = [lp for lp in holding if not any(lp.inside(o) for o in holding)]
     if not outer:
@@ -329,10 +329,10 @@ def _stream_cost(
 ) -> KernelCost:
     slots = param_slots(launch, base.arch)
     flow = sass.labels(instrs, slots)
-    loops = sass.loops(instrs)
     # Code this batch size never runs (another M's path) is neither the weight loop nor counted.
     decided = sass.decide(instrs, flow, slots, m, 0)
     live = sass.reachable(instrs, decided)
+    loops = sass.loops(instrs, live)
     flow = sass.labels(instrs, slots, live)
     loads = [
         i

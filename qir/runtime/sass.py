@@ -12,14 +12,17 @@ are weight buffers and which is M.
   order but reaching an earlier use through a back edge keeps its first labels (pointer
   increments redefine a register from itself, so they keep theirs).
 - Loops are back edges: a BRA to an earlier instruction (the self-branch after the last
-  EXIT is padding, not a loop). Two back edges to one head are one loop.
+  EXIT is padding, not a loop; nor is a back branch in code no M reaches: a shuffle's
+  divergence fallback returning to the code after its BRA.DIV). Two back edges to one head are
+  one loop.
 - A loop's trip count is solved when its back edge tests an induction register against an
   immediate, the register is stepped by one immediate add in the body and set to a constant
   before the loop (sm_80 code leaves by `@P CALL.REL.NOINC` just before a plain back branch: the
   same test, negated); anything else (a lane-dependent start, a bound in a register, an
   induction register spilled to the stack) is "unknown".
 - `decide` evaluates, at a given M and block row (blockIdx.y), the branches whose guard is
-  computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`),
+  computed from M, blockIdx.y and constants alone (`mrows = min(M - m0, tile)`, `m < mrows`;
+  M loaded by LDC / ULDC, or on sm_80 read straight from the constant bank as an operand),
   and `reachable` walks the code from the entry along them: code a batch size never runs (a
   kernel's M = 1 path at M = 8, or the other way round) is not counted. Nor is the target of a
   `BRA.DIV` (the collective fallback of shuffles for a diverged warp: qir's run converged).
@@ -308,11 +311,14 @@ class Loop:
         return other != self and other.head <= self.head and self.tail <= other.tail
 
 
-def loops(instrs: Sequence[Instr]) -> tuple[Loop, ...]:
+def loops(instrs: Sequence[Instr], live: frozenset[int] | None = None) -> tuple[Loop, ...]:
+    """The back edges, as loops; with `live` (the code reachable at some M), those whose back
+    branch is live: a shuffle's divergence fallback returns by a branch back to the code after
+    its BRA.DIV, a back edge from dead code, not a loop."""
     tails: dict[int, int] = {}
     for ins in instrs:
         t = ins.target()
-        if t is not None and t < ins.index:
+        if t is not None and t < ins.index and (live is None or ins.index in live):
             tails[t] = max(tails.get(t, 0), ins.index)
     return tuple(Loop(h, t) for h, t in sorted(tails.items()))
 
@@ -355,9 +361,11 @@ def _negate(guard: str) -> str:
     return guard.replace("@!", "@") if guard.startswith("@!") else guard.replace("@", "@!")
 
 
-def _last_def(instrs: Sequence[Instr], reg: str, start: int, end: int) -> int | None:
+def _last_def(
+    instrs: Sequence[Instr], reg: str, start: int, end: int, live: frozenset[int] | None = None
+) -> int | None:
     for i in range(end - 1, start - 1, -1):
-        if reg in instrs[i].dests:
+        if reg in instrs[i].dests and (live is None or i in live):
             return i
     return None
 
@@ -440,11 +448,16 @@ def _signed(v: int) -> int:
 
 
 def value(
-    instrs: Sequence[Instr], at: int, tok: str, slots: Mapping[int, str], env: Mapping[str, int]
+    instrs: Sequence[Instr],
+    at: int,
+    tok: str,
+    slots: Mapping[int, str],
+    env: Mapping[str, int],
+    live: frozenset[int] | None = None,
 ) -> int | None:
     """The 32-bit value of operand `tok` just before instruction `at` (its last definition in
-    address order), if it follows from constants, M (env["M"]) and blockIdx.y
-    (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
+    address order, in `live` code if given), if it follows from constants, M (env["M"]) and
+    blockIdx.y (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
     neg, inverted = tok.startswith("-"), tok.startswith("!")
     tok = tok.lstrip("-!")
     if re.match(r"U?[RP]", tok):
@@ -456,12 +469,17 @@ def value(
     imm = _imm(tok)
     if imm is not None:
         return -imm if neg else imm
+    if cbank := _CBANK.fullmatch(tok):
+        # A parameter read as an operand (sm_80: `IMAD.MOV.U32 R7, RZ, RZ, c[0x0][0x198]`, where
+        # later archs load it by LDC / ULDC first): only M's word has a value here.
+        m = env.get("M") if slots.get(int(cbank.group(1), 16)) == "M" else None
+        return None if m is None else -m if neg else m
     if re.fullmatch(r"U?R\d+|U?P\d", tok) is None:
         return None
-    d = _last_def(instrs, tok, 0, at)
+    d = _last_def(instrs, tok, 0, at, live)
     if d is None:
         return None
-    got = _define(instrs, d, tok, slots, env)
+    got = _define(instrs, d, tok, slots, env, live)
     if got is None:
         return None
     return int(not got) if inverted else -got if neg else got
@@ -471,7 +489,12 @@ _UNIFORM_TWINS = {"IADD3", "SEL", "ISETP", "SHF", "LEA", "IMAD", "MOV"}
 
 
 def _define(
-    instrs: Sequence[Instr], d: int, reg: str, slots: Mapping[int, str], env: Mapping[str, int]
+    instrs: Sequence[Instr],
+    d: int,
+    reg: str,
+    slots: Mapping[int, str],
+    env: Mapping[str, int],
+    live: frozenset[int] | None,
 ) -> int | None:
     ins = instrs[d]
     if ins.guard:
@@ -479,7 +502,7 @@ def _define(
     src = ins.sources
 
     def v(k: int) -> int | None:
-        return value(instrs, d, src[k], slots, env) if k < len(src) else None
+        return value(instrs, d, src[k], slots, env, live) if k < len(src) else None
 
     op, parts = ins.op, ins.parts
     # The uniform datapath's twins (UIADD3, USEL, UISETP, S2UR, ...) compute the same.
@@ -549,7 +572,8 @@ def _define(
     if op in ("IADD3", "VIADD"):
         return sum(a) & _MASK
     if op == "IMAD" and len(a) == 3 and not {"WIDE", "HI", "X"} & set(parts):
-        return ((a[0] << a[1]) + a[2] if "SHL" in parts else a[0] * a[1] + a[2]) & _MASK
+        # IMAD.SHL's immediate is the power of two it multiplies by (x << 3 prints as 0x8).
+        return (a[0] * a[1] + a[2]) & _MASK
     if op == "SHF" and len(a) >= 3:
         if parts[1:3] == ("L", "U32"):
             return (a[0] << a[1]) & _MASK
@@ -565,15 +589,27 @@ def decide(
     instrs: Sequence[Instr], flow: Flow, slots: Mapping[int, str], m: int, tile: int
 ) -> dict[int, bool]:
     """Branch -> taken, for the guarded branches that test M (flow.guard) and evaluate at batch
-    size `m` in block row `tile`."""
+    size `m` in block row `tile`. A register's last definition in address order may lie on
+    another M's path (sm_80 lays the tile path out before the one-row path, and reuses its
+    registers): the branches are decided again from the definitions in the code the last
+    decisions reach, until that code stays the same."""
     env = {"M": m, "SR_CTAID.Y": tile}
-    out = {}
-    for i, ins in enumerate(instrs):
-        if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
-            continue
-        p = value(instrs, i, ins.guard.lstrip("@"), slots, env)
-        if p is not None:
-            out[i] = bool(p)
+    live: frozenset[int] | None = None
+    out: dict[int, bool] = {}
+    for _ in range(8):
+        out = {}
+        for i, ins in enumerate(instrs):
+            if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
+                continue
+            if live is not None and i not in live:
+                continue
+            p = value(instrs, i, ins.guard.lstrip("@"), slots, env, live)
+            if p is not None:
+                out[i] = bool(p)
+        reached = reachable(instrs, out)
+        if reached == live:
+            break
+        live = reached
     return out
 
 
