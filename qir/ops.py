@@ -169,6 +169,17 @@ def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, sl
     )
 
 
+def _check_takes_act(op: str, scheme: str, name: str, w: QWeight | QExperts, what: str) -> None:
+    """4-bit activations need weights whose kernels consume that scheme, and K in whole
+    64-element tiles."""
+    if w.format.act_quant_scheme() != scheme:
+        raise IRTypeError(
+            f"{op}: {scheme} activations need {what} that take them, not {_desc(name, w)}"
+        )
+    if w.in_features % 64:
+        raise IRTypeError(f"{op}: {scheme} activations need K % 64 == 0, got {w.in_features}")
+
+
 def _infer_qlinear(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
@@ -240,21 +251,12 @@ def _infer_projections(
                 f"and {_desc(names[i], w)} differ"
             )
         results.append(TensorType((x.shape[0], w.out_features), x.dtype))
-    # 4-bit activations (a quantize_act input, or act_quant in the prologue) need weights whose
-    # kernels consume that scheme, and K in whole 64-element tiles.
+    # 4-bit activations: a quantize_act input, or act_quant in the prologue
     scheme = types[0].scheme if isinstance(types[0], QActType) else attrs.get("act_quant")
     if scheme is not None:
         w0 = types[ws.start]
         assert isinstance(w0, QWeight)
-        if w0.format.act_quant_scheme() != scheme:
-            raise IRTypeError(
-                f"qlinear: {scheme} activations need weights that take them, not "
-                f"{_desc(names[ws.start], w0)}"
-            )
-        if w0.in_features % 64:
-            raise IRTypeError(
-                f"qlinear: {scheme} activations need K % 64 == 0, got {w0.in_features}"
-            )
+        _check_takes_act("qlinear", scheme, names[ws.start], w0, "weights")
     if epilogue == "silu_mul":
         if prologue == "silu_mul":
             raise IRTypeError("qlinear epilogue silu_mul: takes no silu_mul prologue")
@@ -883,15 +885,7 @@ def _infer_expert_qlinear(
         # W4A4 experts: each (row, slot)'s input quantized with its expert's calibrated scale
         # (the experts' input_scale buffer) or, where they calibrated none, a per-row one.
         _check_act_rule(op, attrs, "act_quant")
-        if first.format.act_quant_scheme() != scheme:
-            raise IRTypeError(
-                f"{op}: {scheme} activations need experts that take them, not "
-                f"{_desc(names[ws.start], first)}"
-            )
-        if first.in_features % 64:
-            raise IRTypeError(
-                f"{op}: {scheme} activations need K % 64 == 0, got {first.in_features}"
-            )
+        _check_takes_act(op, scheme, names[ws.start], first, "experts")
     per_slot = TensorType((BATCH, k, first.out_features), x.dtype)
     if not extras:
         return per_slot
