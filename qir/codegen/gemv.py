@@ -399,6 +399,7 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         cap=c_cap(spec.cap),
         has_bias=any(w.bias for w in spec.weights),
         source=_act_source(spec),
+        stage_f32=_stages_f32(spec, frag),
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         **frag.context,
@@ -406,6 +407,20 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
     return Kernel(
         spec.name, source, tuple(params), (32 * WARPS_PER_BLOCK, 1, 1), (common_header(),)
     )
+
+
+# Shared memory a float-path decode may give its staged row (K floats).
+STAGE_F32_BYTES = 32 * 1024
+
+
+def _stages_f32(spec: GemvSpec, frag: Fragment) -> int:
+    """How many rows of x a float-path launch computes once per block into shared memory
+    (rms_norm'd, silu(g) * u) instead of in every warp, for every chunk and slot: its whole
+    m-tile where that fits, else the M = 1 row where that does, else none."""
+    if spec.path(frag) != "float" or not (spec.prologue or spec.norm is not None):
+        return 0
+    row = 4 * spec.weights[0].in_features
+    return spec.m_tile if spec.m_tile * row <= STAGE_F32_BYTES else int(row <= STAGE_F32_BYTES)
 
 
 def _act_source(spec: GemvSpec) -> str:

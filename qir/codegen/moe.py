@@ -371,6 +371,7 @@ def expert_gemv_kernel(spec: ExpertGemvSpec) -> Kernel:
         count=spec.count,
         row_bytes=row_bytes(e0) * len(spec.experts),
         has_bias=e0.expert.bias,
+        stage_f32=0,  # its sources stage their own rows (qir_act_rows)
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         a4=bool(spec.a4_mode),

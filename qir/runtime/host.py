@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,15 +40,31 @@ HEADER = Path(__file__).parent / "include" / "qir_host.h"
 VECTOR_ALIGN = 16
 CXX = "g++"
 # CUDA code routinely type-puns through reinterpret_cast (uint4 -> __half2 etc.), which nvcc
-# tolerates and g++ -O2 miscompiles under strict aliasing.
-BASE_FLAGS = ("-std=c++17", "-fno-strict-aliasing", "-x", "c++")
+# tolerates and g++ -O2 miscompiles under strict aliasing. No contraction of a * b + c into an
+# FMA (ISO mode's default, said outright): kernels round where their source says, as the
+# interpreter does. -march=native: this CPU's FMA (fmaf inline instead of a libm call), F16C
+# (f16 conversions in one instruction) and vector units; `native_arch` puts what it resolves to
+# in every cache key, so a cache never serves a kernel built for another CPU.
+BASE_FLAGS = (
+    "-std=c++17",
+    "-fno-strict-aliasing",
+    "-ffp-contract=off",
+    "-march=native",
+    "-x",
+    "c++",
+)
 # Hidden visibility keeps each kernel's copy of the runtime private to its .so (no process-wide
 # unique symbols shared between kernels); the entry points are exported explicitly.
 SO_FLAGS = ("-fPIC", "-shared", "-fvisibility=hidden")
-# g++'s optimisation level: -O2 unless QIR_HOST_OPT says (0-3). A kernel's results do not depend
+# g++'s optimisation level: -O3 unless QIR_HOST_OPT says (0-3). A kernel's results do not depend
 # on it (no fast-math: IEEE arithmetic at every level; tests/runtime/test_host.py compares -O1
-# with -O2 bytes), its build and run time do: the test suite builds at -O1, a quarter faster.
+# with -O3 bytes), its build and run time do: the test suite builds at -O1, a quarter faster.
 OPT_LEVELS = ("0", "1", "2", "3")
+# QIR_HOST_MODE: `fast` (the default) gives the few hot helpers that have one their host body
+# (QIR_HOST_FAST: a 4-bit code read as an integer where a GPU decodes it with packed f16
+# arithmetic, which the CPU can only emulate); `check` runs every helper's portable GPU-path
+# body instead. Both give the same bytes (tests/runtime/test_host_modes.py).
+MODES = {"fast": ("-DQIR_HOST_FAST=1",), "check": ()}
 # An ASan runtime cannot be loaded into an uninstrumented Python without LD_PRELOAD, so sanitized
 # kernels are built as standalone executables and run in a child process (see QIR_HOST_RUNNER).
 SANITIZE_FLAGS = (
@@ -95,10 +112,38 @@ def compiler_version() -> str:
     return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
 
 
+@cache
+def native_arch() -> str:
+    """What -march=native means on this machine (g++'s resolved target options: the CPU and
+    every instruction set it enables): part of every host cache key."""
+    proc = subprocess.run(
+        [CXX, "-march=native", "-Q", "--help=target"], capture_output=True, text=True, check=True
+    )
+    return proc.stdout
+
+
+# CUDA's `#pragma unroll [N]` in GCC's words (which ignores nvcc's): the kernels rely on full
+# unrolling to fold their constant index arithmetic (a pair's bit position, a magic constant),
+# which GCC otherwise computes at run time. A bare pragma asks for at most UNROLL copies, so a
+# loop whose trip count is not a constant grows by a bounded factor.
+UNROLL = 64
+_PRAGMA_UNROLL = re.compile(r"^([ \t]*)#pragma unroll\b[ \t]*(\d*)", re.MULTILINE)
+
+
+def for_gcc(text: str) -> str:
+    """CUDA source as g++ compiles it: the same code, its unroll pragmas in GCC's spelling."""
+    return _PRAGMA_UNROLL.sub(lambda m: f"{m[1]}#pragma GCC unroll {m[2] or UNROLL}", text)
+
+
 def host_source(kernel: Kernel) -> str:
     """What g++ compiles: the kernel plus one exported, generic trampoline (qir_host.h does the
     argument unpacking). Appended, so line numbers in compiler messages stay the kernel's."""
-    return f"{kernel.source.rstrip()}\n\nQIR_HOST_EXPORT({kernel.name})\n"
+    return f"{for_gcc(kernel.source).rstrip()}\n\nQIR_HOST_EXPORT({kernel.name})\n"
+
+
+def host_headers(kernel: Kernel) -> tuple[tuple[str, str], ...]:
+    """The kernel's own headers (qir_common.cuh, its format's), as g++ compiles them."""
+    return tuple((name, for_gcc(text)) for name, text in kernel.headers)
 
 
 @dataclass(frozen=True)
@@ -124,10 +169,15 @@ class HostBackend:
             )
         self.cache = KernelCache.at(cache_dir)
         self.sanitize = sanitize
-        opt = os.environ.get("QIR_HOST_OPT", "2").strip()
+        opt = os.environ.get("QIR_HOST_OPT", "3").strip()
         if opt not in OPT_LEVELS:
             raise UsageError(f"QIR_HOST_OPT={opt!r}: expected one of {', '.join(OPT_LEVELS)}")
-        self._so_flags = (f"-O{opt}", *SO_FLAGS)
+        mode = os.environ.get("QIR_HOST_MODE", "fast").strip()
+        if mode not in MODES:
+            raise UsageError(f"QIR_HOST_MODE={mode!r}: expected one of {', '.join(MODES)}")
+        self.mode = mode
+        self._so_flags = (f"-O{opt}", *SO_FLAGS, *MODES[mode])
+        self._sanitize_flags = (*SANITIZE_FLAGS, *MODES[mode])
         # Entries prepare() fetched (compiled or read and checksummed), for load() to take
         # instead of reading them again.
         self._prepared: dict[Kernel, Artifact] = {}
@@ -136,14 +186,14 @@ class HostBackend:
             HEADER,
             CXX,
             cuda_include_dirs,
-            lambda: compiler_version() + toolkit_fingerprint(),
+            lambda: compiler_version() + native_arch() + toolkit_fingerprint(),
         )
 
     # -- compile -------------------------------------------------------------------------------
 
     def _flags(self, kernel: Kernel, build: Path, precompiled: bool = True) -> list[str]:
         mode = (
-            (*SANITIZE_FLAGS, f"-DQIR_HOST_RUNNER=qir_launch_{kernel.name}")
+            (*self._sanitize_flags, f"-DQIR_HOST_RUNNER=qir_launch_{kernel.name}")
             if self.sanitize
             else self._so_flags
         )
@@ -161,13 +211,14 @@ class HostBackend:
     def key_parts(self, kernel: Kernel, source: str) -> dict[str, str]:
         """What a compiled kernel depends on, besides qir's codegen (see cache.key)."""
         # The include dirs hold the temporary build dir: hash the flags of the mode instead.
-        flags = (BASE_FLAGS, SANITIZE_FLAGS if self.sanitize else self._so_flags)
+        flags = (BASE_FLAGS, self._sanitize_flags if self.sanitize else self._so_flags)
         return {
             "source": source,
-            "headers": repr(kernel.headers),
+            "headers": repr(host_headers(kernel)),
             "runtime_header": HEADER.read_text(),
             "options": repr(flags),
             "compiler": compiler_version(),
+            "cpu": native_arch(),
             "toolkit": toolkit_fingerprint(),
         }
 
@@ -176,7 +227,7 @@ class HostBackend:
 
     def _spec(self, kernel: Kernel) -> tuple[object, ...]:
         """The in-memory cache's key: one loaded library per kernel and build mode."""
-        return (self.name, self.sanitize, self._so_flags, kernel)
+        return (self.name, self.sanitize, self._so_flags, self._sanitize_flags, kernel)
 
     def prepare(self, kernel: Kernel) -> None:
         """Compile `kernel` into the disk cache without loading it; safe on any thread."""
@@ -211,7 +262,7 @@ class HostBackend:
     def _compile(self, kernel: Kernel, source: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:
             build = Path(tmp)
-            for name, text in kernel.headers:
+            for name, text in host_headers(kernel):
                 (build / name).parent.mkdir(parents=True, exist_ok=True)
                 (build / name).write_text(text)
             cu, out = build / f"{kernel.name}.cu", build / "kernel.out"

@@ -7,16 +7,41 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#if defined(QIR_HOST)
+// The host backend (qir_host.h) converts 16-bit floats inline and exactly, with the toolkit's
+// results; its own host conversions are out-of-line software, slow on every weight.
+template <typename T> inline uint16_t qir_bits16(T v) { uint16_t b; memcpy(&b, &v, 2); return b; }
+template <typename T> inline T qir_of_bits16(uint16_t b) { T v; memcpy(&v, &b, 2); return v; }
+template <typename T> inline float qir_host_widen(uint16_t b) {
+  if constexpr (std::is_same<T, __half>::value) return qir_host::half_bits_to_float(b);
+  else return qir_host::bf16_bits_to_float(b);
+}
+#endif
+
 __device__ __forceinline__ float qir_to_float(float v) { return v; }
+#if defined(QIR_HOST)
+inline float qir_to_float(__half v) { return qir_host::half_bits_to_float(qir_bits16(v)); }
+inline float qir_to_float(__nv_bfloat16 v) { return qir_host::bf16_bits_to_float(qir_bits16(v)); }
+#else
 __device__ __forceinline__ float qir_to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float qir_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+#endif
 
 template <typename T> __device__ __forceinline__ T qir_from_float(float v);
 template <> __device__ __forceinline__ float qir_from_float<float>(float v) { return v; }
+#if defined(QIR_HOST)
+template <> inline __half qir_from_float<__half>(float v) {
+  return qir_of_bits16<__half>(qir_host::float_to_half_bits(v));
+}
+template <> inline __nv_bfloat16 qir_from_float<__nv_bfloat16>(float v) {
+  return qir_of_bits16<__nv_bfloat16>(qir_host::float_to_bf16_bits(v));
+}
+#else
 template <> __device__ __forceinline__ __half qir_from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 qir_from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
+#endif
 
 // 8 consecutive activations as floats. Callers guarantee 16-byte alignment of p for 16-bit
 // types (8 x 2 bytes = one 128-bit load) and 32-byte alignment for float (two loads).
@@ -53,6 +78,9 @@ __device__ __forceinline__ void qir_store8<float>(float* dst, const float* v) {
 }
 
 __device__ __forceinline__ float qir_warp_sum(float v) {
+#if defined(QIR_HOST_FAST)
+  if (qir_host::warp_sum(v)) return v;
+#endif
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
@@ -79,6 +107,37 @@ __device__ __forceinline__ float qir_swiglu_gate(float g, float limit, float alp
 __device__ __forceinline__ float qir_swiglu_up(float u, float limit) {
   return fminf(fmaxf(u, -limit), limit) + 1.0f;
 }
+
+// ---- 8 floats at a time ------------------------------------------------------------------------
+// A dot product's 8 independent partial sums: fmaf per element (registers on a GPU; one vector
+// FMA on a CPU, the host's fast mode, with the same roundings).
+#if defined(QIR_HOST_FAST) && defined(__AVX__) && defined(__FMA__)
+struct qir_f8 { __m256 v; };
+__device__ __forceinline__ qir_f8 qir_f8_zero() { return {_mm256_setzero_ps()}; }
+// p + w[e] * x[e] per element, each fused (one rounding).
+__device__ __forceinline__ qir_f8 qir_fma8(const float* w, const float* x, qir_f8 p) {
+  return {_mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), p.v)};
+}
+// ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+__device__ __forceinline__ float qir_sum8(qir_f8 p) {
+  const __m128 lo = _mm256_castps256_ps128(p.v), hi = _mm256_extractf128_ps(p.v, 1);
+  // pairs (0+1, 2+3) and (4+5, 6+7), then their pairs
+  const __m128 a = _mm_hadd_ps(lo, hi);  // p0+p1, p2+p3, p4+p5, p6+p7
+  const __m128 b = _mm_hadd_ps(a, a);    // (p0+p1)+(p2+p3), (p4+p5)+(p6+p7), ...
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#else
+struct qir_f8 { float v[8]; };
+__device__ __forceinline__ qir_f8 qir_f8_zero() { return {}; }
+__device__ __forceinline__ qir_f8 qir_fma8(const float* w, const float* x, qir_f8 p) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) p.v[e] = fmaf(w[e], x[e], p.v[e]);
+  return p;
+}
+__device__ __forceinline__ float qir_sum8(const qir_f8& p) {
+  return ((p.v[0] + p.v[1]) + (p.v[2] + p.v[3])) + ((p.v[4] + p.v[5]) + (p.v[6] + p.v[7]));
+}
+#endif
 
 // ---- Bit tricks -------------------------------------------------------------------------------
 
@@ -160,28 +219,55 @@ __device__ __forceinline__ uint32_t qir_pair_bits(P v) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+#if defined(QIR_HOST)
+template <typename T> inline float qir_lo(uint32_t v) { return qir_host_widen<T>((uint16_t)v); }
+template <typename T> inline float qir_hi(uint32_t v) { return qir_host_widen<T>((uint16_t)(v >> 16)); }
+#else
 template <typename T> __device__ __forceinline__ float qir_lo(uint32_t v) { return __low2float(qir_as_pair<T>(v)); }
 template <typename T> __device__ __forceinline__ float qir_hi(uint32_t v) { return __high2float(qir_as_pair<T>(v)); }
+#endif
 
 // The pair (lo, hi), each rounded to T.
 template <typename T> __device__ __forceinline__ uint32_t qir_pack(float lo, float hi);
+#if defined(QIR_HOST)
+template <> inline uint32_t qir_pack<__half>(float lo, float hi) {
+  return (uint32_t)qir_host::float_to_half_bits(hi) << 16 | qir_host::float_to_half_bits(lo);
+}
+template <> inline uint32_t qir_pack<__nv_bfloat16>(float lo, float hi) {
+  return (uint32_t)qir_host::float_to_bf16_bits(hi) << 16 | qir_host::float_to_bf16_bits(lo);
+}
+#else
 template <> __device__ __forceinline__ uint32_t qir_pack<__half>(float lo, float hi) {
   return qir_pair_bits(__floats2half2_rn(lo, hi));
 }
 template <> __device__ __forceinline__ uint32_t qir_pack<__nv_bfloat16>(float lo, float hi) {
   return qir_pair_bits(__floats2bfloat162_rn(lo, hi));
 }
+#endif
 
 #if !defined(__CUDA_ARCH__)
-template <typename T> inline T qir_host_round(double v);
-template <> inline __half qir_host_round<__half>(double v) { return __double2half(v); }
-template <> inline __nv_bfloat16 qir_host_round<__nv_bfloat16>(double v) { return __double2bfloat16(v); }
+// Each half's exact result (in double) rounded once to T.
+template <typename T> inline uint16_t qir_host_round_bits(double v) {
+#if defined(QIR_HOST)
+  if constexpr (qir_is_bf16<T>::value) return qir_host::double_to_bf16_bits(v);
+  else return qir_host::double_to_half_bits(v);
+#else
+  T r;
+  if constexpr (qir_is_bf16<T>::value) r = __double2bfloat16(v);
+  else r = __double2half(v);
+  uint16_t b;
+  memcpy(&b, &r, 2);
+  return b;
+#endif
+}
+template <typename T> inline T qir_host_round(double v) {
+  const uint16_t b = qir_host_round_bits<T>(v);
+  T r;
+  memcpy(&r, &b, 2);
+  return r;
+}
 template <typename T> inline uint32_t qir_host_pair(double lo, double hi) {
-  const T l = qir_host_round<T>(lo), h = qir_host_round<T>(hi);
-  uint16_t a, b;
-  memcpy(&a, &l, 2);
-  memcpy(&b, &h, 2);
-  return (uint32_t)b << 16 | a;
+  return (uint32_t)qir_host_round_bits<T>(hi) << 16 | qir_host_round_bits<T>(lo);
 }
 #endif
 
@@ -190,6 +276,8 @@ template <typename T>
 __device__ __forceinline__ uint32_t qir_fma2(uint32_t a, uint32_t b, uint32_t c) {
 #if defined(__CUDA_ARCH__)
   return qir_pair_bits(__hfma2(qir_as_pair<T>(a), qir_as_pair<T>(b), qir_as_pair<T>(c)));
+#elif defined(QIR_HOST)
+  return qir_host::pair_op<qir_is_bf16<T>::value, qir_host::PairOp::fma>(a, b, c);
 #else
   return qir_host_pair<T>((double)qir_lo<T>(a) * qir_lo<T>(b) + qir_lo<T>(c),
                           (double)qir_hi<T>(a) * qir_hi<T>(b) + qir_hi<T>(c));
@@ -200,6 +288,8 @@ template <typename T>
 __device__ __forceinline__ uint32_t qir_mul2(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
   return qir_pair_bits(__hmul2(qir_as_pair<T>(a), qir_as_pair<T>(b)));
+#elif defined(QIR_HOST)
+  return qir_host::pair_op<qir_is_bf16<T>::value, qir_host::PairOp::mul>(a, b, 0u);
 #else
   return qir_host_pair<T>((double)qir_lo<T>(a) * qir_lo<T>(b), (double)qir_hi<T>(a) * qir_hi<T>(b));
 #endif
@@ -209,6 +299,8 @@ template <typename T>
 __device__ __forceinline__ uint32_t qir_add2(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
   return qir_pair_bits(__hadd2(qir_as_pair<T>(a), qir_as_pair<T>(b)));
+#elif defined(QIR_HOST)
+  return qir_host::pair_op<qir_is_bf16<T>::value, qir_host::PairOp::add>(a, b, 0u);
 #else
   return qir_host_pair<T>((double)qir_lo<T>(a) + qir_lo<T>(b), (double)qir_hi<T>(a) + qir_hi<T>(b));
 #endif

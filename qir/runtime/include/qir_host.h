@@ -1,12 +1,12 @@
 // qir_host.h: run CUDA C++ kernels on the CPU.
 //
 // Force-included (`g++ -include qir_host.h`) ahead of a rendered .cu file so the very source that
-// runs on a GPU compiles as host C++. Each CUDA thread becomes a fiber (glibc ucontext); one OS
-// thread runs one block at a time, so `__shared__` is `static thread_local`, and threadIdx/blockIdx
-// are per-OS-thread globals that the scheduler rewrites before every switch into a fiber.
-// Boost.Context is not used (and not required): ucontext is everywhere glibc is, and switching
-// with _setjmp/_longjmp once ucontext has built the stacks (see `switch_to`) avoids
-// swapcontext's per-switch syscall, which is what Boost.Context would have bought.
+// runs on a GPU compiles as host C++. Each CUDA thread becomes a fiber; one OS thread runs one
+// block at a time, so `__shared__` is `static thread_local`, and a fiber reads its threadIdx
+// and its block's blockIdx from the bottom of its own stack (see `self`). A fiber runs until it reaches a
+// barrier, a warp collective or its end, then hands over straight to the next runnable fiber of
+// the block (a lane loop, cut at the collectives); on x86-64 a switch is a stack-pointer swap of
+// a few instructions (`swap_sp`), elsewhere _setjmp/_longjmp on stacks that ucontext made.
 // A launch runs on the calling thread plus workers of a persistent pool, on fibers booted once
 // per OS thread and reused by every later launch (see `Runtime`): after warm-up a launch creates
 // no thread, maps no memory and makes no system call but the pool's futex wake-ups.
@@ -31,6 +31,9 @@
 #include <vector_types.h>
 
 #include <setjmp.h>
+#if defined(__F16C__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -75,13 +78,29 @@
 
 static constexpr int warpSize = 32;
 
-// Per-OS-thread view of "which CUDA thread is running": rewritten by the scheduler on each switch.
-static thread_local uint3 threadIdx;
-static thread_local uint3 blockIdx;
-static thread_local dim3 blockDim;
-static thread_local dim3 gridDim;
-
 namespace qir_host {
+
+class Worker;
+
+// The block an OS thread is running, and each fiber's own CUDA thread: what threadIdx, blockIdx,
+// blockDim and gridDim read (macros below).
+struct BlockState {
+  uint3 idx;
+  dim3 dim, grid;
+  Worker* worker;
+};
+struct FiberSelf {
+  BlockState* block;
+  uint3 tid;
+};
+
+#if defined(__SANITIZE_ADDRESS__) || !defined(__x86_64__)
+// Where a fiber cannot read its own stack pointer (ASan runs frames on fake stacks; other CPUs
+// lack the asm below): the OS thread's current fiber, rewritten on every switch.
+static thread_local FiberSelf tls_self;
+inline FiberSelf& self() { return tls_self; }
+#define QIR_HOST_SELF_TLS 1
+#endif
 
 enum class State : uint8_t { runnable, wait_block, wait_warp, done };
 
@@ -91,6 +110,7 @@ struct Fiber {
   unsigned warp;
   unsigned lane;
   State state;
+  unsigned wait_gen;  // the generation of the barrier it waits at
 };
 
 struct Warp {
@@ -129,6 +149,20 @@ constexpr size_t kStackBytes = 512 * 1024;  // ASan's stack redzones need room
 constexpr size_t kStackBytes = 64 * 1024;
 #endif
 constexpr uint64_t kCanary = 0x5152484f53544b31ull;
+constexpr size_t kSelfBytes = (sizeof(FiberSelf) + 15) / 16 * 16;
+static_assert((kStackBytes & (kStackBytes - 1)) == 0, "a fiber finds its stack by masking");
+
+#if !defined(QIR_HOST_SELF_TLS)
+// The running fiber's FiberSelf: the bottom of the kStackBytes-aligned stack it runs on. The
+// stack pointer comes from asm, not a local's address: a pointer the compiler could trace back
+// to a local would let it assume the FiberSelf is that local.
+inline FiberSelf& self() {
+  uintptr_t sp;
+  asm("movq %%rsp, %0" : "=r"(sp));
+  return *reinterpret_cast<FiberSelf*>(sp & ~static_cast<uintptr_t>(kStackBytes - 1));
+}
+#endif
+inline Worker* worker() { return self().block->worker; }
 
 // ---- Runtime: worker threads and fiber stacks, made once and kept --------------------------
 //
@@ -137,65 +171,105 @@ constexpr uint64_t kCanary = 0x5152484f53544b31ull;
 // first the first one's `Runtime` (qir_host_share), so a process has one worker pool and one
 // set of fiber stacks per OS thread however many kernels it loads. Only code that carries no
 // per-library state crosses libraries: the pool runs the caller's function pointer, and a
-// fiber's outermost frame (`fiber_boot`, the owner's) calls the current kernel's `entry`; the
+// fiber's outermost frame (`fiber_main`, the owner's) calls the current kernel's `entry`; the
 // kernel's own scheduler (its threadIdx, its `__shared__`) always runs the kernel library's
 // code. A library whose QIR_HOST_ABI or struct sizes differ keeps its own Runtime.
 
-// One fiber stack's saved context.
-struct Slot {
+// A saved execution context: a fiber's, or (index kSched) the OS thread's own. On x86-64 a
+// switch is a stack-pointer swap (`swap_sp`: the callee-saved registers pushed on the old stack,
+// popped from the new); elsewhere _setjmp/_longjmp, which leave the signal mask alone, unlike
+// swapcontext's syscall per switch. Sanitizer builds keep swapcontext, which ASan's fiber
+// annotations understand.
 #if defined(__SANITIZE_ADDRESS__)
+#define QIR_HOST_SWITCH_UCONTEXT 1
+#elif defined(__x86_64__)
+#define QIR_HOST_SWITCH_ASM 1
+#endif
+
+struct Ctx {
+#if defined(QIR_HOST_SWITCH_UCONTEXT)
   ucontext_t uc;
+#elif defined(QIR_HOST_SWITCH_ASM)
+  void* sp = nullptr;
 #else
   jmp_buf jb;
 #endif
 };
 
+constexpr unsigned kSched = kMaxThreads;  // the Ctx of the OS thread's own stack
+
 // The fibers of one OS thread. Fiber i's stack is arena + i * kStackBytes, with a canary at its
 // lowest 8 bytes (guard pages would cost an mprotect and a VMA per fiber, so overflow is caught
-// after the fact). The first `ready` fibers are bootstrapped: each sits in `fiber_boot`'s loop,
-// and resuming it makes it call `entry(ctx)` once (one CUDA thread of one block) and park again,
-// so after the first launch on a thread no launch makes a context or touches a fresh page.
+// after the fact). The first `ready` fibers are bootstrapped: resuming one for the first time
+// enters `fiber_main`, whose loop calls `entry(ctx)` (one CUDA thread of one block); the thread
+// ends by switching to another fiber, and the next resume returns into the loop. So after the
+// first launch on a thread no launch makes a context or touches a fresh page.
 struct Fibers {
-  char* arena = nullptr;
+  char* arena = nullptr;  // kStackBytes-aligned: a fiber finds its stack's bottom from any local
+  char* mapped = nullptr;
+  size_t mapped_bytes = 0;
   unsigned capacity = 0;  // stacks mapped
-  unsigned ready = 0;     // fibers parked at the top of fiber_boot's loop
-  unsigned boot = 0;      // the fiber being bootstrapped
+  unsigned ready = 0;     // fibers bootstrapped
+  unsigned boot = 0;      // the fiber being bootstrapped (ucontext/setjmp boots)
   void (*entry)(void*) = nullptr;
   void* ctx = nullptr;
-#if defined(__SANITIZE_ADDRESS__)
-  ucontext_t sched;
+#if defined(QIR_HOST_SWITCH_UCONTEXT)
   const void* sched_bottom = nullptr;
   size_t sched_size = 0;
-#else
-  jmp_buf sched;
 #endif
-  Slot slots[kMaxThreads];
+  Ctx ctxs[kMaxThreads + 1];
 
   char* stack_bottom(unsigned i) const { return arena + static_cast<size_t>(i) * kStackBytes; }
+  // A fiber's FiberSelf sits at its stack's bottom, the overflow canary right above it.
+  FiberSelf& self_of(unsigned i) const { return *reinterpret_cast<FiberSelf*>(stack_bottom(i)); }
+  char* canary(unsigned i) const { return stack_bottom(i) + kSelfBytes; }
+  // Stacks kStackBytes apart would put every fiber's hot frames in the same cache sets (L1 and
+  // L2 index by address bits below 64 KiB): each fiber's top is moved down by its own number of
+  // cache lines.
+  static size_t stack_size(unsigned i) { return kStackBytes - (i * 17 % 128) * 64; }
 };
 
-// ucontext makes the fiber stacks, but swapcontext costs a sigprocmask syscall per switch, so
-// switches go through _setjmp/_longjmp, which leave the signal mask alone. Sanitizer builds keep
-// swapcontext throughout, which ASan's fiber annotations understand.
-inline void switch_to(Fibers& t, unsigned i) {  // scheduler -> fiber i
-#if defined(__SANITIZE_ADDRESS__)
-  void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, t.stack_bottom(i), kStackBytes);
-  swapcontext(&t.sched, &t.slots[i].uc);
-  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#else
-  if (_setjmp(t.sched) == 0) _longjmp(t.slots[i].jb, 1);
-#endif
+#if defined(QIR_HOST_SWITCH_ASM)
+// Saves the callee-saved registers on the current stack and its pointer in *save, then resumes
+// the context whose stack pointer is `next` (made by this function, or by `boot_stack`).
+// noipa: the compiler must treat the call as reading and writing any memory (it resumes other
+// code), not infer from the bare asm body that it touches none.
+__attribute__((naked, noinline, noipa)) inline void swap_sp(void** /*save*/, void* /*next*/) {
+  asm volatile(
+      "pushq %rbp\n\t"
+      "pushq %rbx\n\t"
+      "pushq %r12\n\t"
+      "pushq %r13\n\t"
+      "pushq %r14\n\t"
+      "pushq %r15\n\t"
+      "movq %rsp, (%rdi)\n\t"
+      "movq %rsi, %rsp\n\t"
+      "popq %r15\n\t"
+      "popq %r14\n\t"
+      "popq %r13\n\t"
+      "popq %r12\n\t"
+      "popq %rbx\n\t"
+      "popq %rbp\n\t"
+      "ret\n\t");
 }
+#endif
 
-inline void switch_back(Fibers& t, unsigned i) {  // fiber i -> scheduler
-#if defined(__SANITIZE_ADDRESS__)
+// Switches from context `from` to `to` (fiber indices, or kSched).
+inline void swap(Fibers& t, unsigned from, unsigned to) {
+#if defined(QIR_HOST_SWITCH_UCONTEXT)
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, t.sched_bottom, t.sched_size);
-  swapcontext(&t.slots[i].uc, &t.sched);
+  if (to == kSched)
+    __sanitizer_start_switch_fiber(&fake, t.sched_bottom, t.sched_size);
+  else
+    __sanitizer_start_switch_fiber(&fake, t.stack_bottom(to), kStackBytes);
+  swapcontext(&t.ctxs[from].uc, &t.ctxs[to].uc);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#elif defined(QIR_HOST_SWITCH_ASM)
+  asm volatile("" ::: "memory");
+  swap_sp(&t.ctxs[from].sp, t.ctxs[to].sp);
+  asm volatile("" ::: "memory");
 #else
-  if (_setjmp(t.slots[i].jb) == 0) _longjmp(t.sched, 1);
+  if (_setjmp(t.ctxs[from].jb) == 0) _longjmp(t.ctxs[to].jb, 1);
 #endif
 }
 
@@ -216,22 +290,24 @@ struct FibersHolder {
   Fibers* f = nullptr;
   ~FibersHolder() {  // a caller thread exiting; pool threads never do
     if (!f) return;
-    if (f->arena) munmap(f->arena, static_cast<size_t>(f->capacity) * kStackBytes);
+    if (f->mapped) munmap(f->mapped, f->mapped_bytes);
     delete f;
   }
 };
 static thread_local FibersHolder fibers_of_thread;
 
-[[noreturn]] static void fiber_boot() {
+// A fiber's outermost frame. The kernel library's `entry` runs one CUDA thread and returns only
+// when the fiber is resumed for its next thread (see Worker::leave).
+[[noreturn]] static void fiber_main() {
   Fibers* t = fibers_of_thread.f;
-  const unsigned me = t->boot;
-#if defined(__SANITIZE_ADDRESS__)
+#if !defined(QIR_HOST_SWITCH_ASM)
+  // Booted by makecontext: park until the first block resumes this fiber.
+#if defined(QIR_HOST_SWITCH_UCONTEXT)
   __sanitizer_finish_switch_fiber(nullptr, &t->sched_bottom, &t->sched_size);
 #endif
-  for (;;) {
-    switch_back(*t, me);
-    t->entry(t->ctx);
-  }
+  swap(*t, t->boot, kSched);
+#endif
+  for (;;) t->entry(t->ctx);
 }
 
 inline Fibers* fibers(unsigned n) {
@@ -240,32 +316,49 @@ inline Fibers* fibers(unsigned n) {
   if (!h.f) return nullptr;
   Fibers& t = *h.f;
   if (t.capacity < n) {  // a bigger block than this thread has run: map (and boot) anew
-    if (t.arena) munmap(t.arena, static_cast<size_t>(t.capacity) * kStackBytes);
+    if (t.mapped) munmap(t.mapped, t.mapped_bytes);
     t.ready = t.capacity = 0;
-    void* p = mmap(nullptr, static_cast<size_t>(n) * kStackBytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    t.arena = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
-    if (!t.arena) return nullptr;
+    t.arena = t.mapped = nullptr;
+    const size_t bytes = static_cast<size_t>(n + 1) * kStackBytes;  // room to align
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    t.mapped = static_cast<char*>(p);
+    t.mapped_bytes = bytes;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    t.arena = t.mapped + ((kStackBytes - a % kStackBytes) % kStackBytes);
     t.capacity = n;
   }
   for (; t.ready < n; ++t.ready) {
     const unsigned i = t.ready;
-    std::memcpy(t.stack_bottom(i), &kCanary, sizeof kCanary);
+    std::memcpy(t.canary(i), &kCanary, sizeof kCanary);
+#if defined(QIR_HOST_SWITCH_ASM)
+    // A frame swap_sp pops into fiber_main: six zero registers, then fiber_main as the return
+    // address, above it a never-used return address for fiber_main itself (so that it starts
+    // with the stack alignment of a called function).
+    auto top = reinterpret_cast<uintptr_t>(t.stack_bottom(i) + Fibers::stack_size(i)) & ~uintptr_t{15};
+    void** frame = reinterpret_cast<void**>(top) - 8;
+    for (int r = 0; r < 6; ++r) frame[r] = nullptr;
+    frame[6] = reinterpret_cast<void*>(&fiber_main);
+    frame[7] = nullptr;
+    t.ctxs[i].sp = frame;
+#else
     t.boot = i;
-#if defined(__SANITIZE_ADDRESS__)
-    ucontext_t& uc = t.slots[i].uc;
+#if defined(QIR_HOST_SWITCH_UCONTEXT)
+    ucontext_t& uc = t.ctxs[i].uc;
 #else
     ucontext_t uc;
 #endif
     getcontext(&uc);
     uc.uc_stack.ss_sp = t.stack_bottom(i);
-    uc.uc_stack.ss_size = kStackBytes;
+    uc.uc_stack.ss_size = Fibers::stack_size(i);
     uc.uc_link = nullptr;
-    makecontext(&uc, &fiber_boot, 0);
-#if defined(__SANITIZE_ADDRESS__)
-    switch_to(t, i);
+    makecontext(&uc, &fiber_main, 0);
+#if defined(QIR_HOST_SWITCH_UCONTEXT)
+    swap(t, kSched, i);
 #else
-    if (_setjmp(t.sched) == 0) setcontext(&uc);
+    if (_setjmp(t.ctxs[kSched].jb) == 0) setcontext(&uc);
+#endif
 #endif
   }
   return &t;
@@ -408,9 +501,6 @@ inline void fail(Launch& launch, const std::string& msg) {
   if (!launch.failed.exchange(true)) launch.error = msg;
 }
 
-class Worker;
-static thread_local Worker* current_worker = nullptr;
-
 // One OS thread's share of a launch: takes blocks from the shared counter and runs each block's
 // threads as this thread's fibers.
 class Worker {
@@ -447,16 +537,19 @@ class Worker {
     }
     t_->entry = &Worker::fiber_entry;
     t_->ctx = this;
-    current_worker = this;
-    blockDim = launch_.block;
-    gridDim = launch_.grid;
+    block_.dim = launch_.block;
+    block_.grid = launch_.grid;
+    block_.worker = this;
+#if !defined(QIR_HOST_SELF_TLS)
+    for (unsigned i = 0; i < n_; ++i) t_->self_of(i) = FiberSelf{&block_, fibers_[i].tid};
+#endif
     const dim3& g = launch_.grid;
     const unsigned long total = static_cast<unsigned long>(g.x) * g.y * g.z;
     while (!launch_.failed.load(std::memory_order_relaxed)) {
       unsigned long b = launch_.next_block.fetch_add(1);
       if (b >= total) break;
       if (launch_.reverse) b = total - 1 - b;
-      blockIdx = make_uint3(b % g.x, (b / g.x) % g.y, b / (static_cast<unsigned long>(g.x) * g.y));
+      block_.idx = make_uint3(b % g.x, (b / g.x) % g.y, b / (static_cast<unsigned long>(g.x) * g.y));
       if (!run_block()) {
         // Fibers stuck mid-kernel (deadlock) or with a trampled stack (overflow) must never be
         // resumed: boot them all afresh next time.
@@ -464,23 +557,24 @@ class Worker {
         break;
       }
     }
-    current_worker = nullptr;
   }
 
   // Called from fibers.
   // The last thread to arrive releases the others and yields too, rather than running on: then
   // the threads leave a barrier in schedule order, so a forward and a reverse run see opposite
   // orders for every pair of threads (see Launch::reverse).
+  // A waiting thread is released by its barrier's generation moving on (see runnable), so a
+  // release touches no other thread.
   void syncthreads() {
     Fiber& f = fibers_[cur_];
     if (++block_arrived_ == n_) {
       block_arrived_ = 0;
-      for (Fiber& o : fibers_)
-        if (o.state == State::wait_block) o.state = State::runnable;
+      ++block_gen_;
     } else {
       f.state = State::wait_block;
+      f.wait_gen = block_gen_;
     }
-    switch_back(*t_, cur_);
+    yield();
   }
 
   void syncwarp() {
@@ -490,8 +584,9 @@ class Worker {
       release(f.warp);
     } else {
       f.state = State::wait_warp;
+      f.wait_gen = w.gen;
     }
-    switch_back(*t_, cur_);
+    yield();
   }
 
   // Publishes this lane's value and returns the warp's 32 slots once every live lane has
@@ -519,14 +614,31 @@ class Worker {
     return bank;
   }
 
+  // n <= kMaxRow words of this lane, once every lane of a whole warp has published its own: the
+  // warp's rows, lane l's at [n * l, n * l + n). nullptr, with nothing published, when a lane of
+  // the warp has returned: the one-exchange host bodies of warp collectives (qir_common.cuh's
+  // fast mode) then take their shuffle path, whose stale-slot behaviour stays the reference.
+  static constexpr unsigned kMaxRow = 64;
+  const uint32_t* exchange_rows(const void* v, unsigned n) {
+    Fiber& f = fibers_[cur_];
+    Warp& w = warps_[f.warp];
+    if (w.live != 32 || n > kMaxRow) return nullptr;
+    if (rows_.empty()) rows_.resize(warps_.size() * 2 * 32 * kMaxRow);
+    uint32_t* bank = &rows_[(f.warp * 2 + (w.gen & 1)) * 32 * kMaxRow];
+    std::memcpy(bank + f.lane * n, v, n * sizeof(uint32_t));
+    syncwarp();
+    return bank;
+  }
+
   AsyncCopies& async_copies() { return async_[cur_]; }
 
   // A misuse the GPU would fault on (a misaligned address): the launch fails with `msg`, and the
   // fiber runs on (its results are not used).
   void report(const std::string& msg) {
     char where[96];
-    snprintf(where, sizeof where, " (thread (%u,%u,%u) of block (%u,%u,%u))", threadIdx.x,
-             threadIdx.y, threadIdx.z, blockIdx.x, blockIdx.y, blockIdx.z);
+    const uint3 t = fibers_[cur_].tid, b = block_.idx;
+    snprintf(where, sizeof where, " (thread (%u,%u,%u) of block (%u,%u,%u))", t.x, t.y, t.z, b.x,
+             b.y, b.z);
     fail(launch_, msg + where);
   }
 
@@ -541,12 +653,14 @@ class Worker {
   }
 
  private:
-  // One block: every fiber runs until it blocks or returns; a full pass in which no fiber could
-  // run while some are still alive is a deadlock.
+  // One block: every fiber runs until it blocks or returns, then hands over to the next runnable
+  // one in schedule order (see yield); the scheduler gets control back when no fiber can run.
+  // Then any thread still alive is deadlocked.
   bool run_block() {
     block_arrived_ = 0;
     for (unsigned i = 0; i < n_; ++i) {
       fibers_[i].state = State::runnable;
+      fibers_[i].wait_gen = 0;
       async_[i].pending.clear();  // copies a thread never waited for do not outlive its block
       async_[i].committed = 0;
     }
@@ -554,29 +668,18 @@ class Worker {
       warps_[w].live = std::min(32u, n_ - w * 32);
       warps_[w].arrived = 0;
     }
-    unsigned live = n_;
-    while (live > 0) {
-      bool progressed = false;
-      for (unsigned j = 0; j < n_; ++j) {
-        const unsigned i = launch_.reverse ? n_ - 1 - j : j;
-        if (fibers_[i].state != State::runnable) continue;
-        progressed = true;
-        cur_ = i;
-        threadIdx = fibers_[i].tid;
-        switch_to(*t_, i);
-        if (fibers_[i].state == State::done) --live;
-      }
-      if (!progressed) {
-        report_deadlock(live);
-        return false;
-      }
+    live_ = n_;
+    enter(launch_.reverse ? n_ - 1 : 0, kSched);
+    if (live_ > 0) {
+      report_deadlock(live_);
+      return false;
     }
     for (unsigned i = 0; i < n_; ++i) {
-      if (std::memcmp(t_->stack_bottom(i), &kCanary, sizeof kCanary) != 0) {
+      if (std::memcmp(t_->canary(i), &kCanary, sizeof kCanary) != 0) {
         char buf[160];
         snprintf(buf, sizeof buf, "thread (%u,%u,%u) of block (%u,%u,%u) overflowed its %zu KiB "
-                 "fiber stack", fibers_[i].tid.x, fibers_[i].tid.y, fibers_[i].tid.z, blockIdx.x,
-                 blockIdx.y, blockIdx.z, kStackBytes / 1024);
+                 "fiber stack", fibers_[i].tid.x, fibers_[i].tid.y, fibers_[i].tid.z, block_.idx.x,
+                 block_.idx.y, block_.idx.z, kStackBytes / 1024);
         fail(launch_, buf);
         return false;
       }
@@ -584,37 +687,83 @@ class Worker {
     return true;
   }
 
+  // Switches from context `from` to fiber `i` (or to the scheduler), making it the current thread.
+  void enter(unsigned i, unsigned from) {
+    if (i != kSched) {
+      cur_ = i;
+      fibers_[i].state = State::runnable;
+#if defined(QIR_HOST_SELF_TLS)
+      tls_self = FiberSelf{&block_, fibers_[i].tid};
+#endif
+    }
+    qir_host::swap(*t_, from, i);
+  }
+
+  bool runnable(const Fiber& f) const {
+    switch (f.state) {
+      case State::runnable:
+        return true;
+      case State::wait_warp:
+        return warps_[f.warp].gen != f.wait_gen;
+      case State::wait_block:
+        return block_gen_ != f.wait_gen;
+      default:
+        return false;
+    }
+  }
+
+  // The current fiber stops running: the next runnable fiber after it in schedule order (itself
+  // last) runs, or the scheduler when none can. The scheduler's own pass over the block, without
+  // the trip through it. Returns when this fiber is next resumed (for a later block, if it has
+  // returned: its Worker is then gone).
+  void yield() {
+    const unsigned me = cur_;
+    unsigned next = kSched;
+    for (unsigned step = 1, j = me; step <= n_; ++step) {
+      if (launch_.reverse)
+        j = j == 0 ? n_ - 1 : j - 1;
+      else
+        j = j + 1 == n_ ? 0 : j + 1;
+      if (runnable(fibers_[j])) {
+        next = j;
+        break;
+      }
+    }
+    if (next == me) return;
+    enter(next, me);
+  }
+
   void release(unsigned warp) {
     Warp& w = warps_[warp];
     w.arrived = 0;
     ++w.gen;
-    for (unsigned i = warp * 32; i < std::min(n_, warp * 32 + 32); ++i)
-      if (fibers_[i].state == State::wait_warp) fibers_[i].state = State::runnable;
   }
 
-  // What a resumed fiber runs (from fiber_boot's loop, on its own stack): one CUDA thread.
+  // What a resumed fiber runs (from fiber_main's loop, on its own stack): one CUDA thread.
   static void fiber_entry(void* self_) {
     Worker* self = static_cast<Worker*>(self_);
     self->launch_.body(self->launch_.args);
     Fiber& f = self->fibers_[self->cur_];
     f.state = State::done;
+    --self->live_;
     Warp& w = self->warps_[f.warp];
     // A lane leaving may complete a warp barrier the others are waiting at; a block barrier it
     // leaves incomplete stays so and is reported as a deadlock.
     if (--w.live > 0 && w.arrived == w.live) self->release(f.warp);
+    self->yield();  // never returns to this thread: the next resume starts another
   }
 
   void report_deadlock(unsigned live) {
     unsigned at_block = 0, at_warp = 0;
     for (const Fiber& f : fibers_) {
-      at_block += f.state == State::wait_block;
-      at_warp += f.state == State::wait_warp;
+      at_block += f.state == State::wait_block && !runnable(f);
+      at_warp += f.state == State::wait_warp && !runnable(f);
     }
     char buf[256];
     snprintf(buf, sizeof buf,
              "deadlock in block (%u,%u,%u): %u of %u threads returned, %u wait at "
              "__syncthreads, %u at a warp barrier (__syncwarp/shuffle/vote)",
-             blockIdx.x, blockIdx.y, blockIdx.z, n_ - live, n_, at_block, at_warp);
+             block_.idx.x, block_.idx.y, block_.idx.z, n_ - live, n_, at_block, at_warp);
     fail(launch_, buf);
   }
 
@@ -625,8 +774,12 @@ class Worker {
   std::vector<Warp> warps_;
   std::vector<AsyncCopies> async_;
   std::vector<uint32_t> words_;  // exchange_words' banks: [warp][gen & 1][lane][kWords]
+  std::vector<uint32_t> rows_;   // exchange_rows' banks: [warp][gen & 1][32 * kMaxRow]
+  BlockState block_{};
   unsigned cur_ = 0;
+  unsigned live_ = 0;  // threads of the block that have not returned
   unsigned block_arrived_ = 0;
+  unsigned block_gen_ = 0;  // completed __syncthreads
 };
 
 inline unsigned worker_count(unsigned long blocks) {
@@ -702,10 +855,238 @@ inline T from_bits(uint64_t bits) {
 // Shuffles take the source lane from `src` (already resolved within the width segment).
 template <typename T, typename Src>
 inline T shuffle(T v, Src src) {
-  const unsigned lane = current_worker->lane();
-  const uint64_t* bank = current_worker->exchange(to_bits(v));
+  const unsigned lane = worker()->lane();
+  const uint64_t* bank = worker()->exchange(to_bits(v));
   return from_bits<T>(bank[src(lane) % 32]);
 }
+
+// ---- Warp collectives in one exchange (qir_common.cuh's fast mode) ----------------------------
+// Shuffle trees reproduced from the warp's published values, operand for operand as each lane
+// would form them, so the results are the shuffles' own; one warp barrier instead of one per
+// shuffle. All return false (nothing done) unless the whole warp is live.
+
+// v = op(v, v of lane ^ o) for o = 16, 8, 4, 2, 1: every lane's values at every step (for an
+// op that may not commute: fmaxf on signed zeros).
+template <typename Op>
+inline bool warp_butterfly(float& v, Op op) {
+  const uint32_t* bank = worker()->exchange_rows(&v, 1);
+  if (!bank) return false;
+  float all[32];
+  std::memcpy(all, bank, sizeof all);
+  for (unsigned o = 16; o > 0; o >>= 1) {
+    float next[32];
+    for (unsigned j = 0; j < 32; ++j) next[j] = op(all[j], all[j ^ o]);
+    std::memcpy(all, next, sizeof all);
+  }
+  v = all[worker()->lane()];
+  return true;
+}
+
+// The butterfly sum: every lane ends with the same total, pairs of lanes 16 apart added first,
+// then 8, ... (addition commutes: each lane's own-plus-partner is its partner's too).
+inline bool warp_sum(float& v) {
+  const uint32_t* bank = worker()->exchange_rows(&v, 1);
+  if (!bank) return false;
+  float t[32];
+  std::memcpy(t, bank, sizeof t);
+  for (unsigned half = 16; half > 0; half >>= 1)
+    for (unsigned i = 0; i < half; ++i) t[i] = t[i] + t[i + half];
+  v = t[0];
+  return true;
+}
+
+// qir_reduce_scatter<V, W, L>: lane l's values after the halving steps (offsets L/2, L/4, ...
+// while it holds more than W) and the butterfly on what is left. Its value k is then the sum of
+// value k + base of every lane of its group of L, added in pairs of lanes that differ in bit
+// L/2 first, then L/4, ... (each add a lane's own value plus its partner's: commutative, so
+// the pair's order is immaterial); base is the offset of the halves lane l kept.
+template <int V, int W, int L>
+inline bool reduce_scatter(float (&v)[V]) {
+  const uint32_t* bank = worker()->exchange_rows(v, V);
+  if (!bank) return false;
+  const float* all = reinterpret_cast<const float*>(bank);
+  const unsigned lane = worker()->lane(), group = lane / L * L;
+  int n = V, o = L / 2, base = 0;
+  for (; n > W && o > 0; n /= 2, o /= 2)
+    if (lane & o) base += n / 2;
+  for (int k = 0; k < n; ++k) {
+    float t[L];
+    for (int i = 0; i < L; ++i) t[i] = all[(group + i) * V + base + k];
+    for (int half = L / 2; half > 0; half /= 2)
+      for (int i = 0; i < half; ++i) t[i] = t[i] + t[i + half];
+    v[k] = t[0];
+  }
+  return true;
+}
+
+// ---- 16-bit floats, exactly and inline ------------------------------------------------------
+// The toolkit's host conversions are out-of-line software; kernels convert on every weight, so
+// qir_common.cuh's host paths come here. Results equal the toolkit's (round to nearest even);
+// F16C does f16 in one instruction where the build targets it. NaNs go to the toolkit, so
+// their bit patterns stay its own.
+
+inline float half_bits_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu;
+  const uint32_t m = h & 0x3FFu;
+  if (e == 0) {  // zero and subnormals: m * 2^-24 is exact in float
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  uint32_t bits = sign | (e == 0x1F ? 0x7F800000u : (e + 112) << 23) | m << 13;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float bf16_bits_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_half_bits(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN
+    const __half h = __float2half_rn(f);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+  }
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a >= 0x477FF000u) return sign | 0x7C00u;  // rounds to inf (65520 and up)
+  if (a < 0x38800000u) {                        // below 2^-14: a subnormal half (or zero)
+    // The value in units of 2^-24 (exact: a power-of-two scale), rounded to nearest even;
+    // 1024 units come out as the smallest normal's bits, as they should.
+    float mag;
+    std::memcpy(&mag, &a, 4);
+    const uint32_t r = static_cast<uint32_t>(std::nearbyint(mag * 16777216.0f));
+    return sign | static_cast<uint16_t>(r);
+  }
+  // Normal: drop 13 mantissa bits with round to nearest even.
+  const uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u);
+  return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
+#endif
+}
+
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN
+    const __nv_bfloat16 h = __float2bfloat16_rn(f);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+  }
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A double rounded to float toward zero with the last bit set when inexact ("round to odd"):
+// rounding that to a format of 22 bits or fewer to nearest even gives the double's own correct
+// rounding (24 >= 11 + 2 and 8 + 2 bits), so one double rounding path serves f16 and bf16.
+inline float round_to_odd(double d) {
+  float f = static_cast<float>(d);
+  if (static_cast<double>(f) != d) {
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    if (std::fabs(static_cast<double>(f)) > std::fabs(d)) b -= 1;  // rounded up in magnitude
+    b |= 1u;
+    std::memcpy(&f, &b, 4);
+  }
+  return f;
+}
+
+inline uint16_t double_to_half_bits(double d) {
+  if (d != d) {
+    const __half h = __double2half(d);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+  }
+  return float_to_half_bits(round_to_odd(d));
+}
+
+inline uint16_t double_to_bf16_bits(double d) {
+  if (d != d) {
+    const __nv_bfloat16 h = __double2bfloat16(d);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+  }
+  return float_to_bf16_bits(round_to_odd(d));
+}
+
+// Packed pair arithmetic (qir_common.cuh's qir_fma2 & co): each half computed in double and
+// rounded once to its 16-bit type, both halves at once in SSE registers where the build has
+// F16C and SSE4.1 (the same values as the scalar path: double's exact product, round to odd,
+// then to nearest even). NaNs take the scalar path, for the toolkit's NaN bits.
+enum class PairOp { fma, mul, add };
+
+template <bool Bf16>
+inline double pair_half(uint32_t v, int i) {
+  const uint16_t h = static_cast<uint16_t>(v >> (16 * i));
+  return Bf16 ? bf16_bits_to_float(h) : half_bits_to_float(h);
+}
+
+template <bool Bf16, PairOp Op>
+inline uint32_t pair_scalar(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t out = 0;
+  for (int i = 0; i < 2; ++i) {
+    const double x = pair_half<Bf16>(a, i), y = pair_half<Bf16>(b, i);
+    const double r = Op == PairOp::fma ? x * y + pair_half<Bf16>(c, i) : Op == PairOp::mul ? x * y : x + y;
+    out |= static_cast<uint32_t>(Bf16 ? double_to_bf16_bits(r) : double_to_half_bits(r)) << (16 * i);
+  }
+  return out;
+}
+
+#if defined(__F16C__) && defined(__SSE4_1__)
+template <bool Bf16>
+inline __m128d pair_widen(uint32_t v) {
+  const __m128i x = _mm_cvtsi32_si128(static_cast<int>(v));
+  if constexpr (Bf16) return _mm_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), x)));
+  else return _mm_cvtps_pd(_mm_cvtph_ps(x));
+}
+
+template <bool Bf16, PairOp Op>
+inline uint32_t pair_op(uint32_t a, uint32_t b, uint32_t c) {
+  const __m128d x = pair_widen<Bf16>(a), y = pair_widen<Bf16>(b);
+  const __m128d r = Op == PairOp::fma ? _mm_add_pd(_mm_mul_pd(x, y), pair_widen<Bf16>(c))
+                    : Op == PairOp::mul ? _mm_mul_pd(x, y)
+                                        : _mm_add_pd(x, y);
+  if (_mm_movemask_pd(_mm_cmpunord_pd(r, r))) return pair_scalar<Bf16, Op>(a, b, c);
+  // Round to odd: where float's nearest is not r, the float below it in magnitude, last bit set.
+  const __m128 f = _mm_cvtpd_ps(r);
+  const __m128d back = _mm_cvtps_pd(f), abs_mask = _mm_castsi128_pd(_mm_set1_epi64x(0x7FFFFFFFFFFFFFFFll));
+  const __m128d inexact = _mm_cmpneq_pd(back, r);
+  const __m128d above = _mm_and_pd(inexact, _mm_cmpgt_pd(_mm_and_pd(back, abs_mask), _mm_and_pd(r, abs_mask)));
+  // 64-bit lane masks to 32-bit lanes 0 and 1.
+  const __m128i inexact32 = _mm_shuffle_epi32(_mm_castpd_si128(inexact), 0x08);
+  const __m128i above32 = _mm_shuffle_epi32(_mm_castpd_si128(above), 0x08);
+  __m128i bits = _mm_add_epi32(_mm_castps_si128(f), above32);  // -1 where rounded up
+  bits = _mm_or_si128(bits, _mm_and_si128(inexact32, _mm_set1_epi32(1)));
+  if constexpr (Bf16) {
+    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7FFF)), lsb), 16);
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi32(rounded, rounded)));
+  } else {
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_cvtps_ph(_mm_castsi128_ps(bits), _MM_FROUND_TO_NEAREST_INT)));
+  }
+}
+#else
+template <bool Bf16, PairOp Op>
+inline uint32_t pair_op(uint32_t a, uint32_t b, uint32_t c) {
+  return pair_scalar<Bf16, Op>(a, b, c);
+}
+#endif
 
 // ---- Tensor cores and asynchronous copies: the portable bodies of qir_mma.cuh ---------------
 // The GEMM family's mma.sync, ldmatrix and cp.async. mma and ldmatrix are warp-collective: every
@@ -749,9 +1130,9 @@ __attribute__((noinline)) void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4
     for (unsigned h = 0; h < 2; ++h) mine[8 + 2 * i + h] = operand<T>(b[i], h);
   uint32_t words[12];
   std::memcpy(words, mine, sizeof words);
-  const float* bank = reinterpret_cast<const float*>(current_worker->exchange_words(words, 12));
+  const float* bank = reinterpret_cast<const float*>(worker()->exchange_words(words, 12));
   constexpr unsigned W = Worker::kWords;
-  const unsigned lane = current_worker->lane();
+  const unsigned lane = worker()->lane();
   const unsigned g = lane >> 2, t = lane & 3;
   // This lane's rows g, g + 8 of A and columns 2t, 2t + 1 of B. A[row][k] is element k & 1 of
   // register (row >= 8) + 2 (k >= 8) of lane 4 (row % 8) + (k % 8) / 2; B[k][col] element k & 1
@@ -792,9 +1173,9 @@ __attribute__((noinline)) inline void mma_m16n8k64_nvf4(float (&d)[4], const uin
                                                         const float (&c)[4], uint32_t sfa,
                                                         uint32_t sfb) {
   const uint32_t mine[8] = {a[0], a[1], a[2], a[3], b[0], b[1], sfa, sfb};
-  const uint32_t* bank = current_worker->exchange_words(mine, 8);
+  const uint32_t* bank = worker()->exchange_words(mine, 8);
   constexpr unsigned W = Worker::kWords;
-  const unsigned lane = current_worker->lane();
+  const unsigned lane = worker()->lane();
   const unsigned g = lane >> 2, t = lane & 3;
   for (unsigned i = 0; i < 4; ++i) {
     const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
@@ -817,10 +1198,10 @@ __attribute__((noinline)) inline void mma_m16n8k64_nvf4(float (&d)[4], const uin
 
 template <int N, bool Trans>
 __attribute__((noinline)) void ldmatrix(uint32_t (&r)[N], const void* row) {
-  if (reinterpret_cast<uintptr_t>(row) % 16 != 0 && current_worker->lane() < 8 * N)
-    current_worker->report("ldmatrix: a row address is not 16-byte aligned");
-  const uint64_t* bank = current_worker->exchange(to_bits(row));
-  const unsigned lane = current_worker->lane();
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0 && worker()->lane() < 8 * N)
+    worker()->report("ldmatrix: a row address is not 16-byte aligned");
+  const uint64_t* bank = worker()->exchange(to_bits(row));
+  const unsigned lane = worker()->lane();
   auto at = [&](unsigned matrix, unsigned rr, unsigned cc) -> uint32_t {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(bank[8 * matrix + rr]);
     return p[cc];
@@ -835,18 +1216,18 @@ __attribute__((noinline)) void ldmatrix(uint32_t (&r)[N], const void* row) {
 
 inline void cp_async(void* dst, const void* src, unsigned bytes, int src_bytes) {
   if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes)
-    current_worker->report("cp.async: an address is not aligned to the copy size");
+    worker()->report("cp.async: an address is not aligned to the copy size");
   if (src_bytes < 0 || static_cast<unsigned>(src_bytes) > bytes)
-    current_worker->report("cp.async: src-size must be in [0, copy size]");
-  AsyncCopies& q = current_worker->async_copies();
+    worker()->report("cp.async: src-size must be in [0, copy size]");
+  AsyncCopies& q = worker()->async_copies();
   const unsigned n = std::min<unsigned>(static_cast<unsigned>(std::max(src_bytes, 0)), bytes);
   q.pending.push_back({dst, src, bytes, n, q.committed});
 }
 
-inline void cp_async_commit() { ++current_worker->async_copies().committed; }
+inline void cp_async_commit() { ++worker()->async_copies().committed; }
 
 inline void cp_async_wait(unsigned n) {
-  AsyncCopies& q = current_worker->async_copies();
+  AsyncCopies& q = worker()->async_copies();
   // Groups older than the newest n committed ones complete, in the order they were started.
   size_t kept = 0;
   for (AsyncCopy& c : q.pending) {
@@ -891,13 +1272,19 @@ extern "C" __attribute__((visibility("default"))) int qir_host_share(void* other
     return qir_host::launch_kernel(&name, grid3, block3, params);                            \
   }
 
+// The running CUDA thread's coordinates (see qir_host::self).
+#define threadIdx (qir_host::self().tid)
+#define blockIdx (qir_host::self().block->idx)
+#define blockDim (qir_host::self().block->dim)
+#define gridDim (qir_host::self().block->grid)
+
 // ---- CUDA device API -------------------------------------------------------------------------
 // Masks are ignored: every live lane of the warp takes part, so shuffles must be reached
 // convergently (as CUDA requires for a full mask).
 
-inline void __syncthreads() { qir_host::current_worker->syncthreads(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { qir_host::current_worker->syncwarp(); }
-inline unsigned __activemask() { return qir_host::current_worker->active_mask(); }
+inline void __syncthreads() { qir_host::worker()->syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { qir_host::worker()->syncwarp(); }
+inline unsigned __activemask() { return qir_host::worker()->active_mask(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
@@ -927,7 +1314,7 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = warpSize) {
 
 inline unsigned __ballot_sync(unsigned, int pred) {
   const unsigned live = __activemask();
-  const uint64_t* bank = qir_host::current_worker->exchange(pred != 0);
+  const uint64_t* bank = qir_host::worker()->exchange(pred != 0);
   unsigned r = 0;
   for (unsigned i = 0; i < 32; ++i)
     if ((live >> i & 1u) && bank[i]) r |= 1u << i;

@@ -43,6 +43,9 @@ __device__ __forceinline__ float qir_nvfp4_row_scale(float row_amax) {
 }
 
 __device__ __forceinline__ float qir_warp_max(float v) {
+#if defined(QIR_HOST_FAST)
+  if (qir_host::warp_butterfly(v, [](float a, float b) { return fmaxf(a, b); })) return v;
+#endif
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
