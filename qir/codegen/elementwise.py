@@ -47,7 +47,7 @@ def elementwise_kernel(op: str, act: DType, n: int, cap: float | None = None) ->
         KernelParam("y", f"{act_t}* __restrict__", "buffer"),
         KernelParam("M", "int", "int"),
     )
-    return Kernel(name, source, params, (THREADS, 1, 1), (common_header(),))
+    return Kernel(name, source, params, (THREADS, 1, 1), (common_header(),), collectives=False)
 
 
 def elementwise_grid_x(n: int) -> int:

@@ -26,3 +26,7 @@ class Kernel:
     params: tuple[KernelParam, ...]
     block: tuple[int, int, int]
     headers: tuple[tuple[str, str], ...] = field(default=())  # (file name, text)
+    # Whether a thread ever waits for another (a barrier, shuffle or vote, the tensor-core
+    # emulation's exchanges): the generator says so, from its template. The host backend runs a
+    # block of a kernel that does not as a plain loop over its threads, with no fiber switches.
+    collectives: bool = True

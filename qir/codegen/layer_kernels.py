@@ -168,7 +168,7 @@ def rope_kernel(act: DType, heads: int, r: RopeSpec) -> Kernel:
         **_rope_context(r),
     )
     params = (_buf("x", act.c_type), _buf("pos", "int32_t"), _buf("y", act.c_type, False), _M)
-    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers(), collectives=False)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,8 @@ def kv_append_kernel(c: CacheShape, r: RopeSpec | None, norm: HeadNorm | None = 
         *((_buf("kn", norm.dtype.c_type),) if norm else ()),
         _M,
     )
-    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+    # Only the key head's norm sums a head with its warp.
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers(), collectives=norm is not None)
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,7 @@ def attention_combine_kernel(a: AttentionSpec) -> Kernel:
     )
     sinks = (_buf("sinks", "float"),) if a.sinks else ()
     params = (_buf("part", "float"), *sinks, _buf("y", c.act.c_type, False), _M)
-    return Kernel(name, source, params, (THREADS, 1, 1), _headers())
+    return Kernel(name, source, params, (THREADS, 1, 1), _headers(), collectives=False)
 
 
 def attention_prefill_kernel(a: AttentionSpec) -> Kernel:
@@ -428,5 +429,5 @@ def embedding_kernel(
         _buf("y", act.c_type, False),
         _M,
     )
-    kernel = Kernel(name, source, params, (THREADS, 1, 1), (common_header(),))
+    kernel = Kernel(name, source, params, (THREADS, 1, 1), (common_header(),), collectives=False)
     return kernel, -(-chunks // THREADS), frag.buffers

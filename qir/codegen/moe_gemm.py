@@ -71,7 +71,9 @@ def combine_kernel(act: DType, top: int, n: int, residual: bool) -> Kernel:
         _buf("y", act.c_type, False),
         _M,
     )
-    return Kernel(name, source, params, (COMBINE_THREADS, 1, 1), (common_header(),))
+    return Kernel(
+        name, source, params, (COMBINE_THREADS, 1, 1), (common_header(),), collectives=False
+    )
 
 
 def grouped_gemm(

@@ -349,14 +349,21 @@ class HostBackend:
         fn.restype = ctypes.c_int
         grid_c, block_c = (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*kernel.block)
         # `params` holds raw pointers into `values` and the arrays: the partial keeps them alive.
-        return partial(_call, k, fn, grid_c, block_c, params, (values, args))
+        loops = ctypes.c_int(self._loops(kernel))
+        return partial(_call, k, fn, grid_c, block_c, params, loops, (values, args))
+
+    def _loops(self, kernel: Kernel) -> int:
+        """1 where a block runs as a loop over its threads (no collectives, fast mode): the
+        check mode runs every kernel on fibers."""
+        return int(self.mode == "fast" and not kernel.collectives)
 
     def _run_sanitized(
         self, k: HostKernel, grid: tuple[int, int, int], args: Sequence[np.ndarray | int]
     ) -> None:
         # Each buffer gets its own exact-size allocation in the child, so two args aliasing one
         # array are two copies there; sanitize mode is for catching indexing bugs, not aliasing.
-        parts = [np.array([*grid, *k.kernel.block, len(args)], dtype=np.uint32).tobytes()]
+        header = [*grid, *k.kernel.block, self._loops(k.kernel), len(args)]
+        parts = [np.array(header, dtype=np.uint32).tobytes()]
         for a in args:
             if isinstance(a, np.ndarray):
                 parts += [
@@ -444,9 +451,11 @@ class HostBackend:
 _LAUNCH_LOCK = threading.Lock()
 
 
-def _call(k: HostKernel, fn: Any, grid: Any, block: Any, params: Any, _alive: object) -> None:
+def _call(
+    k: HostKernel, fn: Any, grid: Any, block: Any, params: Any, loops: Any, _alive: object
+) -> None:
     with _LAUNCH_LOCK:
-        failed = fn(grid, block, params) != 0
+        failed = fn(grid, block, params, loops) != 0
     if failed:
         assert k.lib is not None
         err = k.lib.qir_host_error

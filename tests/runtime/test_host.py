@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import ml_dtypes
@@ -577,3 +578,54 @@ def test_the_optimisation_level_changes_no_result(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("QIR_HOST_OPT", "-O3")
     with pytest.raises(UsageError, match=r"QIR_HOST_OPT='-O3': expected one of 0, 1, 2, 3"):
         HostBackend()
+
+
+# Threads that never wait for one another: the generator may say so (Kernel.collectives).
+RAGGED_SCALE = make(
+    "ragged_scale",
+    (buf("x", "const float*"), buf("y", "float*"), i32("n")),
+    """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] * (float)(threadIdx.x + 1) + (float)blockIdx.x;
+""",
+)
+
+
+def test_a_kernel_without_collectives_runs_as_loops_with_the_same_bytes(
+    be: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast mode runs its blocks as plain loops over the threads (forward and reversed), the
+    check mode on fibers; all give the same bytes, and equal numpy."""
+    n = 1000  # 8 blocks of 128, the last ragged
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    want = x * (np.arange(n) % 128 + 1).astype(np.float32) + (np.arange(n) // 128)
+    loops = replace(RAGGED_SCALE, collectives=False)
+    outs = {}
+    for mode, schedule in (("fast", "forward"), ("fast", "reverse"), ("check", "forward")):
+        monkeypatch.setenv("QIR_HOST_MODE", mode)
+        monkeypatch.setenv("QIR_HOST_SCHEDULE", schedule)
+        b = HostBackend()
+        assert b._loops(loops) == (mode == "fast")
+        y = b.empty(n, np.float32)
+        b.launch(b.load(loops), (8, 1, 1), [x, y, n])
+        outs[mode, schedule] = y.tobytes()
+        np.testing.assert_array_equal(y, want.astype(np.float32))
+    assert len(set(outs.values())) == 1
+
+
+def test_a_collective_in_a_kernel_generated_without_any_fails_the_launch(be: HostBackend) -> None:
+    kern = replace(
+        make(
+            "sync_anyway",
+            (buf("out", "float*"),),
+            """
+  __shared__ float s[128];
+  s[threadIdx.x] = 1.f;
+  __syncthreads();
+  out[threadIdx.x] = s[127 - threadIdx.x];
+""",
+        ),
+        collectives=False,
+    )
+    with pytest.raises(RuntimeError, match=r"no collectives .* reached __syncthreads"):
+        be.launch(be.load(kern), (1, 1, 1), [be.empty(128, np.float32)])

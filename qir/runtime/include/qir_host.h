@@ -487,6 +487,10 @@ struct Launch {
   // the races where the writer comes later, a reverse run the others. Race-free kernels give
   // the same bytes either way (tests/runtime/test_host.py, test_every_format.py).
   bool reverse = false;
+  // A kernel whose threads never wait for one another (Kernel.collectives in qir/codegen, which
+  // host.py passes down): each block runs as a plain loop over its threads on one fiber, a
+  // function call per thread and no switch. A collective reached anyway fails the launch.
+  bool loops = false;
 };
 
 // The calling thread's last launch error: launches from several threads do not share one.
@@ -530,7 +534,8 @@ class Worker {
   }
 
   void run() {
-    t_ = runtime().fibers(n_);
+    const unsigned used = launch_.loops ? 1 : n_;  // loops run every thread on fiber 0
+    t_ = runtime().fibers(used);
     if (!t_) {
       fail(launch_, "qir_host: cannot allocate fiber stacks");
       return;
@@ -541,7 +546,7 @@ class Worker {
     block_.grid = launch_.grid;
     block_.worker = this;
 #if !defined(QIR_HOST_SELF_TLS)
-    for (unsigned i = 0; i < n_; ++i) t_->self_of(i) = FiberSelf{&block_, fibers_[i].tid};
+    for (unsigned i = 0; i < used; ++i) t_->self_of(i) = FiberSelf{&block_, fibers_[i].tid};
 #endif
     const dim3& g = launch_.grid;
     const unsigned long total = static_cast<unsigned long>(g.x) * g.y * g.z;
@@ -566,6 +571,7 @@ class Worker {
   // A waiting thread is released by its barrier's generation moving on (see runnable), so a
   // release touches no other thread.
   void syncthreads() {
+    if (launch_.loops) return misused("__syncthreads");
     Fiber& f = fibers_[cur_];
     if (++block_arrived_ == n_) {
       block_arrived_ = 0;
@@ -578,6 +584,7 @@ class Worker {
   }
 
   void syncwarp() {
+    if (launch_.loops) return misused("a warp barrier (__syncwarp/shuffle/vote)");
     Fiber& f = fibers_[cur_];
     Warp& w = warps_[f.warp];
     if (++w.arrived == w.live) {
@@ -644,6 +651,12 @@ class Worker {
 
   unsigned lane() const { return fibers_[cur_].lane; }
 
+  // A collective in a kernel launched as loops: there is no other thread to wait for.
+  void misused(const char* what) {
+    report(std::string("qir_host: the kernel was generated as having no collectives (it runs as a "
+                       "loop over its threads) but reached ") + what);
+  }
+
   unsigned active_mask() const {
     const Fiber& f = fibers_[cur_];
     unsigned mask = 0;
@@ -669,12 +682,12 @@ class Worker {
       warps_[w].arrived = 0;
     }
     live_ = n_;
-    enter(launch_.reverse ? n_ - 1 : 0, kSched);
+    enter(launch_.loops || !launch_.reverse ? 0 : n_ - 1, kSched);
     if (live_ > 0) {
       report_deadlock(live_);
       return false;
     }
-    for (unsigned i = 0; i < n_; ++i) {
+    for (unsigned i = 0; i < (launch_.loops ? 1 : n_); ++i) {
       if (std::memcmp(t_->canary(i), &kCanary, sizeof kCanary) != 0) {
         char buf[160];
         snprintf(buf, sizeof buf, "thread (%u,%u,%u) of block (%u,%u,%u) overflowed its %zu KiB "
@@ -742,6 +755,7 @@ class Worker {
   // What a resumed fiber runs (from fiber_main's loop, on its own stack): one CUDA thread.
   static void fiber_entry(void* self_) {
     Worker* self = static_cast<Worker*>(self_);
+    if (self->launch_.loops) return self->run_loops();
     self->launch_.body(self->launch_.args);
     Fiber& f = self->fibers_[self->cur_];
     f.state = State::done;
@@ -751,6 +765,25 @@ class Worker {
     // leaves incomplete stays so and is reported as a deadlock.
     if (--w.live > 0 && w.arrived == w.live) self->release(f.warp);
     self->yield();  // never returns to this thread: the next resume starts another
+  }
+
+  // Every thread of the block in schedule order, on fiber 0's stack: its FiberSelf names each
+  // thread in turn (they find their coordinates there).
+  void run_loops() {
+    for (unsigned j = 0; j < n_; ++j) {
+      const unsigned i = launch_.reverse ? n_ - 1 - j : j;
+      cur_ = i;
+#if defined(QIR_HOST_SELF_TLS)
+      tls_self = FiberSelf{&block_, fibers_[i].tid};
+#else
+      t_->self_of(0).tid = fibers_[i].tid;
+#endif
+      launch_.body(launch_.args);
+      fibers_[i].state = State::done;
+    }
+    live_ = 0;
+    cur_ = 0;
+    yield();  // to the scheduler; returns when fiber 0 is next resumed
   }
 
   void report_deadlock(unsigned live) {
@@ -789,8 +822,10 @@ inline unsigned worker_count(unsigned long blocks) {
   return static_cast<unsigned>(std::min<unsigned long>(n, blocks));
 }
 
-inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args) {
+inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args,
+                  int loops) {
   Launch l;
+  l.loops = loops != 0;
   l.grid = dim3(grid3[0], grid3[1], grid3[2]);
   l.block = dim3(block3[0], block3[1], block3[2]);
   l.body = body;
@@ -826,14 +861,15 @@ struct Call {
 
 template <typename... A, size_t... I>
 int launch_kernel(void (*fn)(A...), const unsigned* grid3, const unsigned* block3, void** params,
-                  std::index_sequence<I...>) {
+                  int loops, std::index_sequence<I...>) {
   Call<A...> call{fn, {*static_cast<std::decay_t<A>*>(params[I])...}};
-  return launch(grid3, block3, &Call<A...>::run, &call);
+  return launch(grid3, block3, &Call<A...>::run, &call, loops);
 }
 
 template <typename... A>
-int launch_kernel(void (*fn)(A...), const unsigned* grid3, const unsigned* block3, void** params) {
-  return launch_kernel(fn, grid3, block3, params, std::index_sequence_for<A...>{});
+int launch_kernel(void (*fn)(A...), const unsigned* grid3, const unsigned* block3, void** params,
+                  int loops) {
+  return launch_kernel(fn, grid3, block3, params, loops, std::index_sequence_for<A...>{});
 }
 
 template <typename T>
@@ -1268,8 +1304,8 @@ extern "C" __attribute__((visibility("default"))) int qir_host_share(void* other
 
 #define QIR_HOST_EXPORT(name)                                                                \
   extern "C" __attribute__((visibility("default"))) int qir_launch_##name(                   \
-      const unsigned* grid3, const unsigned* block3, void** params) {                        \
-    return qir_host::launch_kernel(&name, grid3, block3, params);                            \
+      const unsigned* grid3, const unsigned* block3, void** params, int loops) {             \
+    return qir_host::launch_kernel(&name, grid3, block3, params, loops);                     \
   }
 
 // The running CUDA thread's coordinates (see qir_host::self).
@@ -1423,17 +1459,20 @@ inline unsigned __brev(unsigned x) {
 // Standalone-executable mode (sanitizer builds): an ASan runtime cannot be loaded into an
 // uninstrumented Python, so the kernel runs in its own process on buffers malloc'd to their exact
 // size, where ASan's redzones catch out-of-bounds indexing.
-//   argv[1] (input): u32 grid[3], u32 block[3], u32 nparams, then per param u32 kind
+//   argv[1] (input): u32 grid[3], u32 block[3], u32 loops (Launch::loops), u32 nparams, then
+//     per param u32 kind
 //     (0 = buffer, 1 = int) and u64 nbytes followed by the bytes;
 //   argv[2] (output): the buffers' final bytes, concatenated in parameter order.
-extern "C" int QIR_HOST_RUNNER(const unsigned*, const unsigned*, void**);
+extern "C" int QIR_HOST_RUNNER(const unsigned*, const unsigned*, void**, int);
 
 int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* in = std::fopen(argv[1], "rb");
   if (!in) return 2;
-  unsigned dims[6], n = 0;
-  if (std::fread(dims, sizeof(unsigned), 6, in) != 6 || std::fread(&n, 4, 1, in) != 1) return 2;
+  unsigned dims[6], loops = 0, n = 0;
+  if (std::fread(dims, sizeof(unsigned), 6, in) != 6 || std::fread(&loops, 4, 1, in) != 1 ||
+      std::fread(&n, 4, 1, in) != 1)
+    return 2;
   std::vector<void*> values(n);
   std::vector<void*> buffers(n, nullptr);
   std::vector<uint64_t> sizes(n, 0);
@@ -1450,7 +1489,7 @@ int main(int argc, char** argv) {
     }
   }
   std::fclose(in);
-  if (QIR_HOST_RUNNER(dims, dims + 3, values.data()) != 0) {
+  if (QIR_HOST_RUNNER(dims, dims + 3, values.data(), static_cast<int>(loops)) != 0) {
     std::fprintf(stderr, "%s\n", qir_host_error());
     return 3;
   }
