@@ -33,4 +33,6 @@ def collective_kernel(op: str, dtype: DType, features: int, ranks: int, axis: in
         f"// {op} of {dtype.name} rows of {features} over {ranks} ranks: run by the block's "
         "communicator (qir/runtime/collectives.py: MPI on the host, NCCL on GPUs), not compiled\n"
     )
-    return CollectiveKernel(name, note, PARAMS, (1, 1, 1), (), op, ranks, axis, dtype.name)
+    return CollectiveKernel(
+        name, note, PARAMS, (1, 1, 1), (), op=op, ranks=ranks, axis=axis, dtype_name=dtype.name
+    )
