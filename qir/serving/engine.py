@@ -20,7 +20,6 @@ values) are UsageErrors raised by `submit`; a full queue is QueueFull; both befo
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from qir.errors import QirError, UsageError
 from qir.models import Model
 from qir.models.blocks import PAGE_SIZE, check_max_seq
 from qir.models.checkpoint import Checkpoint, load
-from qir.sampling import Sampling
+from qir.sampling import Sampling, fresh_seed
 from qir.serving.lockstep import Leader, follow
 from qir.serving.scheduler import PagePool, Scheduler, Seq
 
@@ -232,7 +231,7 @@ class Engine:
             list(request.prompt),
             request.max_tokens,
             request.sampling,
-            seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
+            seed if seed is not None else fresh_seed(),
             eos,
             on_token,
             stream.cancelled.is_set,

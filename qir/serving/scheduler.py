@@ -197,8 +197,7 @@ class Scheduler:
             "ids": np.zeros(size, np.int32),
             "pos": np.full(size, -1, np.int32),  # padding rows write and read nothing
             "pages": np.zeros((size, self.table_pages), np.int32),
-            "sampling": np.tile(np.array([-1.0, 0.0, 1.0, 0.0], np.float32), (size, 1)),
-            "seed": np.zeros(size, np.int32),
+            **self.model.block.draw_inputs(size),
         }
         for r, seq in enumerate(batch):
             inputs["ids"][r] = seq.ids[-1]
