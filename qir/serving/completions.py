@@ -3,43 +3,59 @@ as one response or as server-sent events (qir.serving.sse)."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from qir.errors import UsageError
 from qir.serving import schemas as s
+from qir.serving.context import Context
 from qir.serving.disconnect import Gone, until_disconnect
 from qir.serving.engine import Delta, Engine, EngineClosed, QueueFull, Request, Stream
-from qir.serving.errors import ApiError, named, validation_error
+from qir.serving.errors import ApiError, check_model, named, parse, too_long
+from qir.serving.openapi import body_of, refusals
 from qir.serving.responses import Chat, Format, Text
 from qir.serving.sse import EventStream, events
+from qir.serving.tokenizing import PromptTooLong
 
-B = TypeVar("B", bound=s.GenerationRequest)
+# Seconds a client refused for a full queue is told to wait before it tries again.
+RETRY_AFTER = 1
 
 
-def router(engine: Engine, name: str) -> APIRouter:
-    """The two endpoints for `engine`, served under the model name `name`."""
+def router(ctx: Context) -> APIRouter:
+    """The two endpoints of the context's engine."""
     api = APIRouter()
+    engine, name = ctx.engine, ctx.name
 
     # The bodies are parsed here, not by FastAPI, so that a client that leaves out
     # `Content-Type: application/json` (curl -d) is served, and errors name the field.
-    @api.post("/v1/chat/completions", response_model=None)
+    @api.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=body_of(s.ChatCompletionRequest),
+        responses=refusals(s.ChatCompletion, s.ChatCompletionChunk),
+    )
     async def chat(request: HttpRequest) -> Response:
-        body = _parse(s.ChatCompletionRequest, await request.body())
+        body = parse(s.ChatCompletionRequest, await request.body())
         _check_common(body, name)
         try:
-            prompt = engine.chat_ids(body.template_messages())
+            prompt = await ctx.text.chat(body.template_messages())
         except UsageError as e:
             raise ApiError(400, named("messages", e), "messages") from None
-        return await _generate(engine, request, body, prompt, "messages", Chat(name))
+        except PromptTooLong as e:
+            raise too_long(engine.max_seq, e.at_least, "messages") from None
+        return await _generate(ctx, request, body, prompt, "messages", Chat(name))
 
-    @api.post("/v1/completions", response_model=None)
+    @api.post(
+        "/v1/completions",
+        response_model=None,
+        openapi_extra=body_of(s.CompletionRequest),
+        responses=refusals(s.Completion, s.Completion),
+    )
     async def completions(request: HttpRequest) -> Response:
-        body = _parse(s.CompletionRequest, await request.body())
+        body = parse(s.CompletionRequest, await request.body())
         _check_common(body, name)
         text = body.one_prompt()
         if text is None:
@@ -47,33 +63,19 @@ def router(engine: Engine, name: str) -> APIRouter:
                 400, f"prompt: one prompt per request (got {len(body.prompt)})", "prompt"
             )
         try:
-            prompt = engine.prompt_ids(text) if isinstance(text, str) else tuple(text)
-        except UsageError as e:
-            n = len(engine.tokenizer.encode(text)) if isinstance(text, str) else len(text)
-            raise _prompt_error(engine, e, n, "prompt") from None
-        return await _generate(engine, request, body, prompt, "prompt", Text(name))
+            prompt = await ctx.text.encode(text) if isinstance(text, str) else tuple(text)
+        except PromptTooLong as e:
+            raise too_long(engine.max_seq, e.at_least, "prompt") from None
+        return await _generate(ctx, request, body, prompt, "prompt", Text(name))
 
     return api
-
-
-def _parse(schema: type[B], raw: bytes) -> B:
-    try:
-        return schema.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
 
 
 def _check_common(body: s.GenerationRequest, name: str) -> None:
     refused = body.refused()
     if refused is not None:
         raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
-    if body.model not in (None, name):
-        raise ApiError(
-            404,
-            f"model: this server serves {name!r}, not {body.model!r}",
-            "model",
-            "model_not_found",
-        )
+    check_model(body.model, name)
 
 
 def _prompt_error(engine: Engine, e: UsageError, n: int, field: str) -> ApiError:
@@ -94,13 +96,14 @@ def _sampling(engine: Engine, body: s.GenerationRequest) -> Any:
 
 
 async def _generate(
-    engine: Engine,
+    ctx: Context,
     request: HttpRequest,
     body: s.GenerationRequest,
     prompt: tuple[int, ...],
     prompt_field: str,
     fmt: Format,
 ) -> Response:
+    engine = ctx.engine
     sampling = _sampling(engine, body)
     try:  # the prompt alone first, so that a refusal names the right field
         engine.check(Request(prompt, 1, sampling))
@@ -116,12 +119,19 @@ async def _generate(
         raise ApiError(400, named(limit_field, e), limit_field, "context_length_exceeded") from None
     except QueueFull as e:
         raise ApiError(
-            429, f"the server is busy: {e}", None, "rate_limit_exceeded", "requests"
+            429,
+            f"the server is busy: {e}",
+            None,
+            "rate_limit_exceeded",
+            "requests",
+            headers={"Retry-After": str(RETRY_AFTER)},
         ) from None
     except EngineClosed as e:
         raise ApiError(503, str(e), None, "shutting_down", "server_error") from None
     if body.stream:
-        return EventStream(stream, events(stream, fmt, len(prompt), body.include_usage))
+        return EventStream(
+            stream, events(stream, fmt, len(prompt), body.include_usage), ctx.metrics
+        )
     try:
         text, n, finish, error = await until_disconnect(_collect(stream), request.receive)
     except Gone:
@@ -129,6 +139,7 @@ async def _generate(
     finally:
         if not stream.done:
             stream.cancel()
+        ctx.metrics.finished(stream)
     if finish == "error":
         raise ApiError(500, f"generation failed: {error}", type="server_error")
     usage = s.Usage(prompt_tokens=len(prompt), completion_tokens=n, total_tokens=len(prompt) + n)

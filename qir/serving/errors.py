@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from qir.serving import schemas as s
@@ -23,20 +24,51 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = dict(headers or {})
+        if status == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
         self.body = s.ErrorResponse(
             error=s.ErrorBody(message=message, type=type, param=param, code=code)
         )
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body.model_dump(), self.status, headers=headers)
+        return JSONResponse(self.body.model_dump(), self.status, headers=self.headers or None)
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer with this error from ASGI code (middleware), outside FastAPI's handlers."""
         await self.response()(scope, receive, send)
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def parse(schema: type[B], raw: bytes) -> B:
+    """A request body as `schema`, or a 400 naming the first field that is wrong."""
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def check_model(asked: str | None, served: str) -> None:
+    """404 where a request names a model other than the one served."""
+    if asked not in (None, served):
+        raise ApiError(
+            404,
+            f"model: this server serves {served!r}, not {asked!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def too_long(context: int, at_least: int, field: str) -> ApiError:
+    """A prompt refused before it was tokenized: more tokens than the context can be."""
+    message = f"{field}: at least {at_least} tokens, more than the model's context of {context}"
+    return ApiError(400, message, field, "context_length_exceeded")
 
 
 def named(field: str, e: Exception) -> str:

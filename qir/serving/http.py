@@ -1,13 +1,18 @@
 """The OpenAI-compatible HTTP server in front of an Engine: an ASGI app (FastAPI on Starlette,
 run by uvicorn) with /v1/chat/completions, /v1/completions (both streamed over server-sent
-events or not), /v1/models and /health. This module assembles it; its parts:
+events or not), /v1/models, and vLLM's /tokenize, /detokenize, /version, /metrics and /health.
+This module assembles it; its parts:
 
     completions   the two generation endpoints (a body in, the engine's deltas out)
     responses     OpenAI's response bodies and stream chunks
     sse           a generation as server-sent events
     disconnect    a client that goes away
-    info          /health, /v1/models
-    middleware    the API key and the body limit, in front of every route
+    tokenizing    tokenizer and chat template in a worker process, prompts capped first
+    tokens        /tokenize, /detokenize
+    info          /health, /version, /v1/models, /metrics
+    metrics       Prometheus metrics under vLLM's names
+    openapi       request bodies and refusals in the OpenAPI document
+    middleware    the API key, the body limit and draining, in front of every route
     errors        refusals as OpenAI error objects
     server        uvicorn: serve on a socket, or on a thread (tests, benchmarks)
 
@@ -15,8 +20,9 @@ Every refusal is an OpenAI-style error object, `{"error": {"message", "type", "p
 "code"}}`, never a traceback: 400 for a bad request (the field named in `param`: a pydantic
 validation error, a prompt past the context, a value qir does not do), 401 for a missing or
 wrong API key (on /v1 only: /health stays open to probes), 404 for another model's name, 413
-for a body over the limit, 429 when the engine's queue is full, 503 while shutting down, 500
-with a short message for anything unexpected (its traceback goes to the server's log).
+for a body over the limit, 429 when the engine's queue is full (with Retry-After), 503 while
+shutting down, 500 with a short message for anything unexpected (its traceback goes to the
+server's log).
 
 A client that goes away (an http.disconnect, or a send that fails) cancels its Stream, streamed
 or not, so the engine stops working on it."""
@@ -31,11 +37,14 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from qir.serving import completions, info
+from qir.serving import completions, info, openapi, tokens
+from qir.serving.context import Context
 from qir.serving.engine import Engine
 from qir.serving.errors import ApiError
+from qir.serving.metrics import Metrics
 from qir.serving.middleware import Guard
 from qir.serving.server import background, listen, serve, url
+from qir.serving.tokenizing import TextWorker, longest_piece
 
 __all__ = ["DEFAULT_MAX_BODY", "background", "create_app", "listen", "serve", "url"]
 
@@ -52,14 +61,24 @@ def create_app(
     """The server's ASGI app. It starts the engine when it starts and drains it when it
     stops (the requests that run finish, new ones are refused)."""
     name = served_model_name or engine.name
+    text = TextWorker(engine.model.checkpoint.path, engine.max_seq, longest_piece(engine.tokenizer))
+    ctx = Context(engine, name, text, Metrics(engine, name))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        text.start()
         engine.start()
-        yield
-        await engine.shutdown(drain=True)
+        try:
+            yield
+            ctx.draining = True
+            await engine.shutdown(drain=True)
+        finally:
+            text.close()
 
-    app = FastAPI(title="qir", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="qir", version=info.qir_version(), lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    app.state.context = ctx
     app.add_middleware(Guard, api_key=api_key, max_body=max_body_bytes)
 
     @app.exception_handler(ApiError)
@@ -76,6 +95,7 @@ def create_app(
         message = f"internal error ({type(e).__name__}); the server's log has the details"
         return ApiError(500, message, type="server_error").response()
 
-    app.include_router(info.router(engine, name))
-    app.include_router(completions.router(engine, name))
+    for part in (info, tokens, completions):
+        app.include_router(part.router(ctx))
+    openapi.install(app)
     return app

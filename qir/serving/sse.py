@@ -15,6 +15,7 @@ from qir.serving import schemas as s
 from qir.serving.disconnect import Gone, until_disconnect
 from qir.serving.engine import Stream
 from qir.serving.errors import ApiError
+from qir.serving.metrics import Metrics
 from qir.serving.responses import Format
 
 LOG = logging.getLogger("qir.serving")
@@ -57,11 +58,12 @@ async def events(
 class EventStream(StreamingResponse):
     """Server-sent events that cancel their Stream when the client goes away mid-stream."""
 
-    def __init__(self, stream: Stream, events: AsyncIterator[str]) -> None:
+    def __init__(self, stream: Stream, events: AsyncIterator[str], metrics: Metrics) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self.stream = stream
         self.events = events
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -71,4 +73,5 @@ class EventStream(StreamingResponse):
         finally:
             if not self.stream.done:
                 self.stream.cancel()
+            self.metrics.finished(self.stream)
             await self.events.aclose()  # type: ignore[attr-defined]
