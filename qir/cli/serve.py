@@ -24,6 +24,7 @@ def _http() -> Any:
     """qir.serving.http, or a UsageError saying what to install."""
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import pydantic  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:

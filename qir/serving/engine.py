@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,9 +88,14 @@ class Stream:
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.done = False
+        self.finish_reason: str | None = None  # the last delta's, once it came
+        self.arrived = time.monotonic()
+        self.token_times: list[float] = []  # when each delta with ids was pushed (metrics)
 
     def push(self, delta: Delta) -> None:
         """From the engine's thread."""
+        if delta.token_ids:
+            self.token_times.append(time.monotonic())
         self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
 
     def cancel(self) -> None:
@@ -102,6 +108,7 @@ class Stream:
         while not self.done:
             delta = await self._queue.get()
             self.done = delta.finish_reason is not None
+            self.finish_reason = delta.finish_reason
             yield delta
 
 
@@ -153,6 +160,22 @@ class Engine:
     @property
     def max_seq(self) -> int:
         return self.model.max_seq
+
+    @property
+    def running(self) -> int:
+        """Requests being prefilled or decoded."""
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet running."""
+        return len(self._incoming) + len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of KV-cache pages in use, 0..1."""
+        pool = self.scheduler.pool
+        return 1 - pool.free / pool.pages
 
     def prompt_ids(self, text: str) -> tuple[int, ...]:
         """A completion prompt's ids (the tokenizer's special tokens as it adds them)."""
@@ -215,7 +238,12 @@ class Engine:
         text = TextStream(self.tokenizer, request.stop)
         n_prompt = len(request.prompt)
 
+        counters = self.scheduler.counters
+
         def on_token(seq: Seq, token: int, last: bool) -> None:
+            counters.generation_tokens += 1
+            if seq.generated == 1:
+                counters.prompt_tokens += n_prompt
             piece = text.add(token)
             finish = None
             if text.stopped:

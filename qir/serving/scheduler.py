@@ -32,6 +32,7 @@ import numpy as np
 from qir.models import Model
 from qir.models.blocks import PAGE_SIZE
 from qir.sampling import Sampling, seed_row
+from qir.serving.counters import Counters
 
 # Batch sizes a decode step is captured for (up to the engine's max_batch).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -106,6 +107,7 @@ class Scheduler:
         self._captures: dict[int, Any] = {}
         self.steps = 0
         self.preempted = 0
+        self.counters = Counters()
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)

@@ -5,7 +5,10 @@ Requests keep unknown fields (`extra="allow"`) and ignore them, as OpenAI's serv
 those that would change the result and that qir does not do (REFUSED: logprobs, n > 1, tools,
 penalties, ...), which `refused()` names for a 400. Sampling fields left out take the
 checkpoint's generation_config.json (as vLLM does), not OpenAI's temperature 1. top_k, min_p and
-ignore_eos are extensions vLLM also accepts."""
+ignore_eos are extensions vLLM also accepts.
+
+Types are strict, as OpenAI's are: "10" is not an integer nor "true" a boolean (an integer is
+taken where a number is asked for)."""
 
 from __future__ import annotations
 
@@ -50,15 +53,19 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Requests: unknown fields kept (and checked by `refused`), types not coerced.
+REQUEST = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST
     include_usage: bool = False
 
 
 class GenerationRequest(BaseModel):
     """What both endpoints take: limits, sampling, stop strings, streaming."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST
 
     model: str | None = None
     stream: bool = False
@@ -109,15 +116,27 @@ class GenerationRequest(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = REQUEST
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """Messages as a chat template takes them: text content, "developer" as "system" (OpenAI's
+    newer name for it)."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else ""
+        if isinstance(m.content, list):
+            content = "".join(p.text or "" for p in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -140,15 +159,7 @@ class ChatCompletionRequest(GenerationRequest):
         return super().refused()
 
     def template_messages(self) -> list[dict[str, str]]:
-        """The messages as a chat template takes them: text content, "developer" as "system"
-        (OpenAI's newer name for it)."""
-        out = []
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) else ""
-            if isinstance(m.content, list):
-                content = "".join(p.text or "" for p in m.content)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        return out
+        return template_messages(self.messages)
 
 
 class CompletionRequest(GenerationRequest):
@@ -259,3 +270,43 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class Version(BaseModel):
+    version: str
+
+
+# /tokenize and /detokenize, as vLLM takes and answers them.
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return template_messages(self.messages)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

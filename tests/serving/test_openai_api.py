@@ -20,6 +20,7 @@ import pytest
 
 from qir.cli import main
 from qir.models import Model
+from qir.serving.tokenizing import TextWorker
 from tests.serving.conftest import API_KEY, FIXTURE, MAX_BODY, NAME, Served, serve
 
 GREEDY = {"temperature": 0}
@@ -385,10 +386,10 @@ def test_an_engine_failure_is_a_500_not_a_traceback(
     with pytest.raises(openai.APIError, match="generation failed: RuntimeError: boom"):
         list(client.completions.create(model=NAME, prompt="Hi", max_tokens=2, stream=True))
 
-    def broken(messages: Any) -> tuple[int, ...]:
+    async def broken(self: Any, messages: Any) -> tuple[int, ...]:
         raise KeyError("oops")
 
-    monkeypatch.setattr(server.engine, "chat_ids", broken)
+    monkeypatch.setattr(TextWorker, "chat", broken)
     e = _refusal(
         lambda: client.chat.completions.create(model=NAME, messages=HI), openai.InternalServerError
     )
