@@ -31,12 +31,16 @@ import numpy as np
 
 from qir.dtypes import DType
 from qir.errors import QirError, UsageError
+from qir.logits import MAX_BIAS
 from qir.models import Model
 from qir.models.blocks import PAGE_SIZE, check_max_seq
 from qir.models.checkpoint import Checkpoint, load
+from qir.ops import MAX_TOP_LOGPROBS
 from qir.sampling import Sampling, fresh_seed
 from qir.serving.lockstep import Leader, follow
-from qir.serving.scheduler import PagePool, Scheduler, Seq
+from qir.serving.pages import PagePool
+from qir.serving.rules import Rules, SeqRules
+from qir.serving.scheduler import Scheduler, Seq, TokenScore
 
 # Requests waiting to run, beyond which `submit` refuses (the server's 429).
 DEFAULT_MAX_QUEUE = 256
@@ -61,14 +65,23 @@ class Request:
     prompt: tuple[int, ...]  # token ids, special tokens included
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
-    stop: tuple[str, ...] = ()  # strings that end the text (not part of it)
+    stop: tuple[str, ...] = ()  # strings that end the text (not part of it, unless keep_stop)
     ignore_eos: bool = False
+    rules: Rules = field(default_factory=Rules)  # restrictions and penalties (qir.serving.rules)
+    stop_token_ids: frozenset[int] = frozenset()  # ids that end it as an eos does
+    keep_stop: bool = False  # the stop string that ended the text stays in it
+    logprobs: int | None = None  # each generated id's score with this many top ids
+    prompt_logprobs: int | None = None  # each prompt id's (after the first)
+    n: int = 1  # samples of the prompt, each a choice (index 0..n-1)
+    grammar: Any = None  # a qir.serving.grammar.Grammar the output must follow
 
 
 @dataclass(frozen=True)
 class Delta:
-    """What a request gained since its last delta. finish_reason: None while it runs, then
-    "stop" (an eos id or a stop string), "length" (max_tokens or the context) or "error"."""
+    """What a choice of a request gained since its last delta. finish_reason: None while it
+    runs, then "stop" (an eos id, a stop id or string), "length" (max_tokens or the context) or
+    "error". scores: each id's (where logprobs were asked); prompt_scores: on a choice's first
+    delta where prompt_logprobs were (None for the first id)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -76,11 +89,17 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    index: int = 0
+    scores: tuple[TokenScore, ...] = ()
+    prompt_scores: tuple[TokenScore | None, ...] | None = None
+    # the sum of the choice's ids' logprobs, on its last delta where it was scored
+    cumulative_logprob: float | None = None
 
 
 class Stream:
-    """A request's deltas as they come (async iteration); `cancel()` stops it and frees what it
-    holds (a disconnected client)."""
+    """A request's deltas as they come (async iteration; one request's n choices interleaved,
+    each delta naming its choice); `cancel()` stops it and frees what it holds (a disconnected
+    client)."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
@@ -91,6 +110,7 @@ class Stream:
         self.finish_reason: str | None = None  # the last delta's, once it came
         self.arrived = time.monotonic()
         self.token_times: list[float] = []  # when each delta with ids was pushed (metrics)
+        self._open = request.n  # choices not finished yet
 
     def push(self, delta: Delta) -> None:
         """From the engine's thread."""
@@ -107,7 +127,9 @@ class Stream:
     async def _deltas(self) -> AsyncIterator[Delta]:
         while not self.done:
             delta = await self._queue.get()
-            self.done = delta.finish_reason is not None
+            if delta.finish_reason is not None:
+                self._open = 0 if delta.finish_reason == "error" else self._open - 1
+            self.done = self._open == 0
             self.finish_reason = delta.finish_reason
             yield delta
 
@@ -123,11 +145,12 @@ class Engine:
         name: str | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         chunk: int = DEFAULT_CHUNK,
+        prefix_caching: bool = True,
     ) -> None:
         self.model = model
         self.name = name or model.checkpoint.path.name
         self.max_queue = max_queue
-        self.scheduler = Scheduler(model, max_batch, chunk)
+        self.scheduler = Scheduler(model, max_batch, chunk, prefix_caching)
         self._incoming: list[Seq] = []
         self._lock = threading.Condition()
         self._closing = False
@@ -141,6 +164,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         chunk: int = DEFAULT_CHUNK,
         kv_cache_gb: float | None = None,
+        prefix_caching: bool = True,
         name: str | None = None,
         **options: Any,
     ) -> Engine:
@@ -151,7 +175,7 @@ class Engine:
         model = _model(path, kv_cache_gb, max_batch, options)
         if model.comm is not None and model.comm.size > 1:
             model.compiled = Leader(model.compiled, model.comm)  # type: ignore[assignment]
-        return cls(model, max_queue, name, max_batch, chunk)
+        return cls(model, max_queue, name, max_batch, chunk, prefix_caching)
 
     @property
     def tokenizer(self) -> Any:
@@ -214,12 +238,42 @@ class Engine:
             raise UsageError("prompt: no tokens")
         # The last id is never fed back: it takes no row.
         self.model.tokens(list(request.prompt), request.max_tokens - 1)
+        vocab = self.model.vocab_size
+        for name, k in (
+            ("logprobs", request.logprobs),
+            ("prompt_logprobs", request.prompt_logprobs),
+        ):
+            if k is not None and not 0 <= k <= min(MAX_TOP_LOGPROBS, vocab):
+                raise UsageError(f"{name} must be in 0..{min(MAX_TOP_LOGPROBS, vocab)}, got {k}")
+        r = request.rules
+        ids = {
+            "logit_bias": r.logit_bias.keys(),
+            "allowed_token_ids": r.allowed_token_ids or (),
+            "stop_token_ids": request.stop_token_ids,
+        }
+        for name, given in ids.items():
+            bad = [t for t in given if not 0 <= t < vocab]
+            if bad:
+                raise UsageError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+                )
+        if len(r.logit_bias) > MAX_BIAS:
+            raise UsageError(f"logit_bias: {len(r.logit_bias)} tokens, at most {MAX_BIAS}")
+        if r.allowed_token_ids is not None and not r.allowed_token_ids:
+            raise UsageError("allowed_token_ids: empty (no token could be drawn)")
+        if request.n < 1:
+            raise UsageError(f"n must be at least 1, got {request.n}")
 
     def submit(self, request: Request) -> Stream:
         """Queue `request`; its Stream yields its deltas. Call from the event loop's thread."""
         self.check(request)
         stream = Stream(request, asyncio.get_running_loop())
-        seq = self._seq(request, stream)
+        seed = request.sampling.seed
+        seqs: list[Seq] = []
+        for i in range(request.n):
+            # vLLM's seeds of a request's samples: the request's plus the sample's index
+            child = seed + i if seed is not None else fresh_seed()
+            seqs.append(self._seq(request, stream, i, child, seqs[0] if seqs else None))
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
@@ -228,21 +282,24 @@ class Engine:
                     f"{len(self._incoming) + len(self.scheduler.waiting)} requests are waiting; "
                     "try again later"
                 )
-            self._incoming.append(seq)
+            self._incoming += seqs
             self._lock.notify()
         return stream
 
-    def _seq(self, request: Request, stream: Stream) -> Seq:
+    def _seq(
+        self, request: Request, stream: Stream, index: int, seed: int, first: Seq | None
+    ) -> Seq:
         from qir.text import TextStream
 
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(self.tokenizer, request.stop, keep_stop=request.keep_stop)
         n_prompt = len(request.prompt)
-
         counters = self.scheduler.counters
+        scored = request.logprobs is not None
+        total = [0.0]  # the sum of the scored ids' logprobs
 
-        def on_token(seq: Seq, token: int, last: bool) -> None:
+        def on_token(seq: Seq, token: int, score: TokenScore | None, last: bool) -> None:
             counters.generation_tokens += 1
-            if seq.generated == 1:
+            if seq.generated == 1 and index == 0:
                 counters.prompt_tokens += n_prompt
             piece = text.add(token)
             finish = None
@@ -251,19 +308,43 @@ class Engine:
             elif last:
                 piece += text.finish()
                 finish = "stop" if token in seq.eos else "length"
-            stream.push(Delta(piece, (token,), finish, n_prompt, seq.generated))
+            if score is not None:
+                total[0] += score.logprob
+            prompt_scores = (
+                tuple(seq.prompt_scores) if seq.generated == 1 and seq.prompt_scores else None
+            )
+            stream.push(
+                Delta(
+                    piece,
+                    (token,),
+                    finish,
+                    n_prompt,
+                    seq.generated,
+                    index=index,
+                    scores=(score,) if score is not None else (),
+                    prompt_scores=prompt_scores,
+                    cumulative_logprob=total[0] if finish is not None and scored else None,
+                )
+            )
 
         eos = frozenset() if request.ignore_eos else frozenset(self.model.generation_config.eos_ids)
-        seed = request.sampling.seed
+        eos |= request.stop_token_ids
+        grammar = request.grammar.matcher() if request.grammar is not None else None
+        held_back = eos | request.stop_token_ids
+        rules = SeqRules(request.rules, request.prompt, self.model.vocab_size, held_back, grammar)
         return Seq(
             list(request.prompt),
             request.max_tokens,
             request.sampling,
-            seed if seed is not None else fresh_seed(),
+            seed,
             eos,
             on_token,
             stream.cancelled.is_set,
             tag=stream,
+            rules=rules if rules.active else None,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            after=first,
         )
 
     def start(self) -> None:
