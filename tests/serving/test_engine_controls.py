@@ -129,7 +129,7 @@ def test_penalties_and_bias_follow_vllms_formulas_step_by_step(model: Model, rul
     out = ids(got)
     want: list[int] = []
     row = sampling.row()
-    for step in range(8):
+    for _ in range(8):
         seq = list(PROMPT) + want
         z = vllm_adjusted(model.logits(seq)[-1], PROMPT, want, rules)
         want.append(sample_row(z, row, sampling.seed, len(seq) - 1))
@@ -182,7 +182,7 @@ def test_n_samples_are_the_requests_with_seeds_seed_plus_i() -> None:
 
 def test_prefix_pages_are_reused_evicted_under_pressure_and_change_nothing() -> None:
     other = tuple(range(100, 139))
-    reqs = [Request(p, 4, Sampling(), ignore_eos=True) for p in (LONG, other, LONG + (5,), other)]
+    reqs = [Request(p, 4, Sampling(), ignore_eos=True) for p in (LONG, other, (*LONG, 5), other)]
     cold = engine(prefix_caching=False)
     want = [ids(d) for d in run(cold, reqs, one_by_one=True)]
     # Room for one sequence at full context (4 pages): the other prompt's pages push the first
