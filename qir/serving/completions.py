@@ -140,6 +140,8 @@ async def _generate(
         if not stream.done:
             stream.cancel()
         ctx.metrics.finished(stream)
+    if finish == "error" and ctx.draining:
+        raise ApiError(503, f"generation ended: {error}", None, "shutting_down", "server_error")
     if finish == "error":
         raise ApiError(500, f"generation failed: {error}", type="server_error")
     usage = s.Usage(prompt_tokens=len(prompt), completion_tokens=n, total_tokens=len(prompt) + n)

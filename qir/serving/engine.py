@@ -154,6 +154,7 @@ class Engine:
         self._incoming: list[Seq] = []
         self._lock = threading.Condition()
         self._closing = False
+        self._abort: str | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -352,6 +353,17 @@ class Engine:
             self._thread = threading.Thread(target=self._work, name="qir-engine", daemon=True)
             self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued or running."""
+        return bool(self._incoming) or not self.scheduler.idle
+
+    def abort(self, message: str) -> None:
+        """End every queued and running request now, with an error delta saying `message`."""
+        with self._lock:
+            self._abort = message
+            self._lock.notify()
+
     async def shutdown(self, drain: bool = True) -> None:
         """Refuse new requests; finish those queued and running (drain) or cancel them."""
         with self._lock:
@@ -370,23 +382,33 @@ class Engine:
         sched = self.scheduler
         while True:
             with self._lock:
-                while not self._incoming and sched.idle and not self._closing:
+                while (
+                    not self._incoming and sched.idle and not self._closing and self._abort is None
+                ):
                     self._lock.wait()
                 for seq in self._incoming:
                     sched.add(seq)
                 self._incoming.clear()
                 if sched.idle and self._closing:
                     return
+                aborted, self._abort = self._abort, None
+            if aborted is not None:
+                self._end_all(aborted)
+                continue
             try:
                 sched.step()
             except Exception as e:  # a bug must not take the server down: the clients hear it
-                message = f"{type(e).__name__}: {e}"
-                for seq in [*sched.waiting, *sched.running]:
-                    seq.tag.push(Delta("", (), "error", error=message))
-                    seq.done = True
-                sched.waiting.clear()
-                sched.running.clear()
-                sched.pool = PagePool(sched.pool.pages)
+                self._end_all(f"{type(e).__name__}: {e}")
+
+    def _end_all(self, message: str) -> None:
+        """End every request with an error (from the engine's thread)."""
+        sched = self.scheduler
+        for seq in [*sched.waiting, *sched.running]:
+            seq.tag.push(Delta("", (), "error", error=message))
+            seq.done = True
+        sched.waiting.clear()
+        sched.running.clear()
+        sched.pool = PagePool(sched.pool.pages)
 
 
 def _model(

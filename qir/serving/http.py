@@ -29,6 +29,8 @@ or not, so the engine stops working on it."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -44,9 +46,12 @@ from qir.serving.errors import ApiError
 from qir.serving.metrics import Metrics
 from qir.serving.middleware import Guard
 from qir.serving.server import background, listen, serve, url
+from qir.serving.timeouts import Timeouts
 from qir.serving.tokenizing import TextWorker, longest_piece
 
-__all__ = ["DEFAULT_MAX_BODY", "background", "create_app", "listen", "serve", "url"]
+__all__ = ["DEFAULT_MAX_BODY", "Timeouts", "background", "create_app", "listen", "serve", "url"]
+
+LOG = logging.getLogger("qir.serving")
 
 # Request bodies past this many bytes are refused (413) before they are parsed.
 DEFAULT_MAX_BODY = 4 << 20
@@ -57,9 +62,11 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY,
+    timeouts: Timeouts | None = None,
 ) -> FastAPI:
     """The server's ASGI app. It starts the engine when it starts and drains it when it
-    stops (the requests that run finish, new ones are refused)."""
+    stops (the requests that run finish, new ones are refused); qir.serving.server runs it
+    with `timeouts`."""
     name = served_model_name or engine.name
     text = TextWorker(engine.model.checkpoint.path, engine.max_seq, longest_piece(engine.tokenizer))
     ctx = Context(engine, name, text, Metrics(engine, name))
@@ -78,8 +85,18 @@ def create_app(
     app = FastAPI(
         title="qir", version=info.qir_version(), lifespan=lifespan, docs_url=None, redoc_url=None
     )
+    timeouts = timeouts or Timeouts()
     app.state.context = ctx
-    app.add_middleware(Guard, api_key=api_key, max_body=max_body_bytes)
+    app.state.timeouts = timeouts
+    app.state.drain = lambda seconds: _drain(ctx, seconds)
+    app.state.kill = text.kill
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body=max_body_bytes,
+        body_timeout=timeouts.body,
+        draining=lambda: ctx.draining,
+    )
 
     @app.exception_handler(ApiError)
     async def _refused(request: HttpRequest, e: ApiError) -> JSONResponse:
@@ -99,3 +116,18 @@ def create_app(
         app.include_router(part.router(ctx))
     openapi.install(app)
     return app
+
+
+async def _drain(ctx: Context, seconds: float) -> None:
+    """Refuse new requests (503) and wait for the engine to finish those it has, for at most
+    `seconds`; then end what still runs with an error."""
+    ctx.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while ctx.engine.busy and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if ctx.engine.busy:
+        LOG.warning("drain: requests still running after %g s: ended", seconds)
+        ctx.engine.abort(f"the server shut down (requests still running after {seconds:g} s)")
+        while ctx.engine.busy:
+            await asyncio.sleep(0.01)

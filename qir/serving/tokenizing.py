@@ -68,6 +68,12 @@ class TextWorker:
             )
             self._pool.submit(_ready)
 
+    def kill(self) -> None:
+        """Stop the worker now (the server is stopping at once)."""
+        if self._pool is not None:
+            for process in list(self._pool._processes.values()):  # no public way before 3.14
+                process.kill()
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

@@ -348,6 +348,7 @@ def test_a_full_queue_gets_429() -> None:
         done = [a for a in answers if not isinstance(a, openai.RateLimitError)]
         assert refused and done
         assert all(e.status_code == 429 and e.code == "rate_limit_exceeded" for e in refused)
+        assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
         assert "busy" in refused[0].message
         assert all(a.usage.completion_tokens == 12 for a in done)
 
