@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ from qir.serving.pages import PagePool
 from qir.serving.rules import Rules, SeqRules
 from qir.serving.scheduler import Scheduler, Seq, TokenScore
 
+# vLLM's sampling defaults (its servers' _DEFAULT_SAMPLING_PARAMS), under generation_config.json.
+VLLM_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 # Requests waiting to run, beyond which `submit` refuses (the server's 429).
 DEFAULT_MAX_QUEUE = 256
 # Sequences decoded in one batch, and prompt tokens per prefill chunk.
@@ -74,6 +76,7 @@ class Request:
     prompt_logprobs: int | None = None  # each prompt id's (after the first)
     n: int = 1  # samples of the prompt, each a choice (index 0..n-1)
     grammar: Any = None  # a qir.serving.grammar.Grammar the output must follow
+    cache_salt: str | None = None  # prefix-cache pages are shared only under the same salt
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,31 @@ class Stream:
             yield delta
 
 
+async def merge(streams: Sequence[Stream]) -> AsyncIterator[tuple[int, Delta]]:
+    """The deltas of several streams as they come, each with its stream's index."""
+    queue: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((i, delta))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            i, delta = await queue.get()
+            if delta is None:
+                open_ -= 1
+                continue
+            yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 class Engine:
     """Requests in, deltas out, for many clients at once: a worker thread runs the scheduler's
     steps (qir.serving.scheduler: continuous batching over a paged KV cache)."""
@@ -146,12 +174,15 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         chunk: int = DEFAULT_CHUNK,
         prefix_caching: bool = True,
+        tool_parser: str | None = None,
     ) -> None:
         self.model = model
         self.name = name or model.checkpoint.path.name
         self.max_queue = max_queue
         self.scheduler = Scheduler(model, max_batch, chunk, prefix_caching)
         self._incoming: list[Seq] = []
+        self._grammars: Any = None
+        self._tool_parser: str | None = tool_parser
         self._lock = threading.Condition()
         self._closing = False
         self._abort: str | None = None
@@ -213,9 +244,54 @@ class Engine:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def sampling(self, **options: Any) -> Sampling:
-        """A request's Sampling: the given do_sample/temperature/top_k/top_p/min_p/seed (None:
-        the checkpoint's generation_config.json, as transformers takes it)."""
-        return self.model.sampling(**options)
+        """A request's Sampling, as vLLM's server makes it: the given temperature, top_k, top_p,
+        min_p and seed; for one left out (None), the checkpoint's generation_config.json where
+        it sets that field, else vLLM's default (temperature 1, top_p 1, top_k off, min_p 0).
+        do_sample is not read (vLLM does not: a checkpoint without a temperature samples at
+        1); temperature 0 is greedy."""
+        values = self.model.generation_config.values
+        picked = {
+            key: options.get(key) if options.get(key) is not None else values.get(key)
+            for key in VLLM_DEFAULTS
+        }
+        return Sampling(
+            temperature=float(_or(picked["temperature"], VLLM_DEFAULTS["temperature"])),
+            top_k=max(int(_or(picked["top_k"], VLLM_DEFAULTS["top_k"])), 0),
+            top_p=float(_or(picked["top_p"], VLLM_DEFAULTS["top_p"])),
+            min_p=float(_or(picked["min_p"], VLLM_DEFAULTS["min_p"])),
+            seed=options.get("seed"),
+        )
+
+    def default_penalties(self) -> dict[str, float]:
+        """repetition_penalty left out: generation_config.json's, else 1 (vLLM's)."""
+        value = self.model.generation_config.values.get("repetition_penalty")
+        return {"repetition_penalty": float(value) if value is not None else 1.0}
+
+    @property
+    def grammars(self) -> Any:
+        """The engine's grammar compiler (qir.serving.grammar), made when first asked."""
+        if self._grammars is None:
+            from qir.serving.grammar import Grammars
+
+            self._grammars = Grammars(
+                self.tokenizer, self.model.vocab_size, self.model.generation_config.eos_ids
+            )
+        return self._grammars
+
+    @property
+    def tool_parser(self) -> str:
+        """The tool-call parser of the checkpoint's family (qir.serving.tools), by its chat
+        template; "hermes" where the template shows none."""
+        if self._tool_parser is None:
+            from qir.serving.tools import detect
+            from qir.text import ChatTemplate
+
+            try:
+                source = ChatTemplate.load(self.tokenizer).source
+            except UsageError:
+                source = None
+            self._tool_parser = detect(source) or "hermes"
+        return self._tool_parser
 
     def describe(self) -> list[str]:
         """Lines the server prints when it starts: the model, its context, what fits."""
@@ -346,6 +422,7 @@ class Engine:
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             after=first,
+            salt=request.cache_salt.encode() if request.cache_salt else b"",
         )
 
     def start(self) -> None:
@@ -409,6 +486,10 @@ class Engine:
         sched.waiting.clear()
         sched.running.clear()
         sched.pool = PagePool(sched.pool.pages)
+
+
+def _or(value: Any, default: float) -> Any:
+    return default if value is None else value
 
 
 def _model(

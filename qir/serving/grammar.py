@@ -79,7 +79,9 @@ class Grammars:
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema is an object")
             # compact JSON: no runs of whitespace for a sampler to wander into
-            return str(ll.LLMatcher.grammar_from_json_schema(schema, {"whitespace_flexible": False}))
+            return str(
+                ll.LLMatcher.grammar_from_json_schema(schema, {"whitespace_flexible": False})
+            )
         if kind == "regex":
             return str(ll.LLMatcher.grammar_from_regex(spec))
         if kind == "choice":

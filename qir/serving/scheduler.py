@@ -90,6 +90,7 @@ class Seq:
     prompt_scores: list[TokenScore | None] = field(default_factory=list)
     after: Seq | None = None  # a sibling whose prompt pages this one waits to share
     registered: int = 0  # leading pages registered in the prefix cache
+    salt: bytes = b""  # the first page's key starts from it (a request's cache_salt)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.ids)
@@ -198,7 +199,7 @@ class Scheduler:
 
     def _hashes(self, seq: Seq, pages: int) -> list[bytes]:
         out: list[bytes] = []
-        parent = b""
+        parent = seq.salt
         for p in range(pages):
             parent = page_hash(parent, seq.ids[p * PAGE_SIZE : (p + 1) * PAGE_SIZE])
             out.append(parent)

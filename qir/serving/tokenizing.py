@@ -88,11 +88,23 @@ class TextWorker:
         return tuple(await self._run(_encode, text, add_special_tokens))
 
     async def chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
+        add_special_tokens: bool = False,
+        **extra: Any,
     ) -> tuple[int, ...]:
         """The ids of the messages through the chat template (the assistant's turn opened);
-        the cap applies to the text the template makes (it may leave parts out)."""
-        return tuple(await self._run(_chat, messages, add_generation_prompt))
+        the cap applies to the text the template makes (it may leave parts out).
+        continue_final: the text ends with the last message's content (vLLM's
+        continue_final_message: the model continues it); extra: the template's other variables
+        (tools, documents, chat_template_kwargs)."""
+        return tuple(
+            await self._run(
+                _chat, messages, add_generation_prompt, continue_final, add_special_tokens, extra
+            )
+        )
 
     async def decode(self, ids: Sequence[int]) -> str:
         return str(await self._run(_decode, list(ids)))
@@ -136,13 +148,24 @@ def _encode(text: str, add_special_tokens: bool) -> list[int]:
     return list(_STATE["tokenizer"].encode(text, add_special_tokens=add_special_tokens))
 
 
-def _chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+def _chat(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final: bool = False,
+    add_special_tokens: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> list[int]:
     template = _STATE["template"]
     if template is None:
         raise _STATE["template_error"]
-    text = template.render(messages, _STATE["tokenizer"], add_generation_prompt)
+    text = template.render(messages, _STATE["tokenizer"], add_generation_prompt, **(extra or {}))
+    if continue_final:  # cut what the template closes the last message with
+        last = str(messages[-1].get("content") or "")
+        at = text.rfind(last) if last else -1
+        if at >= 0:
+            text = text[: at + len(last)]
     _check(text, _STATE["cap"], _STATE["per_token"])  # what the template made of the messages
-    return _encode(text, False)
+    return _encode(text, add_special_tokens)
 
 
 def _decode(ids: list[int]) -> str:
