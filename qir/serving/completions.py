@@ -41,6 +41,7 @@ class Reply:
     parser: str | None = None
     forced: bool = False
     name: str | None = None  # the named tool
+    parallel: bool = True  # more than one call (parallel_tool_calls false: the first only)
 
 
 def router(ctx: Context) -> APIRouter:
@@ -82,9 +83,10 @@ def router(ctx: Context) -> APIRouter:
             choice = body.tool_choice
             named_tool = choice.function.name if isinstance(choice, s.NamedToolChoice) else None
             reply = Reply(forced=True, name=named_tool)
-            grammar = _grammar(engine, "tool_choice", "json", tl.forced_schema(tools, named_tool))
+            schema = tl.forced_schema(tools, named_tool, body.parallel_tool_calls)
+            grammar = _grammar(engine, "tool_choice", "json", schema)
         elif tools and body.tool_choice != "none":
-            reply = Reply(parser=engine.tool_parser)
+            reply = Reply(parser=engine.tool_parser, parallel=body.parallel_tool_calls)
         tokens = Tokens(engine.tokenizer, bool(body.return_tokens_as_token_ids))
         fmt = Chat(name, tokens, body.top, show_prompt=body.prompt_logprobs is not None)
         return await _generate(ctx, request, body, [prompt], "messages", fmt, grammar, reply)
@@ -339,10 +341,12 @@ class _Builder:
         )
         calls = self._calls[c.index]
         piece = calls.add(delta.text) if calls is not None else delta.text
+        c.text += piece
         if delta.finish_reason is not None:
             c.finish = delta.finish_reason
-            piece += self._finish(c)
-        c.text += piece
+            rest = self._finish(c)
+            c.text += rest
+            piece += rest
         return c, piece
 
     def _finish(self, c: Choice) -> str:
@@ -350,6 +354,7 @@ class _Builder:
         calls = self._calls[c.index]
         if calls is not None:
             rest, c.calls = calls.finish()
+            c.calls = c.calls if self.reply.parallel else c.calls[:1]
             if c.calls:
                 c.finish = "tool_calls"
             return rest

@@ -104,15 +104,15 @@ def _hermes(text: str) -> tuple[str | None, list[Call]]:
     calls = [_call(json.loads(b)) for b in blocks]
     if any(c is None for c in calls):
         return text, []
-    content = text[: text.find("<tool_call>")].strip()
-    return content or None, [c for c in calls if c is not None]
+    content = text[: text.find("<tool_call>")]
+    return content if content.strip() else None, [c for c in calls if c is not None]
 
 
 def _mistral(text: str) -> tuple[str | None, list[Call]]:
     at = text.find("[TOOL_CALLS]")
     if at < 0:
         return text, []
-    content, rest = text[:at].strip() or None, text[at:]
+    content, rest = (text[:at] if text[:at].strip() else None), text[at:]
     calls: list[Call | None] = []
     for part in rest.split("[TOOL_CALLS]")[1:]:
         part = part.strip()
@@ -138,9 +138,12 @@ def _llama3(text: str) -> tuple[str | None, list[Call]]:
     return None, [c for c in calls if c is not None]
 
 
-def forced_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+def forced_schema(
+    tools: list[dict[str, Any]], name: str | None, parallel: bool = True
+) -> dict[str, Any]:
     """The JSON schema a forced reply follows: the named function's parameters, or (required)
-    a non-empty list of {"name", "parameters"} calls of any of the tools."""
+    a non-empty list of {"name", "parameters"} calls of any of the tools (one, where not
+    parallel)."""
     empty = {"type": "object", "properties": {}}
     if name is not None:
         (fn,) = [t["function"] for t in tools if t["function"]["name"] == name]
@@ -148,6 +151,7 @@ def forced_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, An
     return {
         "type": "array",
         "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
         "items": {
             "anyOf": [
                 {
