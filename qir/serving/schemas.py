@@ -17,12 +17,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
 )
 
+
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON (and JSON Schema) has them: 10 or 10.0, not "10" nor 10.5. (Constraints go
+# before the validator: after it, pydantic leaves them out of the JSON schema.)
+WHOLE = BeforeValidator(_whole)
+Int = Annotated[int, WHOLE]
+Ids = Annotated[list[Int], Field(min_length=1)]
 NonNegative = Annotated[float, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 
@@ -70,14 +81,14 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     temperature: NonNegative | None = None
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's -1 (and 0): off
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # vLLM's -1 (and 0): off
     min_p: Probability | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: Int | None = None
     ignore_eos: bool = False
 
     def refused(self) -> tuple[str, str] | None:
@@ -141,7 +152,7 @@ def template_messages(messages: list[Message]) -> list[dict[str, str]]:
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
 
     def token_limit(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
@@ -164,7 +175,12 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     # One prompt: text or token ids (a list of one of either is taken too).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (
+        str
+        | Ids
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[Ids], Field(min_length=1)]
+    )
 
     def one_prompt(self) -> str | list[int] | None:
         """The prompt, or None where several were sent."""
@@ -305,7 +321,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0), WHOLE]]
 
 
 class DetokenizeResponse(BaseModel):
