@@ -104,7 +104,7 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def _http(request: HttpRequest, e: HTTPException) -> JSONResponse:
-        return ApiError(e.status_code, str(e.detail), code=None).response()
+        return ApiError(e.status_code, str(e.detail), headers=e.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: HttpRequest, e: Exception) -> JSONResponse:

@@ -6,14 +6,16 @@ schemas into the document's components."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel
 
 from qir.serving import schemas as s
 
-_BODIES: dict[str, type[BaseModel]] = {}
+# The schemas to add to the document's components: (model, "validation" for a request body or
+# "serialization" for what the server sends).
+_SCHEMAS: dict[str, tuple[type[BaseModel], Literal["validation", "serialization"]]] = {}
 _REF = "#/components/schemas/{model}"
 
 # Every status a route may refuse with, and why.
@@ -32,7 +34,7 @@ def body_of(*models: type[BaseModel]) -> dict[str, Any]:
     """A route's `openapi_extra`: its JSON body is one of `models`."""
     refs = []
     for model in models:
-        _BODIES[model.__name__] = model
+        _SCHEMAS[model.__name__] = (model, "validation")
         refs.append({"$ref": _REF.format(model=model.__name__)})
     schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
@@ -51,16 +53,18 @@ def refusals(
     if ok is not None:
         out[200] = {"model": ok, "description": "The answer"}
         if chunk is not None:
+            _SCHEMAS[chunk.__name__] = (chunk, "serialization")
             out[200]["description"] += (
                 f"; with `stream`, server-sent events, each `data: ` a {chunk.__name__} "
                 "then `data: [DONE]`"
             )
-            out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            out[200]["content"] = {"text/event-stream": {"schema": _event(chunk)}}
     return out
 
 
 def install(app: FastAPI) -> None:
-    """Make the app's document carry the schemas of the bodies its routes declared."""
+    """Make the app's document carry the schemas of the bodies and chunks its routes
+    declared."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -68,11 +72,28 @@ def install(app: FastAPI) -> None:
             return app.openapi_schema
         doc = build()
         components = doc.setdefault("components", {}).setdefault("schemas", {})
-        for name, model in _BODIES.items():
-            schema = model.model_json_schema(ref_template=_REF, mode="validation")
+        for name, (model, mode) in _SCHEMAS.items():
+            schema = model.model_json_schema(ref_template=_REF, mode=mode)
             components.update(schema.pop("$defs", {}))
             components[name] = schema
         app.openapi_schema = doc
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI 3.1: `schema` describes each event): a
+    `chunk`, an error object, or the closing [DONE]."""
+    payload = {
+        "anyOf": [
+            {"$ref": _REF.format(model=chunk.__name__)},
+            {"$ref": _REF.format(model=s.ErrorResponse.__name__)},
+        ]
+    }
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+    }

@@ -18,19 +18,30 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
 )
 
+
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON (and JSON Schema) has them: 10 or 10.0, not "10" nor 10.5. (Constraints go
+# before the validator: after it, pydantic leaves them out of the JSON schema.)
+WHOLE = BeforeValidator(_whole)
+Int = Annotated[int, WHOLE]
+Ids = Annotated[list[Int], Field(min_length=1)]
 NonNegative = Annotated[float, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
-TokenId = Annotated[int, Field(ge=0)]
-TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+TokenId = Annotated[int, Field(ge=0), WHOLE]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), WHOLE]
 # A seed: any int64 (vLLM's range) or uint64; its 64 bits key the draws.
-Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), WHOLE]
 
 
 def _off(value: Any) -> bool:
@@ -161,23 +172,23 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n_predict: int | None = Field(None, ge=-1)  # llama-server's; -1: what fits
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
+    n_predict: Annotated[int, Field(ge=-1), WHOLE] | None = None  # llama-server's; -1: what fits
     temperature: NonNegative | None = None
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's -1 (and 0): off
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # vLLM's -1 (and 0): off
     min_p: Probability | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=128)
-    best_of: int | None = Field(None, ge=1, le=128)
+    n: Annotated[int, Field(ge=1, le=128), WHOLE] = 1
+    best_of: Annotated[int, Field(ge=1, le=128), WHOLE] | None = None
     ignore_eos: bool = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     logit_bias: LogitBias | None = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Annotated[int, Field(ge=0), WHOLE] = 0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
@@ -434,11 +445,17 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     # A prompt (text or ids), or a list of them: a choice each.
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: (
+        str
+        | Ids
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[Ids], Field(min_length=1)]
+    )
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20), WHOLE] | None = None
     add_special_tokens: bool = True
-    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, draw nothing
+    # 0 with echo: score the prompt, draw nothing
+    max_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts sent (a text or ids each)."""
@@ -665,7 +682,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0), WHOLE]]
 
 
 class DetokenizeResponse(BaseModel):

@@ -37,11 +37,11 @@ class Served:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def serve(max_queue: int = 64, **options: Any) -> Iterator[Served]:
+def serve(max_queue: int = 64, max_seq: int | None = None, **options: Any) -> Iterator[Served]:
     """The fixture served (options: create_app's)."""
     from qir.serving.http import background, create_app
 
-    engine = Engine.load(FIXTURE, backend="host", max_queue=max_queue)
+    engine = Engine.load(FIXTURE, backend="host", max_queue=max_queue, max_seq=max_seq)
     served = Served("", engine)
     submit = engine.submit
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -255,3 +259,44 @@ def test_the_openapi_document_has_bodies_and_refusals(server: Served) -> None:
     assert "429" in doc["paths"]["/v1/completions"]["post"]["responses"]
     schema = doc["components"]["schemas"]["CompletionRequest"]
     assert {"prompt", "max_tokens", "stream"} <= set(schema["properties"])
+
+
+CHECKS = (
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_headers_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection",
+    "missing_required_header",
+    "unsupported_method",
+    "allow_header_conformance",
+    "use_after_free",
+    "ensure_resource_availability",
+    "ignored_auth",
+    "object_level_authorization",
+)
+
+
+def test_schemathesis_finds_nothing_in_the_served_document(tmp_path: Path) -> None:
+    """Every check schemathesis has but positive_data_acceptance: a body the schema allows may
+    still be refused with 400 for what a schema cannot say (a prompt past the context, roles
+    in the order the chat template wants, ids past the vocabulary). (`--checks all` would add
+    a response time limit: speed is the benchmarks' business.) A short context keeps the
+    generations short."""
+    st = Path(sys.executable).with_name("st")
+    for served in serve(max_seq=16, max_body_bytes=BIG):
+        run = subprocess.run(
+            [
+                *(str(st), "run", f"{served.url}/openapi.json"),
+                *("-H", f"Authorization: Bearer {API_KEY}", "--checks", ",".join(CHECKS)),
+                *("--max-examples", "5", "--request-timeout", "60", "--seed", "1", "--no-color"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stdout[-6000:]
+        generated = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
+        assert generated and generated[1] == generated[2] and int(generated[1]) > 100
