@@ -11,7 +11,9 @@ free loopback port. Per mode: requests/s and output tokens/s over the wall time,
 token and inter-token latency percentiles (p50/p90/p99; an inter-token gap is the time between
 two streamed chunks, a chunk per token except where a token completes no character), and the
 batching ratio: output tokens/s all at once over one at a time. A warm-up round (untimed) runs
-first so that kernel compiles and captures stay out of the numbers.
+first so that kernel compiles and captures stay out of the numbers. Last, the prefix cache: the
+time to first token of prompts that repeat one long prefix (--prefix-words; its KV pages are
+reused) against prompts whose prefixes are each new, one request at a time.
 
 --api-load N adds a third mode: all at once again while N clients in another process keep the
 server busy with work that is not generation (/tokenize of a long prompt, /metrics,
@@ -235,6 +237,40 @@ async def measure(url: str, api_key: str, todo: list[Job], warmup: int, load: in
     return rows
 
 
+async def ttft(client: Any, model: str, prompt: str) -> float:
+    """Seconds to the first streamed token of `prompt` (greedy, one token)."""
+    t0 = time.perf_counter()
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, stream=True
+    )
+    first = None
+    async for chunk in stream:
+        if first is None and chunk.choices:
+            first = time.perf_counter()
+    return (first or time.perf_counter()) - t0
+
+
+async def prefix_cache(url: str, api_key: str, words: int, repeats: int, seed: int) -> dict:
+    """TTFT of prompts that share a long prefix (the prefix cache holds its KV pages after the
+    first) against prompts whose prefixes are each new (cold), one request at a time."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    rng = np.random.default_rng(seed)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS, n))
+
+    shared = text(words)
+    await ttft(client, model, f"{shared} {text(2)}")  # compiles, and caches the prefix
+    cold = [await ttft(client, model, f"{text(words)} {text(2)}") for _ in range(repeats)]
+    warm = [await ttft(client, model, f"{shared} {text(2)}") for _ in range(repeats)]
+    await client.close()
+    c, w = float(np.median(cold)) * 1e3, float(np.median(warm)) * 1e3
+    return {"prefix_words": words, "cold_ttft_ms": c, "repeated_prefix_ttft_ms": w, "ratio": c / w}
+
+
 def show(rows: list[Row], todo: list[Job]) -> None:
     prompts = sorted({len(j.prompt.split()) for j in todo})
     outputs = sorted({j.max_tokens for j in todo})
@@ -267,6 +303,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument(
         "--api-load", type=int, default=0, help="clients sending other requests (a third mode)"
     )
+    ap.add_argument(
+        "--prefix-words",
+        type=int,
+        default=24,
+        help="words of the shared prefix of the prefix-cache TTFT rows (0: skip them)",
+    )
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     if args.requests < 1:
@@ -285,14 +327,26 @@ def main(argv: list[str] | None = None) -> list[Row]:
             url = stack.enter_context(background(create_app(engine)))
         try:
             rows = asyncio.run(measure(url, args.api_key, todo, args.warmup, args.api_load))
+            cache = None
+            if args.prefix_words:
+                cache = asyncio.run(
+                    prefix_cache(url, args.api_key, args.prefix_words, 5, args.seed)
+                )
         except Exception as e:  # a refusal (a request past the context, a wrong key): one line
             status = getattr(e, "status_code", None)
             if status is None:
                 raise
             raise SystemExit(f"serve.py: the server answered {status}: {e}") from None
     show(rows, todo)
+    if cache is not None:
+        print(
+            f"prefix cache, {cache['prefix_words']}-word prefix, one at a time, TTFT p50: "
+            f"cold {cache['cold_ttft_ms']:.0f} ms, repeated prefix "
+            f"{cache['repeated_prefix_ttft_ms']:.0f} ms ({cache['ratio']:.2f}x)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
+        out = {"rows": [asdict(r) for r in rows], "prefix_cache": cache}
+        args.json.write_text(json.dumps(out, indent=1))
     return rows
 
 
