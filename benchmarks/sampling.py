@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, str, float, float]]:
         b = Builder("sample")
         logits = b.input("logits", ("M", vocab), BF16)
         params = b.input("params", ("M", 4), F32)
-        seed, pos = b.input("seed", ("M",), I32), b.input("pos", ("M",), I32)
+        seed, pos = b.input("seed", ("M", 2), I32), b.input("pos", ("M",), I32)
         b.output("next", b.sample(logits, params, seed, pos))
         compiled = compile(b.graph, {}, backend=backend)
         step = compiled.capture(1)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, str, float, float]]:
             inputs = {
                 "logits": z,
                 "params": s.row()[None],
-                "seed": np.array([7], np.int32),
+                "seed": np.array([[7, 0]], np.int32),
                 "pos": np.array([3], np.int32),
             }
             step(inputs)  # the logits are on the device, as a decode step leaves them

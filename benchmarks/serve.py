@@ -4,13 +4,23 @@ greedy, `ignore_eos` so each request generates exactly its output length).
 
     python benchmarks/serve.py [CHECKPOINT] [--backend host|cuda] [--requests 16]
     python benchmarks/serve.py --url http://127.0.0.1:8000 [--api-key KEY]   # a running server
+    python benchmarks/serve.py --url ... --requests 32 --api-load 8   # streams beside API work
 
 Without --url it serves CHECKPOINT itself (default: the tiny tests/data/mlx_affine4_g64_S) on a
 free loopback port. Per mode: requests/s and output tokens/s over the wall time, time to first
 token and inter-token latency percentiles (p50/p90/p99; an inter-token gap is the time between
 two streamed chunks, a chunk per token except where a token completes no character), and the
 batching ratio: output tokens/s all at once over one at a time. A warm-up round (untimed) runs
-first so that kernel compiles and captures stay out of the numbers."""
+first so that kernel compiles and captures stay out of the numbers. Last, the prefix cache: the
+time to first token of prompts that repeat one long prefix (--prefix-words; its KV pages are
+reused) against prompts whose prefixes are each new, one request at a time.
+
+--api-load N adds a third mode: all at once again while N clients in another process keep the
+server busy with work that is not generation (/tokenize of a long prompt, /metrics,
+/v1/models, a refused completion), to see whether HTTP work slows the engine's steps. Each row
+also has the server's own inter-token latency (its /metrics: the time between two tokens as
+the engine pushed them, the client's timing left out). Serve from another process (--url) for
+this: a server in this process shares the client's interpreter."""
 
 from __future__ import annotations
 
@@ -79,6 +89,8 @@ class Row:
     tokens_per_s: float
     ttft_ms: tuple[float, ...]  # p50, p90, p99
     itl_ms: tuple[float, ...]
+    server_itl_ms: float = float("nan")  # mean, from the server's /metrics
+    api_requests: int = 0  # other requests served meanwhile (--api-load)
 
 
 def jobs(n: int, prompt_words: list[int], output_tokens: list[int], seed: int) -> list[Job]:
@@ -141,7 +153,57 @@ def row(mode: str, timings: list[Timing], wall: float) -> Row:
     )
 
 
-async def measure(url: str, api_key: str, todo: list[Job], warmup: int) -> list[Row]:
+def server_itl(url: str) -> tuple[float, float]:
+    """The server's inter-token latency histogram: (sum of seconds, count)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics") as r:
+        text = r.read().decode()
+    got = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"vllm:inter_token_latency_seconds_{part}"):
+                got[part] = float(line.rsplit(" ", 1)[1])
+    return got.get("sum", float("nan")), got.get("count", float("nan"))
+
+
+def api_load(url: str, api_key: str, clients: int, stop: Any, served: Any) -> None:
+    """`clients` threads sending requests that are not generation, until `stop` is set."""
+    import http.client
+    import threading
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    long_prompt = " ".join(WORDS * 60)
+    calls = [
+        ("POST", "/tokenize", json.dumps({"prompt": long_prompt})),
+        ("GET", "/metrics", None),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0})),  # 400
+    ]
+
+    def client(i: int) -> None:
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+        n = i
+        while not stop.is_set():
+            method, path, body = calls[n % len(calls)]
+            conn.request(method, path, body, headers)
+            conn.getresponse().read()
+            n += 1
+            with served.get_lock():
+                served.value += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+async def measure(url: str, api_key: str, todo: list[Job], warmup: int, load: int = 0) -> list[Row]:
+    import multiprocessing
+
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=3600)
@@ -149,12 +211,64 @@ async def measure(url: str, api_key: str, todo: list[Job], warmup: int) -> list[
     for _ in range(warmup):
         await all_at_once(client, model, todo)
     rows = []
-    for mode, how in (("one at a time", one_at_a_time), ("all at once", all_at_once)):
+    modes = [("one at a time", one_at_a_time, 0), ("all at once", all_at_once, 0)]
+    if load:
+        modes.append((f"+ {load} API", all_at_once, load))
+    for mode, how, clients in modes:
+        ctx = multiprocessing.get_context("spawn")
+        stop, served = ctx.Event(), ctx.Value("i", 0)
+        loader = ctx.Process(target=api_load, args=(url, api_key, clients, stop, served))
+        if clients:
+            loader.start()
+            while served.value < clients:  # the load is on before the streams start
+                await asyncio.sleep(0.01)
+        before = server_itl(url)
         t0 = time.perf_counter()
         timings = await how(client, model, todo)
-        rows.append(row(mode, timings, time.perf_counter() - t0))
+        r = row(mode, timings, time.perf_counter() - t0)
+        after = server_itl(url)
+        r.server_itl_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e3
+        if clients:
+            stop.set()
+            loader.join()
+            r.api_requests = served.value
+        rows.append(r)
     await client.close()
     return rows
+
+
+async def ttft(client: Any, model: str, prompt: str) -> float:
+    """Seconds to the first streamed token of `prompt` (greedy, one token)."""
+    t0 = time.perf_counter()
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, stream=True
+    )
+    first = None
+    async for chunk in stream:
+        if first is None and chunk.choices:
+            first = time.perf_counter()
+    return (first or time.perf_counter()) - t0
+
+
+async def prefix_cache(url: str, api_key: str, words: int, repeats: int, seed: int) -> dict:
+    """TTFT of prompts that share a long prefix (the prefix cache holds its KV pages after the
+    first) against prompts whose prefixes are each new (cold), one request at a time."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    rng = np.random.default_rng(seed)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS, n))
+
+    shared = text(words)
+    await ttft(client, model, f"{shared} {text(2)}")  # compiles, and caches the prefix
+    cold = [await ttft(client, model, f"{text(words)} {text(2)}") for _ in range(repeats)]
+    warm = [await ttft(client, model, f"{shared} {text(2)}") for _ in range(repeats)]
+    await client.close()
+    c, w = float(np.median(cold)) * 1e3, float(np.median(warm)) * 1e3
+    return {"prefix_words": words, "cold_ttft_ms": c, "repeated_prefix_ttft_ms": w, "ratio": c / w}
 
 
 def show(rows: list[Row], todo: list[Job]) -> None:
@@ -162,13 +276,14 @@ def show(rows: list[Row], todo: list[Job]) -> None:
     outputs = sorted({j.max_tokens for j in todo})
     print(f"{len(todo)} requests; prompts of {prompts} words, {outputs} output tokens; greedy")
     head = f"{'mode':14} {'req/s':>7} {'out tok/s':>9}  {'TTFT ms p50/p90/p99':>22}"
-    print(f"{head}  {'ITL ms p50/p90/p99':>22}  {'wall s':>7}")
+    print(f"{head}  {'ITL ms p50/p90/p99':>22}  {'server ITL ms':>13}  {'wall s':>7}")
     for r in rows:
         ttft = "/".join(f"{v:.0f}" for v in r.ttft_ms)
         itl = "/".join(f"{v:.0f}" for v in r.itl_ms)
+        load = f"  ({r.api_requests} API requests meanwhile)" if r.api_requests else ""
         print(
             f"{r.mode:14} {r.requests_per_s:7.2f} {r.tokens_per_s:9.1f}  {ttft:>22}  {itl:>22}  "
-            f"{r.wall_s:7.2f}"
+            f"{r.server_itl_ms:13.1f}  {r.wall_s:7.2f}{load}"
         )
     ratio = rows[1].tokens_per_s / rows[0].tokens_per_s
     print(f"batching ratio (output tokens/s, all at once / one at a time): {ratio:.2f}x")
@@ -185,6 +300,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--output-tokens", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--api-load", type=int, default=0, help="clients sending other requests (a third mode)"
+    )
+    ap.add_argument(
+        "--prefix-words",
+        type=int,
+        default=24,
+        help="words of the shared prefix of the prefix-cache TTFT rows (0: skip them)",
+    )
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     if args.requests < 1:
@@ -202,15 +326,27 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 print(line)
             url = stack.enter_context(background(create_app(engine)))
         try:
-            rows = asyncio.run(measure(url, args.api_key, todo, args.warmup))
+            rows = asyncio.run(measure(url, args.api_key, todo, args.warmup, args.api_load))
+            cache = None
+            if args.prefix_words:
+                cache = asyncio.run(
+                    prefix_cache(url, args.api_key, args.prefix_words, 5, args.seed)
+                )
         except Exception as e:  # a refusal (a request past the context, a wrong key): one line
             status = getattr(e, "status_code", None)
             if status is None:
                 raise
             raise SystemExit(f"serve.py: the server answered {status}: {e}") from None
     show(rows, todo)
+    if cache is not None:
+        print(
+            f"prefix cache, {cache['prefix_words']}-word prefix, one at a time, TTFT p50: "
+            f"cold {cache['cold_ttft_ms']:.0f} ms, repeated prefix "
+            f"{cache['repeated_prefix_ttft_ms']:.0f} ms ({cache['ratio']:.2f}x)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
+        out = {"rows": [asdict(r) for r in rows], "prefix_cache": cache}
+        args.json.write_text(json.dumps(out, indent=1))
     return rows
 
 

@@ -220,6 +220,27 @@ class Builder:
         top_p, min_p) with its seed and position keying the draw (qir.sampling)."""
         return self._op("sample", (logits, params, seed, positions), name)
 
+    def adjust_logits(
+        self,
+        logits: Value,
+        penalties: Value,
+        tokens: Value,
+        counts: Value,
+        bias: Value,
+        allow: Value,
+        name: str | None = None,
+    ) -> Value:
+        """float32 logits with each row's bitmask, bias and penalties applied (qir.logits)."""
+        return self._op("adjust_logits", (logits, penalties, tokens, counts, bias, allow), name)
+
+    def logprobs(
+        self, logits: Value, drawn: Value, targets: Value, k: int, name: str | None = None
+    ) -> tuple[Value, Value]:
+        """Each row's target's log-softmax and its k most likely tokens' (qir.logits): (ids
+        i32[M, k + 1], logprobs f32[M, k + 1]), the target in column 0."""
+        both = self._op("logprobs", (logits, drawn, targets), name, k=k)
+        return self.get(both, 0, f"{both.name}.ids"), self.get(both, 1, f"{both.name}.values")
+
     def route(
         self, logits: Value, k: int, rule: str, name: str | None = None
     ) -> tuple[Value, Value]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from qir import collectives, moe, rope, sampling
+from qir import collectives, logits, moe, rope, sampling
 from qir.errors import QirError
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
@@ -477,6 +477,8 @@ def evaluate(
             )
         elif node.op == "route":
             env[name] = moe.route(args[0], node.attr("k"), node.attr("rule"))
+        elif node.op == "logprobs":
+            env[name] = logits.logprobs(args[0], args[1], args[2], node.attr("k"))
         elif node.op == "expert_qlinear":
             types = [graph.node(o).type for o in graph.operands(name)]
             ws = expert_layout(types, dict(node.attrs))[0]
@@ -603,6 +605,7 @@ _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "attention": attention,
     "embedding": embedding,
     "sample": lambda node, args: sampling.sample(*args),
+    "adjust_logits": lambda node, args: logits.adjust_logits(*args),
 }
 
 

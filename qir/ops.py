@@ -720,35 +720,95 @@ def _infer_embedding(
 # The columns of a sample op's params input, and the largest vocabulary (see qir.sampling).
 SAMPLING_PARAMS = 4
 MAX_VOCAB_BITS = 23
+# The columns of an adjust_logits op's penalties input, and the most top tokens a logprobs op
+# reports per row (OpenAI's top_logprobs limit, vLLM's default max_logprobs) (qir.logits).
+PENALTY_PARAMS = 3
+MAX_TOP_LOGPROBS = 20
+
+
+def _rows_of(dtype: dtypes.DType, cols: int | None, what: str) -> Callable[[ValueType], str | None]:
+    """A problem_of for dtype[M, cols] (cols None: any fixed width)."""
+
+    def problem(t: ValueType) -> str | None:
+        if (
+            isinstance(t, TensorType)
+            and t.dtype == dtype
+            and t.rank == 2
+            and t.shape[0] == BATCH
+            and isinstance(t.shape[1], int)
+            and t.shape[1] >= 1
+            and (cols is None or t.shape[1] == cols)
+        ):
+            return None
+        return f"must be {dtype.name}[{BATCH}, {cols or 'n'}] ({what})"
+
+    return problem
+
+
+def _vocab(op: str, names: Sequence[str], types: Sequence[ValueType]) -> int:
+    """The vocabulary of operand 0, logits [M, vocab], checked against MAX_VOCAB_BITS."""
+    logits = _activation(op, names, types, 0)
+    vocab = logits.shape[1]
+    assert isinstance(vocab, int)
+    if vocab > 2**MAX_VOCAB_BITS:
+        raise IRTypeError(
+            f"{op}: {_desc(names[0], logits)} has more than 2^{MAX_VOCAB_BITS} ids (the "
+            "masses' sums would overflow 64 bits)"
+        )
+    return vocab
 
 
 def _infer_sample(
     types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
 ) -> ValueType:
-    """(logits [M, vocab], params f32[M, 4], seed i32[M], positions i32[M]) -> i32[M]: a
+    """(logits [M, vocab], params f32[M, 4], seed i32[M, 2], positions i32[M]) -> i32[M]: a
     token id per row drawn from its logits under its (temperature, top_k, top_p, min_p), with
-    the row's seed and position keying the random draw (qir.sampling)."""
-    logits = _activation("sample", names, types, 0)
-    vocab = logits.shape[1]
-    assert isinstance(vocab, int)
-    if vocab > 2**MAX_VOCAB_BITS:
-        raise IRTypeError(
-            f"sample: {_desc(names[0], logits)} has more than 2^{MAX_VOCAB_BITS} ids (the "
-            "masses' sums would overflow 64 bits)"
-        )
-    params = types[1]
-    if not (
-        isinstance(params, TensorType)
-        and params.dtype == dtypes.F32
-        and params.shape == (BATCH, SAMPLING_PARAMS)
-    ):
-        raise IRTypeError(
-            f"sample: operand 1 ({_desc(names[1], params)}) must be "
-            f"f32[{BATCH}, {SAMPLING_PARAMS}] (temperature, top_k, top_p, min_p per row)"
-        )
-    for i in (2, 3):
-        _checked("sample", names, types, i, index_problem)
+    the row's 64-bit seed (low word, high word) and position keying the random draw
+    (qir.sampling)."""
+    _vocab("sample", names, types)
+    what = "temperature, top_k, top_p, min_p per row"
+    _checked("sample", names, types, 1, _rows_of(dtypes.F32, SAMPLING_PARAMS, what))
+    _checked("sample", names, types, 2, _rows_of(INDEX_DTYPE, 2, "a 64-bit seed per row"))
+    _checked("sample", names, types, 3, index_problem)
     return TensorType((BATCH,), INDEX_DTYPE)
+
+
+def _infer_adjust_logits(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(logits [M, vocab], penalties f32[M, 3], tokens i32[M, C], counts i32[M, C], bias
+    f32[M, C], allow i32[M, ceil(vocab / 32)]) -> f32[M, vocab]: each row's logits with the
+    tokens its bitmask leaves out at -inf, then its entries' bias, repetition, frequency and
+    presence penalties applied (qir.logits)."""
+    vocab = _vocab("adjust_logits", names, types)
+    what = "repetition, frequency, presence penalties per row"
+    _checked("adjust_logits", names, types, 1, _rows_of(dtypes.F32, PENALTY_PARAMS, what))
+    entries = _checked(
+        "adjust_logits", names, types, 2, _rows_of(INDEX_DTYPE, None, "token entries per row")
+    ).shape[1]
+    assert isinstance(entries, int)
+    _checked("adjust_logits", names, types, 3, _rows_of(INDEX_DTYPE, entries, "a count per entry"))
+    _checked("adjust_logits", names, types, 4, _rows_of(dtypes.F32, entries, "a bias per entry"))
+    words = -(-vocab // 32)
+    _checked("adjust_logits", names, types, 5, _rows_of(INDEX_DTYPE, words, "a bit per token"))
+    return TensorType((BATCH, vocab), dtypes.F32)
+
+
+def _infer_logprobs(
+    types: Sequence[ValueType], names: Sequence[str], attrs: Mapping[str, Any]
+) -> ValueType:
+    """(logits [M, vocab], next i32[M], targets i32[M]) -> (ids i32[M, k + 1], logprobs
+    f32[M, k + 1]): per row, the log-softmax of its target (targets[m], or next[m] where
+    targets[m] is -1) in column 0 and its k most likely tokens after it (qir.logits)."""
+    vocab = _vocab("logprobs", names, types)
+    for i in (1, 2):
+        _checked("logprobs", names, types, i, index_problem)
+    k, most = attrs.get("k"), min(vocab, MAX_TOP_LOGPROBS)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
+        raise IRTypeError(f"logprobs: k must be an int in 0..{most}, got {k!r}")
+    return TupleType(
+        (TensorType((BATCH, k + 1), INDEX_DTYPE), TensorType((BATCH, k + 1), dtypes.F32))
+    )
 
 
 # ---- Mixtures of experts (qir.moe holds the maths) -------------------------------------------
@@ -967,6 +1027,8 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
         OpSpec("sample", 4, _infer_sample),
+        OpSpec("adjust_logits", 6, _infer_adjust_logits),
+        OpSpec("logprobs", 3, _infer_logprobs, frozenset({"k"})),
         # Collectives across the ranks of a tensor-parallel group (qir.collectives)
         OpSpec("all_reduce", 1, _infer_all_reduce, frozenset({"ranks"})),
         OpSpec("all_gather", 1, _infer_all_gather, frozenset({"axis", "ranks"})),

@@ -19,7 +19,7 @@ Per row m, with params[m] = (temperature, top_k, top_p, min_p), z = float32(logi
   - min-p (min_p > 0): e >= min_p (the token's probability over the top one's).
   Then r = floor(x * W' / 2^64), with W' the kept tokens' mass and x 64 bits of
   Philox4x32-10 (Salmon et al., SC'11) with counter (positions[m], 0, 0, 0) and key
-  (seed[m], 0), and the result is the first kept token (in index order) whose running mass
+  (seed[m, 0], seed[m, 1]) (a 64-bit seed's low and high words), and the result is the first kept token (in index order) whose running mass
   exceeds r: a draw from softmax(s) over the kept tokens, at the resolution of the masses (a
   token under 2^-40 of the top one's probability is never drawn). A seed and a position give
   the same id on every backend and in any batch.
@@ -34,6 +34,7 @@ which differs from float comparison only in -0 < +0."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,9 +83,10 @@ def philox4x32(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
 
 
 def random_bits(seed: int, position: int) -> int:
-    """The 64 random bits of a row at `position` drawn with `seed`."""
+    """The 64 random bits of a row at `position` drawn with `seed` (its low 64 bits: a
+    negative seed is taken two's-complement)."""
     counter = np.array([[position & 0xFFFFFFFF, 0, 0, 0]], np.uint32)
-    key = np.array([[seed & 0xFFFFFFFF, 0]], np.uint32)
+    key = np.array([[seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]], np.uint32)
     x = philox4x32(counter, key)[0]
     return int(x[0]) << 32 | int(x[1])
 
@@ -159,10 +161,14 @@ def sample_row(z: np.ndarray, params: np.ndarray, seed: int, position: int) -> i
 def sample(
     logits: np.ndarray, params: np.ndarray, seed: np.ndarray, positions: np.ndarray
 ) -> np.ndarray:
-    """int32 [M]: `sample_row` of every row."""
+    """int32 [M]: `sample_row` of every row (seed: int32 [M, 2], each row's low and high
+    words)."""
+    words = np.asarray(seed).astype(np.uint32).astype(np.int64)
     return np.array(
         [
-            sample_row(logits[m], params[m], int(seed[m]), int(positions[m]))
+            sample_row(
+                logits[m], params[m], int(words[m, 0] | words[m, 1] << 32), int(positions[m])
+            )
             for m in range(len(logits))
         ],
         np.int32,
@@ -220,6 +226,12 @@ class Sampling:
         return ", ".join(parts)
 
 
-def seed_row(seed: int) -> np.int32:
-    """A seed of any size as the int32 the op takes (its low 32 bits)."""
-    return np.array([seed & 0xFFFFFFFF], np.uint32).view(np.int32)[0]
+def seed_row(seed: int) -> np.ndarray:
+    """A seed of any size as the op's int32 [2] row: its low 64 bits, low word first."""
+    words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]
+    return np.array(words, np.uint32).view(np.int32)
+
+
+def fresh_seed() -> int:
+    """A random 64-bit seed (a generation given none)."""
+    return int.from_bytes(os.urandom(8), "little")

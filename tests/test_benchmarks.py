@@ -247,8 +247,13 @@ def test_serve_on_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         # 8 tokens in all (2 + 3 + 3), each request checked to return its max_tokens
         assert r.tokens_per_s * r.wall_s == pytest.approx(8)
         assert all(v > 0 for v in (*r.ttft_ms, *r.itl_ms)) and r.ttft_ms[0] <= r.ttft_ms[2]
-    assert json.loads(out.read_text())["rows"][1]["mode"] == "all at once"
-    assert "batching ratio" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["rows"][1]["mode"] == "all at once"
+    cache = written["prefix_cache"]
+    assert cache["prefix_words"] == 24 and cache["cold_ttft_ms"] > 0
+    assert cache["ratio"] == pytest.approx(cache["cold_ttft_ms"] / cache["repeated_prefix_ttft_ms"])
+    printed = capsys.readouterr().out
+    assert "batching ratio" in printed and "repeated prefix" in printed
 
 
 def test_moe_on_host(capsys: pytest.CaptureFixture[str]) -> None:

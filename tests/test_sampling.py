@@ -123,6 +123,23 @@ def test_seed_and_position_decide_the_draw() -> None:
     a = [sampling.sample_row(LOGITS, row, 11, p) for p in range(50)]
     assert a == [sampling.sample_row(LOGITS, row, 11, p) for p in range(50)]
     assert a != [sampling.sample_row(LOGITS, row, 12, p) for p in range(50)]
+    # Every one of a seed's 64 bits counts: the high word is the key's second word.
+    assert a != [sampling.sample_row(LOGITS, row, 11 + (1 << 40), p) for p in range(50)]
+    assert sampling.random_bits(2**64 - 1, 3) == sampling.random_bits(-1, 3)
+    counter, key = (
+        np.array([[3, 0, 0, 0]], np.uint32),
+        np.array([[0x89ABCDEF, 0x1234567]], np.uint32),
+    )
+    x = sampling.philox4x32(counter, key)[0]
+    assert sampling.random_bits(0x123456789ABCDEF, 3) == int(x[0]) << 32 | int(x[1])
+    rows = np.stack([sampling.seed_row(s) for s in (11, 11 + (1 << 40), -1)])
+    assert rows.dtype == np.int32 and rows.tolist() == [[11, 0], [11, 256], [-1, -1]]
+    drawn = sampling.sample(
+        np.tile(LOGITS, (3, 1)), np.tile(row, (3, 1)), rows, np.full(3, 7, np.int32)
+    )
+    assert drawn.tolist() == [
+        sampling.sample_row(LOGITS, row, s, 7) for s in (11, 11 + (1 << 40), -1)
+    ]
 
 
 def test_the_op_refuses_what_it_cannot_sample() -> None:
@@ -131,7 +148,7 @@ def test_the_op_refuses_what_it_cannot_sample() -> None:
     from qir.ops import IRTypeError
 
     b = Builder()
-    seed, pos = b.input("seed", ("M",), I32), b.input("pos", ("M",), I32)
+    seed, pos = b.input("seed", ("M", 2), I32), b.input("pos", ("M",), I32)
     params = b.input("params", ("M", 4), F32)
     wide = b.input("wide", ("M", 2**23 + 1), F16)
     with pytest.raises(IRTypeError, match=r"more than 2\^23 ids"):
@@ -140,5 +157,7 @@ def test_the_op_refuses_what_it_cannot_sample() -> None:
     three = b.input("three", ("M", 3), F32)
     with pytest.raises(IRTypeError, match=r"must be f32\[M, 4\]"):
         b.sample(logits, three, seed, pos)
+    with pytest.raises(IRTypeError, match="a 64-bit seed per row"):
+        b.sample(logits, params, pos, pos)
     with pytest.raises(IRTypeError, match="one index per row"):
-        b.sample(logits, params, pos, logits)
+        b.sample(logits, params, seed, logits)

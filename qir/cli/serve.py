@@ -16,6 +16,7 @@ from qir.cli.options import add_lowering, add_max_seq, model_options
 from qir.errors import UsageError
 from qir.runtime.backend import BACKENDS, best_backend
 from qir.serving.engine import DEFAULT_CHUNK, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
+from qir.serving.timeouts import Timeouts
 
 INSTALL = "pip install 'qir[serve]'"
 
@@ -24,6 +25,7 @@ def _http() -> Any:
     """qir.serving.http, or a UsageError saying what to install."""
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import pydantic  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
@@ -52,7 +54,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ):
         if value < low:
             raise UsageError(f"{name} must be at least {low}, got {value}")
-    for name, value in (("--kv-cache-gb", args.kv_cache_gb), ("--max-body-mb", args.max_body_mb)):
+    for name, value in (
+        ("--kv-cache-gb", args.kv_cache_gb),
+        ("--max-body-mb", args.max_body_mb),
+        ("--drain-timeout", args.drain_timeout),
+        ("--idle-timeout", args.idle_timeout),
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ):
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be > 0, got {value:g}")
     api_key = args.api_key or os.environ.get("QIR_API_KEY") or None
@@ -92,6 +101,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=api_key,
         served_model_name=args.served_model_name,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        timeouts=http.Timeouts(
+            idle=args.idle_timeout,
+            header=args.header_timeout,
+            body=args.body_timeout,
+            drain=args.drain_timeout,
+        ),
     )
     if not _loopback(args.host) and api_key is None:
         print(
@@ -105,7 +120,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"qir serve: {line}")
         name = args.served_model_name or engine.name
         auth = ", API key required" if api_key else ""
-        print(f"qir serve: {base}/v1 (model {name!r}{auth}); Ctrl-C or SIGTERM drains and stops")
+        print(
+            f"qir serve: {base}/v1 (model {name!r}{auth}); Ctrl-C or SIGTERM drains and stops "
+            f"(within {args.drain_timeout:g} s; a second one stops at once)"
+        )
         sys.stdout.flush()
 
     level = "warning" if args.quiet else "debug" if args.verbose else "info"
@@ -119,8 +137,10 @@ def register(sub: Any) -> None:
         "serve",
         help="serve a checkpoint over the OpenAI HTTP API (chat and text completions)",
         description="Serve a checkpoint over the OpenAI HTTP API: /v1/chat/completions, "
-        "/v1/completions (streamed or not), /v1/models, /health. Ctrl-C or SIGTERM stops "
-        f"accepting, lets running requests finish, then exits. Needs {INSTALL}.",
+        "/v1/completions (streamed or not), /v1/models, and vLLM's /tokenize, /detokenize, "
+        "/metrics, /version, /health. Ctrl-C or SIGTERM drains: new requests get 503 while "
+        "running ones finish (within --drain-timeout), then it exits; a second signal exits at "
+        f"once. Needs {INSTALL}.",
     )
     p.add_argument("checkpoint", type=Path, help="checkpoint directory (with its tokenizer)")
     p.add_argument(
@@ -170,4 +190,32 @@ def register(sub: Any) -> None:
         default=4.0,
         help="request bodies over this many MiB get 413 (default 4)",
     )
+    defaults = Timeouts()
+    for option, default, what in (
+        (
+            "--drain-timeout",
+            defaults.drain,
+            "after Ctrl-C or SIGTERM, running requests get this "
+            "long to finish before they are ended",
+        ),
+        (
+            "--idle-timeout",
+            defaults.idle,
+            "a connection without a request in flight is closed after this long",
+        ),
+        (
+            "--header-timeout",
+            defaults.header,
+            "a connection whose request head has not come "
+            "whole this long after it opened (or after the previous response) is closed",
+        ),
+        (
+            "--body-timeout",
+            defaults.body,
+            "a request body not whole this long after its head gets 408",
+        ),
+    ):
+        p.add_argument(
+            option, type=float, default=default, help=f"seconds: {what} (default {default:g})"
+        )
     p.set_defaults(func=cmd_serve)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from qir import rope, sampling
+from qir import logits, rope, sampling
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import cap_suffix
 from qir.codegen.kernel import Kernel, KernelParam
@@ -393,6 +393,53 @@ def sample_kernel(act: DType, vocab: int) -> Kernel:
         _buf("seed", "int32_t"),
         _buf("pos", "int32_t"),
         _buf("next", "int32_t", False),
+        _M,
+    )
+    return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())
+
+
+def adjust_logits_kernel(act: DType, vocab: int, entries: int) -> Kernel:
+    name = f"adjust_logits_{act.name}_v{vocab}_c{entries}"
+    words = logits.allow_words(vocab)
+    source = render(
+        "adjust_logits.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        vocab=vocab,
+        entries=entries,
+        words=words,
+        threads=SAMPLE_THREADS,
+    )
+    params = (
+        _buf("logits", act.c_type),
+        _buf("penalties", "float"),
+        _buf("tokens", "int32_t"),
+        _buf("counts", "int32_t"),
+        _buf("bias", "float"),
+        _buf("allow", "int32_t"),
+        _buf("out", "float", False),
+        _M,
+    )
+    return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())
+
+
+def logprobs_kernel(act: DType, vocab: int, k: int) -> Kernel:
+    name = f"logprobs_{act.name}_v{vocab}_k{k}"
+    source = render(
+        "logprobs.cu.j2",
+        name=name,
+        act_t=act.c_type,
+        vocab=vocab,
+        k=k,
+        threads=SAMPLE_THREADS,
+        drawn_flag=logits.DRAWN,
+    )
+    params = (
+        _buf("logits", act.c_type),
+        _buf("drawn", "int32_t"),
+        _buf("targets", "int32_t"),
+        _buf("ids", "int32_t", False),
+        _buf("values", "float", False),
         _M,
     )
     return Kernel(name, source, params, (SAMPLE_THREADS, 1, 1), _headers())

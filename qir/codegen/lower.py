@@ -383,3 +383,16 @@ def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:
                 la = replace(la, when=(min(lo for lo, _ in ranges), max(hi for _, hi in ranges)))
         out.append(la)
     return tuple(out)
+
+
+def results(graph: Graph, name: str, temps: dict[str, TensorType]) -> tuple[str, ...]:
+    """The values a multi-output node writes: its gets, or a temp where a result has none."""
+    node = graph.node(name)
+    by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
+    out = []
+    for i, t in enumerate(node.type.elements):  # type: ignore[union-attr]
+        if i not in by_index:
+            by_index[i] = graph.fresh(f"{name}.{i}")
+            temps[by_index[i]] = t
+        out.append(by_index[i])
+    return tuple(out)

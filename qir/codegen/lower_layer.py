@@ -17,16 +17,18 @@ from qir.codegen.layer_kernels import (
     CacheShape,
     HeadNorm,
     RopeSpec,
+    adjust_logits_kernel,
     attention_combine_kernel,
     attention_prefill_kernel,
     attention_split_kernel,
     embedding_kernel,
     kv_append_kernel,
+    logprobs_kernel,
     rms_norm_kernel,
     rope_kernel,
     sample_kernel,
 )
-from qir.codegen.lower import ALL_M, Arg, Launch
+from qir.codegen.lower import ALL_M, Arg, Launch, results
 from qir.dtypes import F32
 from qir.graph import Graph
 from qir.ops import W4A4_MAX_M, cache_operands, sinks_operand
@@ -212,6 +214,24 @@ def lower_sample(graph: Graph, name: str) -> Lowered:
     return [Launch(kernel, 1, 1, args, (name,), (name,))], {}
 
 
+def lower_adjust_logits(graph: Graph, name: str) -> Lowered:
+    operands = graph.operands(name)
+    t, entries = _tensor(graph, operands[0]), _tensor(graph, operands[2])
+    kernel = adjust_logits_kernel(t.dtype, _int(t.shape[1]), _int(entries.shape[1]))
+    args = (*(Arg("value", a) for a in operands), Arg("value", name), Arg("M"))
+    return [Launch(kernel, 1, 1, args, (name,), (name,))], {}
+
+
+def lower_logprobs(graph: Graph, name: str) -> Lowered:
+    operands = graph.operands(name)
+    t = _tensor(graph, operands[0])
+    temps: dict[str, TensorType] = {}
+    ids, values = results(graph, name, temps)
+    kernel = logprobs_kernel(t.dtype, _int(t.shape[1]), graph.node(name).attr("k"))
+    args = (*(Arg("value", a) for a in operands), Arg("value", ids), Arg("value", values), Arg("M"))
+    return [Launch(kernel, 1, 1, args, (ids, values), (name,))], temps
+
+
 LAYER_LOWERINGS: dict[str, Callable[[Graph, str], Lowered]] = {
     "rms_norm": lower_rms_norm,
     "norm_residual": lower_norm_residual,
@@ -220,4 +240,6 @@ LAYER_LOWERINGS: dict[str, Callable[[Graph, str], Lowered]] = {
     "attention": lower_attention,
     "embedding": lower_embedding,
     "sample": lower_sample,
+    "adjust_logits": lower_adjust_logits,
+    "logprobs": lower_logprobs,
 }

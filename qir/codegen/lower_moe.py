@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from qir.codegen import moe
 from qir.codegen.gemv import for_target
-from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch
+from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch, results
 from qir.codegen.quantize_act import MODES
 from qir.dtypes import DType
 from qir.graph import Graph
@@ -27,19 +27,6 @@ def _tensor(graph: Graph, name: str) -> TensorType:
     return t
 
 
-def _results(graph: Graph, name: str, temps: dict[str, TensorType]) -> tuple[str, ...]:
-    """The values a multi-output node writes: its gets, or a temp where a result has none."""
-    node = graph.node(name)
-    by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
-    out = []
-    for i, t in enumerate(node.type.elements):  # type: ignore[union-attr]
-        if i not in by_index:
-            by_index[i] = graph.fresh(f"{name}.{i}")
-            temps[by_index[i]] = t
-        out.append(by_index[i])
-    return tuple(out)
-
-
 def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType], __: Target) -> Lowered:
     (logits,) = graph.operands(name)
     t = _tensor(graph, logits)
@@ -47,7 +34,7 @@ def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType], __: Target
     assert isinstance(experts, int)
     node = graph.node(name)
     temps: dict[str, TensorType] = {}
-    ids, weights = _results(graph, name, temps)
+    ids, weights = results(graph, name, temps)
     kernel = moe.route_kernel(t.dtype, experts, node.attr("k"), node.attr("rule"))
     args = (Arg("value", logits), Arg("value", ids), Arg("value", weights), Arg("M"))
     return [Launch(kernel, 1, 1, args, (ids, weights), (name,))], temps

@@ -9,7 +9,9 @@ layer:    a whole decoder layer at positions `pos`, with its KV cache as state:
           h = x + o_proj(attention(rope(q), kv_append(rope(k), v)))   (q, k, v of rms_norm(x))
           y = h + mlp(rms_norm(h))
 model:    logits = lm_head(rms_norm(layers(embedding(ids))))  (lm_head tied or not), and
-          next = sample(logits, sampling, seed, pos): each row's next id (qir.sampling)
+          next = sample(adjust_logits(logits, penalties, tokens, counts, bias, allow),
+                        sampling, seed, pos): each row's next id (qir.sampling, qir.logits);
+          logprob_ids, logprobs = logprobs(logits, next, targets): scores (qir.logits)
 
 Blocks with attention take `pos` (int32 [M]: each row's position; row m attends to its
 positions 0..pos[m]) and keep one KV cache per layer. The layer block's holds one sequence of
@@ -31,9 +33,10 @@ from qir.dtypes import ACTIVATION, F32, I32, DType
 from qir.errors import UsageError
 from qir.formats.base import FormatError
 from qir.graph import Graph
+from qir.logits import ALL_ALLOWED, MAX_BIAS, NO_PENALTIES, SKIP, allow_words
 from qir.models.architectures import FEATURES, Features
 from qir.models.checkpoint import Checkpoint
-from qir.ops import SAMPLING_PARAMS
+from qir.ops import MAX_TOP_LOGPROBS, PENALTY_PARAMS, SAMPLING_PARAMS
 from qir.types import QWeight, TensorType
 
 # The KV cache's default length: the config's max_position_embeddings, at most this (a 128k
@@ -77,9 +80,28 @@ class Block:
             "ids": np.asarray(ids, np.int32),
             "pos": np.arange(start, start + m, dtype=np.int32),
             "pages": np.tile(np.asarray(row, np.int32), (m, 1)),
-            "sampling": np.tile(UNSAMPLED, (m, 1)),
-            "seed": np.zeros(m, np.int32),
+            **self.draw_inputs(m),
         }
+
+    def draw_inputs(self, m: int) -> dict[str, np.ndarray]:
+        """The model block's per-row inputs of the draw and the scores for `m` rows: nothing
+        drawn (temperature below 0), nothing masked or penalized, nothing scored."""
+        entries, words = (self._width(k) for k in ("tokens", "allow"))
+        return {
+            "sampling": np.tile(UNSAMPLED, (m, 1)),
+            "seed": np.zeros((m, 2), np.int32),
+            "penalties": np.tile(np.array(NO_PENALTIES, np.float32), (m, 1)),
+            "tokens": np.full((m, entries), -1, np.int32),
+            "counts": np.zeros((m, entries), np.int32),
+            "bias": np.zeros((m, entries), np.float32),
+            "allow": np.full((m, words), ALL_ALLOWED, np.int32),
+            "targets": np.full(m, SKIP, np.int32),
+        }
+
+    def _width(self, input_name: str) -> int:
+        t = self.graph.node(input_name).type
+        assert isinstance(t, TensorType) and isinstance(t.shape[1], int)
+        return t.shape[1]
 
     def inputs(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """The inputs of a block that starts at activations x [M, hidden]: x itself and, for
@@ -409,10 +431,28 @@ def model(
     if cap is not None:  # tanh(logits / cap) * cap before they are handed back or sampled
         logits = b.softcap(logits, float(cap), name="capped")
     b.output("logits", logits)
-    # The next id per row, drawn on the device (qir.sampling): a decode step hands back 4 bytes.
+    # The next id per row, drawn on the device (qir.sampling) from the logits each sequence's
+    # restrictions and penalties leave (qir.logits): a decode step hands back 4 bytes, and the
+    # scores a client asked for.
+    vocab, entries = ck.vocab_size, min(max_seq, ck.vocab_size) + MAX_BIAS
+    adjusted = b.adjust_logits(
+        logits,
+        b.input("penalties", ("M", PENALTY_PARAMS), F32),
+        b.input("tokens", ("M", entries), I32),
+        b.input("counts", ("M", entries), I32),
+        b.input("bias", ("M", entries), F32),
+        b.input("allow", ("M", allow_words(vocab)), I32),
+        name="adjusted",
+    )
     params = b.input("sampling", ("M", SAMPLING_PARAMS), F32)
-    seed = b.input("seed", ("M",), I32)
-    b.output("next", b.sample(logits, params, seed, pos, name="next"))
+    seed = b.input("seed", ("M", 2), I32)
+    drawn = b.sample(adjusted, params, seed, pos, name="next")
+    b.output("next", drawn)
+    targets = b.input("targets", ("M",), I32)
+    top = min(MAX_TOP_LOGPROBS, vocab)
+    scored_ids, scores = b.logprobs(logits, drawn, targets, top, name="scores")
+    b.output("logprob_ids", scored_ids)
+    b.output("logprobs", scores)
     return bb.block()
 
 

@@ -22,7 +22,6 @@ its eos_token_ids (unless ignore_eos), at a stop string (text), or after max_new
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from qir.errors import UsageError
 from qir.models.blocks import build
 from qir.models.checkpoint import Checkpoint, load
 from qir.models.shard_read import ShardReader, load_rank
-from qir.sampling import Sampling, seed_row
+from qir.sampling import Sampling, fresh_seed, seed_row
 from qir.types import TensorType
 
 # A generation's ids as they are drawn: (id, its logits or None, "" / "eos" / "length").
@@ -396,9 +395,7 @@ class Model:
         # The last id is only handed back, never fed: it takes no cache row.
         ids = self.tokens(prompt, max_new_tokens - 1)
         eos = frozenset() if ignore_eos else frozenset(self.generation_config.eos_ids)
-        seed = (
-            sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-        )
+        seed = sampling.seed if sampling.seed is not None else fresh_seed()
         if (
             self.comm is not None
             and self.comm.size > 1

@@ -206,7 +206,9 @@ class TensorParallel:
     def _lm_head(self, graph: Graph, sample: str) -> int:
         n, r = self.ranks, self.rank
         value = graph.operands(sample)[0]
-        while graph.node(value).op == "softcap":  # elementwise: applies to each rank's part
+        # softcap is elementwise (it applies to each rank's part); adjust_logits takes the
+        # gathered rows, as the draw does
+        while graph.node(value).op in ("softcap", "adjust_logits"):
             value = graph.operands(value)[0]
         if graph.node(value).op != "qlinear":
             raise TensorParallelError(

@@ -18,46 +18,51 @@ its pages are freed and it waits at the front of the queue to be recomputed (its
 what it generated), continuing where it stopped. Every row's result depends on that row alone
 (each kernel computes a row from its own inputs, the draw from the row's seed and position), so
 a sequence gets the same ids whatever else runs beside it, at the same batch bucket.
+
+Each row also carries its sequence's logit rules (qir.serving.rules: a bitmask, logit_bias,
+penalties) and asks for scores where the request wants them (qir.logits: the log-softmax of the
+drawn id, or of the next prompt id for prompt_logprobs, and the top tokens): both are inputs and
+outputs of the one captured step.
+
+Prefix caching (qir.serving.pages): a page whose 16 positions are computed is registered under
+a hash of its ids and of every id before it; a sequence admitted later whose prompt starts with
+the same ids takes those pages (shared, reference-counted) and computes only the rest. Pages no
+sequence holds stay cached until a new page is needed and none is free: the least recently
+used goes first. A sequence that wants its prompt's logprobs computes its whole prompt; a model
+whose layers all slide (rings of pages) caches nothing. The samples of one request (n, best_of)
+share its prompt this way: the first computes it, the others are admitted once it has and
+compute only the partial last page (each its own copy) before they draw.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from qir.logits import DRAWN, SKIP
 from qir.models import Model
 from qir.models.blocks import PAGE_SIZE
 from qir.sampling import Sampling, seed_row
+from qir.serving.counters import Counters
+from qir.serving.pages import PagePool, page_hash
+from qir.serving.rules import SeqRules
 
 # Batch sizes a decode step is captured for (up to the engine's max_batch).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class PagePool:
-    """The free pages of the KV cache."""
+@dataclass(frozen=True)
+class TokenScore:
+    """An id's log-probability under the raw model, and the most likely ids' at its position
+    (as many as asked, most likely first)."""
 
-    def __init__(self, pages: int) -> None:
-        self.pages = pages
-        self._free = list(range(pages - 1, -1, -1))
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def take(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) if fewer are free."""
-        if n > len(self._free):
-            return None
-        taken = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
-        return taken
-
-    def give(self, pages: Sequence[int]) -> None:
-        self._free.extend(reversed(pages))
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -70,7 +75,8 @@ class Seq:
     sampling: Sampling
     seed: int
     eos: frozenset[int]
-    on_token: Callable[[Seq, int, bool], None]  # (seq, id, last): called as each id is drawn
+    # (seq, id, its score or None, last): called as each id is drawn
+    on_token: Callable[[Seq, int, TokenScore | None, bool], None]
     cancelled: Callable[[], bool] = lambda: False
     prompt_len: int = 0
     computed: int = 0  # ids whose K/V rows are written (positions 0..computed-1)
@@ -78,6 +84,13 @@ class Seq:
     generated: int = 0
     done: bool = False
     tag: Any = None  # the caller's handle (the engine's Stream)
+    rules: SeqRules | None = None
+    logprobs: int | None = None  # top tokens with each drawn id's score (None: no scores)
+    prompt_logprobs: int | None = None  # the same for each prompt id after the first
+    prompt_scores: list[TokenScore | None] = field(default_factory=list)
+    after: Seq | None = None  # a sibling whose prompt pages this one waits to share
+    registered: int = 0  # leading pages registered in the prefix cache
+    salt: bytes = b""  # the first page's key starts from it (a request's cache_salt)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.ids)
@@ -90,10 +103,7 @@ class Seq:
 
 class Scheduler:
     def __init__(
-        self,
-        model: Model,
-        max_batch: int = 16,
-        chunk: int = 256,
+        self, model: Model, max_batch: int = 16, chunk: int = 256, prefix_caching: bool = True
     ) -> None:
         self.model = model
         self.pool = PagePool(model.block.kv_pages)
@@ -101,11 +111,14 @@ class Scheduler:
         self.max_batch = max_batch
         # A sliding layer's ring takes at most the block's prefill_chunk rows a run.
         self.chunk = min(chunk, model.block.prefill_chunk or chunk)
+        # Rings of pages hold positions modulo their length: no page is a prefix's.
+        self.prefix_caching = prefix_caching and not model.block.room
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # in order of admission
         self._captures: dict[int, Any] = {}
         self.steps = 0
         self.preempted = 0
+        self.counters = Counters()
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -158,15 +171,77 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            first = seq.after
+            if first is not None and first.prefilling and not first.done and first in self.running:
+                break  # its sibling is still computing the prompt they share
+            self._reuse(seq)
             # Its ids' pages now, and one more position for the first id it draws.
             if not self._pages_for(seq, len(seq.ids) + 1):
+                self.pool.give(seq.pages)
+                seq.pages, seq.computed, seq.registered = [], 0, 0
                 break
             self.running.append(self.waiting.popleft())
+
+    def _reuse(self, seq: Seq) -> None:
+        """Take the cached pages of the longest prefix of `seq`'s ids that they hold, leaving
+        at least its last id to feed."""
+        if not self.prefix_caching or seq.computed:
+            return
+        if seq.prompt_logprobs is not None and not seq.generated:
+            return  # its prompt's rows are computed to be scored
+        full = (len(seq.ids) - 1) // PAGE_SIZE
+        hashes = self._hashes(seq, full)
+        seq.pages = self.pool.lookup(hashes)
+        seq.computed, seq.registered = len(seq.pages) * PAGE_SIZE, len(seq.pages)
+        if not seq.generated:
+            self.counters.prefix_cache_queries += len(seq.ids)
+            self.counters.prefix_cache_hits += seq.computed
+
+    def _hashes(self, seq: Seq, pages: int) -> list[bytes]:
+        out: list[bytes] = []
+        parent = seq.salt
+        for p in range(pages):
+            parent = page_hash(parent, seq.ids[p * PAGE_SIZE : (p + 1) * PAGE_SIZE])
+            out.append(parent)
+        return out
+
+    def _register(self, seq: Seq) -> None:
+        """Put the pages `seq` has filled since its last registration in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.computed // PAGE_SIZE, len(seq.pages))
+        if full <= seq.registered:
+            return
+        for p, h in enumerate(self._hashes(seq, full)):
+            if p >= seq.registered:
+                self.pool.register(seq.pages[p], h)
+        seq.registered = full
 
     def _table(self, seq: Seq) -> np.ndarray:
         row = np.zeros(self.table_pages, np.int32)
         row[: len(seq.pages)] = seq.pages
         return row
+
+    def _set_row(self, inputs: dict[str, np.ndarray], r: int, seq: Seq) -> None:
+        """Row r draws `seq`'s next id under its sampling and rules, scored where asked."""
+        inputs["sampling"][r] = seq.sampling.row()
+        inputs["seed"][r] = seed_row(seq.seed)
+        if seq.logprobs is not None:
+            inputs["targets"][r] = DRAWN
+        rules = seq.rules
+        if rules is None or not rules.active:
+            return
+        inputs["penalties"][r] = (
+            rules.rules.repetition_penalty,
+            rules.rules.frequency_penalty,
+            rules.rules.presence_penalty,
+        )
+        entries = rules.entries(inputs["tokens"].shape[1])
+        if entries is not None:
+            inputs["tokens"][r], inputs["counts"][r], inputs["bias"][r] = entries
+        allow = rules.allow()
+        if allow is not None:
+            inputs["allow"][r] = allow
 
     def _prefill(self, seq: Seq) -> None:
         end = len(seq.ids) - (1 if seq.generated else 0)
@@ -174,19 +249,33 @@ class Scheduler:
         inputs = self.model.block.token_inputs(
             np.array(seq.ids[start:stop]), start, self._table(seq)
         )
-        last = stop == end
-        if last and not seq.generated:
-            inputs["sampling"][-1] = seq.sampling.row()
-            inputs["seed"][-1] = seed_row(seq.seed)
+        last = stop == end and not seq.generated
+        scored = seq.prompt_logprobs is not None and not seq.generated
+        if scored:  # row i scores the prompt id after it
+            following = np.array(seq.ids[start + 1 : stop + 1], np.int32)
+            inputs["targets"][: len(following)] = following
+            if last:
+                inputs["targets"][-1] = SKIP
+        if last:
+            self._set_row(inputs, -1, seq)
         out = self.model.compiled(inputs)
         seq.computed = stop
-        if last and not seq.generated:
-            self._emit(seq, int(np.asarray(_host(out["next"]))[-1]))
+        self._register(seq)
+        if scored:
+            if start == 0:
+                seq.prompt_scores.append(None)
+            top = seq.prompt_logprobs or 0
+            scores = _scores(out, top)
+            seq.prompt_scores += scores[: min(stop, seq.prompt_len - 1) - start]
+        if last:
+            score = _scores(out, seq.logprobs)[-1] if seq.logprobs is not None else None
+            self._emit(seq, int(np.asarray(_host(out["next"]))[-1]), score)
 
     def _decode(self, batch: list[Seq]) -> None:
         for seq in list(batch):
-            # The id drawn last is fed at position len(ids) - 1: its page must be there.
-            while not seq.done and not self._pages_for(seq, len(seq.ids)):
+            # The id drawn last is fed at position len(ids) - 1: its page must be there (not
+            # for a sequence this loop preempted).
+            while seq in self.running and not seq.done and not self._pages_for(seq, len(seq.ids)):
                 if not self._preempt(keep=seq):
                     break
         batch = [s for s in batch if not s.done and s in self.running and not s.prefilling]
@@ -197,20 +286,26 @@ class Scheduler:
             "ids": np.zeros(size, np.int32),
             "pos": np.full(size, -1, np.int32),  # padding rows write and read nothing
             "pages": np.zeros((size, self.table_pages), np.int32),
-            "sampling": np.tile(np.array([-1.0, 0.0, 1.0, 0.0], np.float32), (size, 1)),
-            "seed": np.zeros(size, np.int32),
+            **self.model.block.draw_inputs(size),
         }
         for r, seq in enumerate(batch):
             inputs["ids"][r] = seq.ids[-1]
             inputs["pos"][r] = len(seq.ids) - 1
             inputs["pages"][r] = self._table(seq)
-            inputs["sampling"][r] = seq.sampling.row()
-            inputs["seed"][r] = seed_row(seq.seed)
+            self._set_row(inputs, r, seq)
         out = self._run_decode(size, inputs)
         drawn = np.asarray(_host(out["next"]))[: len(batch)]
-        for seq, token in zip(batch, drawn.tolist(), strict=True):
+        wanted = any(s.logprobs is not None for s in batch)
+        scores = _scores(out, max(s.logprobs or 0 for s in batch)) if wanted else []
+        for r, (seq, token) in enumerate(zip(batch, drawn.tolist(), strict=True)):
             seq.computed = len(seq.ids)
-            self._emit(seq, int(token))
+            self._register(seq)
+            score = None
+            if seq.logprobs is not None:
+                full = scores[r]
+                assert full is not None
+                score = TokenScore(full.token, full.logprob, full.top[: seq.logprobs])
+            self._emit(seq, int(token), score)
 
     def _run_decode(self, size: int, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         compiled = self.model.compiled
@@ -220,12 +315,14 @@ class Scheduler:
             self._captures[size] = compiled.capture(size, rows="many")
         return dict(self._captures[size](inputs))
 
-    def _emit(self, seq: Seq, token: int) -> None:
+    def _emit(self, seq: Seq, token: int, score: TokenScore | None) -> None:
         seq.ids.append(token)
         seq.generated += 1
+        if seq.rules is not None:
+            seq.rules.accept(token)
         full = len(seq.ids) > self.model.max_seq  # no position left to feed it at
         seq.done = seq.generated >= seq.max_tokens or full or token in seq.eos
-        seq.on_token(seq, token, seq.done)
+        seq.on_token(seq, token, score, seq.done)
 
     def _preempt(self, keep: Seq) -> bool:
         """Free the pages of the sequence admitted last (other than `keep`) and queue it to be
@@ -236,10 +333,23 @@ class Scheduler:
         victim = victims[-1]
         self.running.remove(victim)
         self.pool.give(victim.pages)
-        victim.pages, victim.computed = [], 0
+        victim.pages, victim.computed, victim.registered = [], 0, 0
         self.waiting.appendleft(victim)
         self.preempted += 1
         return True
+
+
+def _scores(out: dict[str, Any], top: int) -> list[TokenScore | None]:
+    """Each row's score with its `top` most likely ids (None where the row scored nothing)."""
+    ids = np.asarray(_host(out["logprob_ids"]))
+    values = np.asarray(_host(out["logprobs"]))
+    rows: list[TokenScore | None] = []
+    for i, v in zip(ids.tolist(), values.tolist(), strict=True):
+        if i[0] < 0:
+            rows.append(None)
+            continue
+        rows.append(TokenScore(i[0], v[0], tuple(zip(i[1 : 1 + top], v[1 : 1 + top], strict=True))))
+    return rows
 
 
 def _host(a: Any) -> np.ndarray:

@@ -21,9 +21,12 @@ INCOMPLETE = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), keep_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.keep_stop = keep_stop  # the text ends after the stop string, not before it
         self.ids: list[int] = []
         self._prefix = 0  # the window starts here
         self._read = 0  # the ids whose text has been taken
@@ -69,7 +72,8 @@ class TextStream:
         if hits:
             self.stopped = True
             self._held = ""
-            return text[: min(i for i, _ in hits)]
+            at, first = min(hits)
+            return text[: at + (len(first) if self.keep_stop else 0)]
         keep = max((self._partial(text, s) for s in self.stop), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

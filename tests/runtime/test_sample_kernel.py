@@ -20,7 +20,7 @@ def sample_graph(vocab: int, act: DType) -> Graph:
     b = Builder("sample")
     logits = b.input("logits", ("M", vocab), act)
     params = b.input("params", ("M", 4), F32)
-    seed = b.input("seed", ("M",), I32)
+    seed = b.input("seed", ("M", 2), I32)
     pos = b.input("pos", ("M",), I32)
     b.output("next", b.sample(logits, params, seed, pos, name="next"))
     return b.graph
@@ -42,7 +42,7 @@ def random_inputs(rng: np.random.Generator, m: int, vocab: int, act: DType) -> d
     return {
         "logits": logits.astype(act.np if act != BF16 else ml_dtypes.bfloat16),
         "params": params,
-        "seed": rng.integers(-(2**31), 2**31, m).astype(np.int32),
+        "seed": rng.integers(-(2**31), 2**31, (m, 2)).astype(np.int32),
         "pos": rng.integers(0, 100_000, m).astype(np.int32),
     }
 
@@ -72,7 +72,7 @@ def test_kernel_draws_follow_the_warped_softmax(params: tuple[float, ...]) -> No
     inputs = {
         "logits": np.tile(LOGITS, (n, 1)),
         "params": np.tile(np.array(params, np.float32), (n, 1)),
-        "seed": np.full(n, 5, np.int32),
+        "seed": np.tile(np.array([5, 0], np.int32), (n, 1)),
         "pos": np.arange(n, dtype=np.int32),
     }
     ids = np.asarray(compile(graph, {}, backend="host")(inputs)["next"])

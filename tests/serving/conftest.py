@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ class Served:
     url: str  # http://127.0.0.1:PORT
     engine: Engine
     streams: list[Stream] = field(default_factory=list)  # every Stream the engine handed out
+    app: Any = None
 
     def client(self, api_key: str = API_KEY) -> object:
         from openai import OpenAI
@@ -35,10 +37,11 @@ class Served:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def serve(max_queue: int = 64) -> Iterator[Served]:
+def serve(max_queue: int = 64, max_seq: int | None = None, **options: Any) -> Iterator[Served]:
+    """The fixture served (options: create_app's)."""
     from qir.serving.http import background, create_app
 
-    engine = Engine.load(FIXTURE, backend="host", max_queue=max_queue)
+    engine = Engine.load(FIXTURE, backend="host", max_queue=max_queue, max_seq=max_seq)
     served = Served("", engine)
     submit = engine.submit
 
@@ -48,7 +51,8 @@ def serve(max_queue: int = 64) -> Iterator[Served]:
         return stream
 
     engine.submit = spy  # type: ignore[method-assign]
-    app = create_app(engine, api_key=API_KEY, max_body_bytes=MAX_BODY)
+    app = create_app(engine, **{"api_key": API_KEY, "max_body_bytes": MAX_BODY, **options})
+    served.app = app
     with background(app) as url:
         served.url = url
         yield served

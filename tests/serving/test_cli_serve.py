@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -171,6 +172,121 @@ def test_serve_on_two_mpi_ranks_answers_as_one_and_stops_them() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         assert "qir serve: stopped" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _serve(*options: str) -> tuple[subprocess.Popen[str], str]:
+    """`qir serve` on the fixture in a process, and its base URL once it listens."""
+    argv = [sys.executable, "-m", "qir.cli", "serve", str(FIXTURE), "--backend", "host"]
+    proc = subprocess.Popen(
+        [*argv, "--port", "0", *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    out = _lines(proc.stdout)
+    line = out.get(timeout=300)
+    while "/v1 (" not in line:
+        line = out.get(timeout=300)
+    return proc, line.split()[2].removesuffix("/v1")
+
+
+def _stream(base: str, max_tokens: int) -> Any:
+    """A streamed completion under way: its response, its first event read."""
+    where = urlsplit(base)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+    body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    return response
+
+
+def _status(base: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    where = urlsplit(base)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    conn.request(method, path, json.dumps(body) if body is not None else None)
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.add(pid)
+    return alive
+
+
+def test_drain_answers_503_and_ends_what_outlives_its_deadline() -> None:
+    """SIGTERM with a stream running and two queued behind it (--max-batch 1): new requests
+    and /health get 503 while it drains; after --drain-timeout the streams still running end
+    with an error event; the process exits 0."""
+    proc, base = _serve("--drain-timeout", "0.5", "--max-batch", "1")
+    try:
+        streams = [_stream(base, 120) for _ in range(3)]
+        streams[0].readline()
+        proc.send_signal(signal.SIGTERM)
+        status, health = _status(base, "GET", "/health")
+        while status == 200:  # until the signal is handled
+            status, health = _status(base, "GET", "/health")
+        assert status == 503 and health["error"]["code"] == "shutting_down"
+        status, error = _status(base, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 503 and error["error"]["code"] == "shutting_down"
+        ends = []
+        for response in streams:
+            events = [line for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"data: [DONE]"
+            ends.append(json.loads(events[-2][6:]))
+        ended = [e["error"]["message"] for e in ends if "error" in e]
+        assert ended and all("shut down" in m for m in ended)
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()  # type: ignore[union-attr]
+        assert "qir serve: stopped" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_signal_stops_at_once() -> None:
+    proc, base = _serve()
+    try:
+        stream = _stream(base, 120)
+        stream.readline()
+        children = _children(proc.pid)
+        assert children  # the tokenizing worker
+        proc.send_signal(signal.SIGTERM)
+        while _status(base, "GET", "/health")[0] == 200:
+            pass
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        err = proc.stderr.read()  # type: ignore[union-attr]
+        assert "qir serve: stopped at once (SIGTERM while draining)" in err
+        assert "Traceback" not in err
+        end = time.monotonic() + 30
+        while _alive(children) and time.monotonic() < end:  # none left behind
+            time.sleep(0.05)
+        assert not _alive(children)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -20,6 +20,7 @@ import pytest
 
 from qir.cli import main
 from qir.models import Model
+from qir.serving.tokenizing import TextWorker
 from tests.serving.conftest import API_KEY, FIXTURE, MAX_BODY, NAME, Served, serve
 
 GREEDY = {"temperature": 0}
@@ -109,8 +110,10 @@ def test_completion_equals_qir_generate(
     assert r.choices[0].text == text and r.choices[0].finish_reason == finish
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, n)
 
-    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == text  # greedy: the checkpoint's default
+    chunks = list(
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=6, stream=True, **GREEDY)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == finish
     assert all(c.usage is None for c in chunks)  # no usage unless asked
 
@@ -249,10 +252,18 @@ def test_over_long_prompts_get_400_naming_the_field(server: Served) -> None:
 @pytest.mark.parametrize(
     ("options", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"n": 2, "extra_body": {"best_of": 1}}, "best_of"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.[0].function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"999": 1.0}}, "logit_bias"),
+        ({"extra_body": {"allowed_token_ids": [5, 999]}}, "allowed_token_ids"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"mirostat": 2}}, "mirostat"),
+        ({"extra_body": {"guided_regex": "("}}, "guided_regex"),
+        ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -347,6 +358,7 @@ def test_a_full_queue_gets_429() -> None:
         done = [a for a in answers if not isinstance(a, openai.RateLimitError)]
         assert refused and done
         assert all(e.status_code == 429 and e.code == "rate_limit_exceeded" for e in refused)
+        assert all(int(e.response.headers["retry-after"]) >= 1 for e in refused)
         assert "busy" in refused[0].message
         assert all(a.usage.completion_tokens == 12 for a in done)
 
@@ -385,10 +397,10 @@ def test_an_engine_failure_is_a_500_not_a_traceback(
     with pytest.raises(openai.APIError, match="generation failed: RuntimeError: boom"):
         list(client.completions.create(model=NAME, prompt="Hi", max_tokens=2, stream=True))
 
-    def broken(messages: Any) -> tuple[int, ...]:
+    async def broken(self: Any, messages: Any) -> tuple[int, ...]:
         raise KeyError("oops")
 
-    monkeypatch.setattr(server.engine, "chat_ids", broken)
+    monkeypatch.setattr(TextWorker, "chat", broken)
     e = _refusal(
         lambda: client.chat.completions.create(model=NAME, messages=HI), openai.InternalServerError
     )

@@ -40,14 +40,14 @@ def test_chat_messages_as_a_template_takes_them() -> None:
 @pytest.mark.parametrize(
     ("value", "changes"),
     [
-        ({"logprobs": False, "top_logprobs": 0, "echo": False, "tool_choice": "none"}, None),
-        ({"tools": [], "logit_bias": {}, "presence_penalty": 0.0, "best_of": 1}, None),
-        ({"response_format": {"type": "text"}, "modalities": ["text"], "n": 1}, None),
-        ({"logprobs": 0}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"frequency_penalty": 0.1}, "frequency_penalty"),
+        ({"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True}, None),
+        ({"mirostat": 0, "typical_p": 1.0, "repeat_penalty": 1.0, "n_probs": 0}, None),
+        ({"modalities": ["text"], "suffix": "", "top_n_sigma": -1}, None),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"repeat_penalty": 1.1}, "repeat_penalty"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"suffix": "end"}, "suffix"),
-        ({"n": 3}, "n"),
+        ({"mirostat": 2}, "mirostat"),
     ],
 )
 def test_fields_qir_does_not_do_are_refused_only_where_they_matter(
@@ -56,15 +56,15 @@ def test_fields_qir_does_not_do_are_refused_only_where_they_matter(
     body = CompletionRequest.model_validate({"prompt": "x", **value})
     refused = body.refused()
     assert (refused[0] if refused else None) == changes
-    assert set(value) - {"n"} <= set(REFUSED)
+    assert set(value) <= set(REFUSED)
 
 
-def test_one_prompt_and_sampling_options() -> None:
-    def one(prompt: object) -> object:
-        return CompletionRequest.model_validate({"prompt": prompt}).one_prompt()
+def test_prompts_limits_and_sampling_options() -> None:
+    def prompts(prompt: object) -> object:
+        return CompletionRequest.model_validate({"prompt": prompt}).prompts()
 
-    assert one("hi") == "hi" and one([3, 4]) == [3, 4] and one(["hi"]) == "hi" and one([[5]]) == [5]
-    assert one(["a", "b"]) is None and one([]) == []
+    assert prompts("hi") == ["hi"] and prompts([3, 4]) == [[3, 4]] and prompts(["hi"]) == ["hi"]
+    assert prompts(["a", "b"]) == ["a", "b"] and prompts([[5], [6, 7]]) == [[5], [6, 7]]
     body = CompletionRequest.model_validate({"prompt": "x", "top_k": -1, "stop": "##", "seed": 3})
     assert body.sampling_options() == {
         "temperature": None,
@@ -74,3 +74,41 @@ def test_one_prompt_and_sampling_options() -> None:
         "seed": 3,
     }
     assert body.stop_strings == ("##",) and not body.include_usage
+
+    def limit(**fields: object) -> object:
+        return CompletionRequest.model_validate({"prompt": "x", **fields}).token_limit()
+
+    assert limit() == (None, "max_tokens") and limit(n_predict=5) == (5, "n_predict")
+    assert limit(n_predict=-1) == (None, "max_tokens")
+    assert limit(max_tokens=3, n_predict=5) == (3, "max_tokens")
+    assert limit(max_tokens=3, max_completion_tokens=7) == (7, "max_completion_tokens")
+
+
+def test_structured_outputs_by_every_name() -> None:
+    schema = {"type": "object"}
+    for fields, want in [
+        ({"response_format": {"type": "json_object"}}, ("response_format", "json", schema)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": schema},
+                }
+            },
+            ("response_format", "json", schema),
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, ("structured_outputs", "regex", "a+")),
+        ({"structured_outputs": {"choice": ["a"]}}, ("structured_outputs", "choice", ["a"])),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "a"'}},
+            ("structured_outputs", "gbnf", 'root ::= "a"'),
+        ),
+        ({"guided_json": schema}, ("guided_json", "json", schema)),
+        ({"guided_choice": ["x", "y"]}, ("guided_choice", "choice", ["x", "y"])),
+        ({"grammar": 'root ::= "a"'}, ("grammar", "gbnf", 'root ::= "a"')),
+        ({"json_schema": schema}, ("json_schema", "json", schema)),
+    ]:
+        body = CompletionRequest.model_validate({"prompt": "x", **fields})
+        assert body.grammars() == [want] and body.refused() is None
+    two = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a", "grammar": "b"})
+    assert two.refused() is not None and two.refused()[0] == "grammar"
