@@ -129,16 +129,22 @@ class ShardReader:
         self, module: str, cut: Cut, read: Callable[[], T], expert: int | None = None
     ) -> T:
         """`read()` (a family's reader of `module`) on the part `cut` = (axis, start, stop,
-        whole) of `module`'s tensors (of expert `expert` of stacked ones), cut before any byte
-        is read: by the family's own `parts`, else in proportion along its axes. Raises
-        Unsliceable where neither can cut them."""
+        whole) of `module`'s tensors (of expert `expert` of stacked ones): part_tensors."""
+        return self.serving(self.part_tensors(module, cut, expert), read)
+
+    def part_tensors(
+        self, module: str, cut: Cut, expert: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """`module`'s tensors (of expert `expert` of stacked ones) for the part `cut`, in the
+        checkpoint's layout, cut before any byte is read: by the family's own `parts`, else in
+        proportion along its axes. Raises Unsliceable where neither can cut them."""
         tensors = None
         if self.parts is not None and expert is None:
             tensors = self.parts(self, self.config, module, cut)
         if tensors is None:
             indices = {n: self._index(n, cut, expert) for n in self.tensors(module)}
             tensors = {n: self._take(n, ix, cut) for n, ix in indices.items()}  # checked first
-        return self.serving(tensors, read)
+        return tensors
 
     def serving(self, tensors: dict[str, np.ndarray], read: Callable[[], T]) -> T:
         """`read()` with `tensors` (parts already read) in place of the stored ones."""

@@ -47,6 +47,7 @@ Does not handle (refused in one line): fused or multi-output qlinears. Types dow
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from qir.errors import QirError
@@ -66,6 +67,14 @@ class TensorParallelError(QirError, ValueError):
 
 def shard_key(source: str, axis: str, start: int, stop: int) -> str:
     return f"{source}:{axis}{start}-{stop}"
+
+
+def unit_range(size: int, unit: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s part of `size` cut into whole units of `unit` (the last may be short):
+    ceil(U/N) of the U units for the first U mod N ranks, floor(U/N) for the others."""
+    each, extra = divmod(-(-size // unit), ranks)
+    first = rank * each + min(rank, extra)
+    return first * unit, min((first + each + (rank < extra)) * unit, size)
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,7 @@ class TensorParallel:
             node = graph.node(o)
             if node.op == "qlinear" and graph.operands(o)[0] == a:
                 _plain(graph, o)
+                _heads_on_groups(graph, o, heads, n, local * head_dim)
                 self._split(graph, o, "in", r * local * head_dim, (r + 1) * local * head_dim)
                 self._residual_first(graph, self._after(graph, o, "all_reduce"))
                 fired += 1
@@ -144,7 +154,7 @@ class TensorParallel:
         gate, up = pair
         for p in (gate, up, down):
             _plain(graph, p)
-        lo, hi = self._features(_out(graph, gate), f"%{gate} has")
+        lo, hi = self._features(graph, gate, up, down)
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, down, "in", lo, hi)
@@ -165,9 +175,7 @@ class TensorParallel:
                 f"tensor_parallel: %{down} is an expert qlinear without a combine epilogue; "
                 "run the pass on the unfused block"
             )
-        gate = graph.node(graph.operands(h)[1]).type
-        assert isinstance(gate, QExperts)
-        lo, hi = self._features(gate.expert.out_features, f"%{h}'s experts have")
+        lo, hi = self._features(graph, (h, 1), (h, 2), down)
         self._split(graph, h, "out", lo, hi, at=1)
         self._split(graph, h, "out", lo, hi, at=2)
         self._split(graph, down, "in", lo, hi, at=1)
@@ -195,7 +203,7 @@ class TensorParallel:
         gate, up = pair
         _plain(graph, gate)
         _plain(graph, up)
-        lo, hi = self._features(_out(graph, gate), f"%{gate} (a shared expert) has")
+        lo, hi = self._features(graph, gate, up, s)
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, s, "in", lo, hi, at=1)
@@ -224,15 +232,25 @@ class TensorParallel:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _features(self, size: int, subject: str) -> tuple[int, int]:
-        """This rank's range of `size` intermediate features (`subject`: whose, for the error)."""
-        n = self.ranks
-        if size % n:
+    def _features(self, graph: Graph, gate: Use, up: Use, down: Use) -> tuple[int, int]:
+        """This rank's range of the intermediate features that gate's and up's rows and down's
+        inputs (each a qlinear, or an expert qlinear and its weight operand) cut alike: whole
+        units, a unit being what all three formats hold whole (down's group, block or packed
+        word, a block of rows), ceil(U/N) units for the first U mod N ranks and floor(U/N) for
+        the others, so that no group is cut and the ranks need not be even; the last unit may
+        be short (a ragged last group or block)."""
+        n, r = self.ranks, self.rank
+        rows = [_weight(graph, q) for q in (gate, up)]
+        cols = _weight(graph, down)
+        size = cols.in_features
+        unit = math.lcm(*(w.format.row_unit() for w in rows), cols.format.column_unit(size))
+        units = -(-size // unit)
+        if units < n:
             raise TensorParallelError(
-                f"tensor_parallel: {subject} {size} intermediate features, not divisible by "
-                f"{n} ranks"
+                f"tensor_parallel: {_key(graph, down)} has {size} inputs in {units} group(s) "
+                f"of {unit} that no rank may cut ({cols.format.spell()}), fewer than {n} ranks"
             )
-        return self.rank * size // n, (self.rank + 1) * size // n
+        return unit_range(size, unit, n, r)
 
     def _split(self, graph: Graph, q: str, axis: str, start: int, stop: int, at: int = 1) -> None:
         """Point q's weight operand `at` at the weight's rows (axis "out") or inputs ("in")
@@ -248,7 +266,10 @@ class TensorParallel:
         if axis == "out":
             part_one = replace(one, out_features=stop - start)
         else:  # a row-parallel bias is added once, on rank 0
-            part_one = replace(one, in_features=stop - start, bias=one.bias and self.rank == 0)
+            fmt = one.format.column_part(one.in_features, start, stop)
+            part_one = replace(
+                one, format=fmt, in_features=stop - start, bias=one.bias and self.rank == 0
+            )
         part = QExperts(part_one, t.count) if isinstance(t, QExperts) else part_one
         attrs = dict(node.attrs)
         attrs.update(
@@ -346,6 +367,37 @@ def _gate_up(graph: Graph, h: str) -> tuple[str, str] | None:
     if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
         return None
     return gate, up
+
+
+Use = str | tuple[str, int]  # a qlinear (its weight operand 1), or (node, weight operand)
+
+
+def _weight(graph: Graph, use: Use) -> QWeight:
+    """The weight (one expert's, of stacked experts) a qlinear or expert qlinear reads."""
+    q, at = (use, 1) if isinstance(use, str) else use
+    t = graph.node(graph.operands(q)[at]).type
+    one = t.expert if isinstance(t, QExperts) else t
+    assert isinstance(one, QWeight)
+    return one
+
+
+def _key(graph: Graph, use: Use) -> str:
+    q, at = (use, 1) if isinstance(use, str) else use
+    return str(graph.node(graph.operands(q)[at]).attr("key"))
+
+
+def _heads_on_groups(graph: Graph, o: str, heads: int, ranks: int, width: int) -> None:
+    """Refuse o_proj's K split by heads (`width` inputs a rank) where a boundary between two
+    ranks falls inside a group of its format: the heads fix where it is cut, and a group split
+    across ranks cannot be exact. Checked at every boundary, so every rank refuses alike."""
+    w = _weight(graph, o)
+    unit = w.format.column_unit(w.in_features)
+    if any(k * width % unit for k in range(1, ranks)):
+        raise TensorParallelError(
+            f"tensor_parallel: {_key(graph, o)}: {ranks} ranks give each {heads // ranks} of "
+            f"{heads} heads ({width} of its {w.in_features} inputs), a K split that cuts its "
+            f"format's groups of {unit} ({w.format.spell()}), so it cannot be exact"
+        )
 
 
 def _drop_residual(graph: Graph, combine: str) -> None:

@@ -1,8 +1,8 @@
 """Tensor parallel on the host backend: each rank's part of a model compiled to host kernels,
 the ranks as threads of one group exchanging through real collectives (launches of the plan):
 logits equal --tp 1 within 1e-5 relative and greedy ids equal, for Llama checkpoints in AWQ,
-GPTQ, MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, and 4 for GPTQ and
-NVFP4 W4A4. (tests/test_tp_mpi.py runs ranks as
+GPTQ (desc_act), MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, and 4
+for GPTQ and NVFP4 W4A4; AWQ's and GPTQ's MLPs in groups that do not divide by the ranks. (tests/test_tp_mpi.py runs ranks as
 MPI processes.)"""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.conftest import DATA
 from tests.moe_common import qwen2moe_g32
 from tests.passes.test_layer_passes import weights_for
 from tests.passes.test_tensor_parallel import MLP
+from tests.tp_checkpoints import uneven
 
 PROMPT = [3, 10, 17, 24, 31]
 
@@ -34,8 +35,10 @@ def _generate(ck, comm=None, prompt=PROMPT):
 @pytest.mark.parametrize(
     ("fixture", "ranks"),
     [
-        ("awq_gemm_g64_S", (2,)),
-        ("autogptq_g64_llama", (2, 4)),  # 2 KV heads: 4 ranks replicate them
+        # down_proj's 5 groups of 64 are 3 + 2 on 2 ranks, 2 + 1 + 1 + 1 on 4 (tests/tp_checkpoints.py)
+        ("awq_gemm@320", (2,)),
+        # desc_act: every K part keeps the whole's groups; 2 KV heads: 4 ranks replicate them
+        ("gptq_desc_act@320", (2, 4)),
         ("mlx_affine4_g64_S", (2,)),
         ("ct_nvfp4a16_S", (2,)),
         ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
@@ -45,9 +48,9 @@ def _generate(ck, comm=None, prompt=PROMPT):
         ("gptoss_mxfp4", (2,)),
     ],
 )
-def test_tp_ranks_equal_one_rank(fixture, ranks):
+def test_tp_ranks_equal_one_rank(tmp_path, fixture, ranks):
     """(4 ranks on two of them only: each rank count compiles its own kernel shapes.)"""
-    ck = load(DATA / fixture)
+    ck = load(uneven(tmp_path, fixture))
     prompt = list(range(3, 13)) if fixture == "gptoss_mxfp4" else PROMPT  # past the window
     one, want = _generate(ck, prompt=prompt)
     for n in ranks:
