@@ -112,7 +112,7 @@ def test_a_split_that_cannot_be_made_is_refused():
     for r in range(3):
         assert (
             f"qir: error: rank {r}: tensor_parallel: %l0.attn has 4 heads and 2 KV heads; "
-            "3 ranks must divide the heads" in p.stderr
+            "3 ranks must be at most the KV heads or a multiple of them" in p.stderr
         )
 
 

@@ -119,6 +119,23 @@ def ct_int_per_channel(out: Path, fixture: str = "ct_w4a16_int4_S") -> Path:
     return out
 
 
+def uneven_heads(out: Path, kv_heads: int) -> Path:
+    """A synthetic MLX Llama (tests/models/synthetic_llama.py) in groups of 64 whose 10 heads of
+    32 end on a group only in pairs: o_proj's 320 inputs and down_proj's 704 are 5 and 11
+    groups, so no rank count from 2 up splits either evenly."""
+    from tests.models.synthetic_llama import write_llama
+
+    return write_llama(
+        out,
+        hidden_size=320,
+        num_attention_heads=10,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        intermediate_size=704,
+        quantization={"group_size": 64, "bits": 4},
+    )
+
+
 # name -> how to make it under a directory: the uneven checkpoints the split tests share
 UNEVEN = {
     # 5 groups of 64 (the issue's AWQ case, 11 groups of 128, in small): 3 + 2 on 2 ranks,
@@ -134,6 +151,10 @@ UNEVEN = {
     # 3 groups of 128: 2 + 1 on 2 ranks
     "ct_int4@384": lambda d: trimmed(d, "ct_w4a16_int4_S", 384),
     "ct_int4_channel": lambda d: ct_int_per_channel(d),
+    # 5 KV heads, each 2 query heads of 32 (one group of 64): 3 + 2 KV heads on 2 ranks,
+    # 2 + 1 + 1 + 1 on 4; one KV head: its 10 heads 4 + 2 + 2 + 2 on 4 ranks that replicate it
+    "heads10_kv5": lambda d: uneven_heads(d, 5),
+    "heads10_kv1": lambda d: uneven_heads(d, 1),
 }
 
 

@@ -106,7 +106,7 @@ class TensorParallel:
     # --- the three splits ----------------------------------------------------------------
 
     def _attention(self, graph: Graph, a: str) -> int:
-        n, r = self.ranks, self.rank
+        r = self.rank
         q_value, k_cache = graph.operands(a)[:2]
         cache = graph.node(k_cache).type
         assert isinstance(cache, TensorType)
@@ -114,38 +114,107 @@ class TensorParallel:
         assert isinstance(kv_heads, int) and isinstance(head_dim, int)
         q = _projection(graph, q_value, a)
         heads = _out(graph, q) // head_dim
-        if heads % n or not (kv_heads % n == 0 or n % kv_heads == 0):
-            raise TensorParallelError(
-                f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
-                "must divide the heads, and divide or be a multiple of the KV heads"
-            )
-        local, fired = heads // n, 4  # q, k, v and the caches
-        self._split(graph, q, "out", r * local * head_dim, (r + 1) * local * head_dim)
+        append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
+        kv = [_projection(graph, graph.operands(append)[i], append) for i in (2, 3)]
+        outs = [
+            o for o in graph.users(a) if graph.node(o).op == "qlinear" and graph.operands(o)[0] == a
+        ]
+        for o in outs:
+            _plain(graph, o)
+        parts = self._heads(graph, a, heads, kv_heads, head_dim, q, kv, outs)
+        h0, h1, first, last = parts[r]
+        fired = 4  # q, k, v and the caches
+        self._split(graph, q, "out", h0 * head_dim, h1 * head_dim)
         at = sinks_operand(dict(graph.node(a).attrs))
         if at is not None:  # gpt-oss: a logit per query head, the rank's heads' like q's rows
-            self._split_param(graph, a, at, r * local, (r + 1) * local)
+            self._split_param(graph, a, at, h0, h1)
             fired += 1
-        append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
-        kv_local = max(kv_heads // n, 1)
-        first = r * kv_heads // n  # the first KV head rank r's query heads read
-        for i in (2, 3):  # k, v
-            p = _projection(graph, graph.operands(append)[i], append)
-            self._split(graph, p, "out", first * head_dim, (first + kv_local) * head_dim)
+        for p in kv:
+            self._split(graph, p, "out", first * head_dim, last * head_dim)
         for i in (0, 1):  # the caches hold the rank's KV heads
             state = graph.operands(append)[i]
             t = graph.node(state).type
             assert isinstance(t, TensorType)
-            shape = (t.shape[0], kv_local, head_dim)
+            shape = (t.shape[0], last - first, head_dim)
             graph.set_node(state, replace(graph.node(state), type=TensorType(shape, t.dtype)))
-        for o in graph.users(a):
-            node = graph.node(o)
-            if node.op == "qlinear" and graph.operands(o)[0] == a:
-                _plain(graph, o)
-                _heads_on_groups(graph, o, heads, n, local * head_dim)
-                self._split(graph, o, "in", r * local * head_dim, (r + 1) * local * head_dim)
-                self._residual_first(graph, self._after(graph, o, "all_reduce"))
-                fired += 1
+        for o in outs:
+            self._split(graph, o, "in", h0 * head_dim, h1 * head_dim)
+            self._residual_first(graph, self._after(graph, o, "all_reduce"))
+            fired += 1
         return fired
+
+    def _heads(
+        self,
+        graph: Graph,
+        a: str,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q: str,
+        kv: list[str],
+        outs: list[str],
+    ) -> list[tuple[int, int, int, int]]:
+        """Every rank's query heads h0..h1 and the KV heads first..last they read, so that its
+        part of o_proj's inputs (and of q's rows) starts on what their formats keep whole (a
+        group, a block): with at least as many KV heads as ranks, whole KV heads and their query
+        heads, in units of the fewest KV heads whose query heads end on a group, ceil or floor of
+        the units per rank; with fewer, each KV head replicated on ranks/KV ranks that share its
+        query heads the same way. Refused where no such parts exist for every rank alike."""
+        n = self.ranks
+        per_kv = heads // kv_heads
+        wide = math.lcm(
+            _weight(graph, q).format.row_unit(),
+            *(_weight(graph, o).format.column_unit(_weight(graph, o).in_features) for o in outs),
+        )
+        what = (
+            f"whole heads on the groups of {wide} inputs of "
+            + ", ".join(f"{_key(graph, o)} ({_weight(graph, o).format.spell()})" for o in outs)
+            if wide > 1
+            else "whole heads"
+        )
+        parts: list[tuple[int, int, int, int]] = []
+        if kv_heads >= n:
+            c = next(
+                (c for c in range(1, kv_heads + 1) if c * per_kv * head_dim % wide == 0),
+                kv_heads,
+            )
+            units = -(-kv_heads // c)
+            if units < n:
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a}'s {heads} heads over {kv_heads} KV heads make "
+                    f"{units} part(s) of {what}, fewer than {n} ranks"
+                )
+            for rank in range(n):
+                first, last = unit_range(kv_heads, c, n, rank)
+                parts.append((first * per_kv, last * per_kv, first, last))
+        else:
+            m = n // kv_heads
+            if n % kv_heads:
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
+                    "must be at most the KV heads or a multiple of them"
+                )
+            h = next((h for h in range(1, per_kv + 1) if h * head_dim % wide == 0), per_kv)
+            units = -(-per_kv // h)
+            if units < m or (kv_heads > 1 and per_kv * head_dim % wide):
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a}'s {per_kv} heads per KV head make {units} part(s) "
+                    f"of {what} where {m} ranks share each of its {kv_heads} KV heads"
+                )
+            for rank in range(n):
+                j = rank // m
+                lo, hi = unit_range(per_kv, h, m, rank % m)
+                parts.append((j * per_kv + lo, j * per_kv + hi, j, j + 1))
+        rows = math.lcm(*(_weight(graph, p).format.row_unit() for p in kv))
+        for _, _, first, last in parts:
+            lo, hi = first * head_dim, last * head_dim
+            if lo % rows and lo // rows != (hi - 1) // rows:
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a}: a rank's KV heads {first}..{last} are rows {lo}..{hi} "
+                    f"of {_key(graph, kv[0])}, which straddle its blocks of {rows} rows, so the "
+                    "cut cannot be exact"
+                )
+        return parts
 
     def _mlp(self, graph: Graph, down: str) -> int:
         pair = _gate_up(graph, graph.operands(down)[0])
@@ -384,20 +453,6 @@ def _weight(graph: Graph, use: Use) -> QWeight:
 def _key(graph: Graph, use: Use) -> str:
     q, at = (use, 1) if isinstance(use, str) else use
     return str(graph.node(graph.operands(q)[at]).attr("key"))
-
-
-def _heads_on_groups(graph: Graph, o: str, heads: int, ranks: int, width: int) -> None:
-    """Refuse o_proj's K split by heads (`width` inputs a rank) where a boundary between two
-    ranks falls inside a group of its format: the heads fix where it is cut, and a group split
-    across ranks cannot be exact. Checked at every boundary, so every rank refuses alike."""
-    w = _weight(graph, o)
-    unit = w.format.column_unit(w.in_features)
-    if any(k * width % unit for k in range(1, ranks)):
-        raise TensorParallelError(
-            f"tensor_parallel: {_key(graph, o)}: {ranks} ranks give each {heads // ranks} of "
-            f"{heads} heads ({width} of its {w.in_features} inputs), a K split that cuts its "
-            f"format's groups of {unit} ({w.format.spell()}), so it cannot be exact"
-        )
 
 
 def _drop_residual(graph: Graph, combine: str) -> None:

@@ -116,6 +116,10 @@ CASES = [
     ("gptq@320", (4,), KV2),
     ("gptq_desc_act@320", (2,), DESC_ACT),
     ("gptq_desc_act@320", (4,), {**KV2, **DESC_ACT}),
+    # heads uneven too: 10 of 32 in groups of 64, over 5 KV heads (3 + 2, 2 + 2 + 1, ...) or
+    # one, which all 4 ranks read (4 + 2 + 2 + 2 query heads)
+    ("heads10_kv5", (2, 3, 4), {}),
+    ("heads10_kv1", (4,), {r"\.(k|v)_proj\.": (4,)}),
     # AWQ GEMV: eight groups' zeros share a word and rows pad to whole words of groups: the
     # word of two ranks' groups is read by both, the padding by none
     ("awq_gemv@320", (2, 4), {r"\.qzeros$": (0, 2, 3, 4), r"\.scales$": (0,)}),

@@ -17,7 +17,7 @@ from qir.models.shard_read import load_rank
 from qir.models.shards import shard_weights
 from qir.passes.manager import run_pipeline
 from qir.passes.tensor_parallel import TensorParallel, TensorParallelError
-from qir.types import QWeight, TensorType
+from qir.types import QWeight
 from tests.conftest import DATA
 from tests.passes.test_layer_passes import weights_for
 
@@ -153,8 +153,21 @@ def test_does_not_fire_on_one_rank_or_without_splittable_layers():
 def test_refusals_name_what_cannot_be_split():
     ck = load(DATA / "autogptq_g64_llama")  # 4 heads, 2 KV heads
     b = build(ck, "model", 0, act=F32, max_seq=32)
-    with pytest.raises(TensorParallelError, match=r"%l0.attn has 4 heads and 2 KV heads; 3 ranks"):
+    with pytest.raises(
+        TensorParallelError,
+        match=r"^tensor_parallel: %l0.attn has 4 heads and 2 KV heads; 3 ranks must be at most "
+        "the KV heads or a multiple of them$",
+    ):
         TensorParallel(3, 0).run(b.graph.copy())
+    # 4 heads of 64, one KV head each, in groups of 128: whole pairs of heads, 2 parts
+    mha = build(load(DATA / "ct_w4a16_int4_S"), "model", 0, act=F32, max_seq=32)
+    with pytest.raises(
+        TensorParallelError,
+        match=r"^tensor_parallel: %l0.attn's 4 heads over 4 KV heads make 2 part\(s\) of whole "
+        r"heads on the groups of 128 inputs of model.layers.0.self_attn.o_proj \(ct_int<bits=4,"
+        r"group_size=128,scale_dtype=bf16>\), fewer than 4 ranks$",
+    ):
+        TensorParallel(4, 3).run(mha.graph.copy())
     with pytest.raises(TensorParallelError, match="rank 2 of 2 ranks is out of range"):
         TensorParallel(2, 2).run(b.graph.copy())
     fused, _ = run_pipeline(b.graph)
@@ -173,6 +186,10 @@ UNEVEN_CASES = [
     ("mxfp4@352", (4,)),  # 11 blocks of 32
     ("ct_int4_channel", (4,)),  # one scale per row: every K part's
     ("ct_fp8block_qwen3", (2,)),  # K 416: 3 blocks of 128 and a ragged one
+    # 10 heads of 32 in groups of 64: 5 KV heads 3 + 2, 2 + 2 + 1, 2 + 1 + 1 + 1; one KV head
+    # replicated, its heads 4 + 2 + 2 + 2
+    ("heads10_kv5", (2, 3, 4)),
+    ("heads10_kv1", (4,)),
 ]
 
 
@@ -201,21 +218,22 @@ def test_every_rank_equals_the_unsplit_model(tmp_path, fixture, ranks):
             err = np.abs(o["logits"] - want["logits"]).max() / np.abs(want["logits"]).max()
             assert err <= 1e-5
             np.testing.assert_array_equal(o["logits"], outs[0]["logits"])
-        g0 = parts[0][0]
-        kv = g0.node("l0.k_cache").type
-        assert isinstance(kv, TensorType) and kv.shape[1] == max(
-            b.graph.node("l0.k_cache").type.shape[1] // n, 1
-        )
-        # the KV cache each rank wrote holds its KV heads of the unsplit cache
+        # o_proj's inputs are the rank's query heads, in whole groups; the KV cache each rank
+        # wrote holds the KV heads its k_proj rows are, of the unsplit cache
         whole = {}
         interpret(b.graph, inputs, b.weights, whole)
-        heads = whole["model.layers.0.self_attn.k_cache"].shape[1]
-        per = max(heads // n, 1)
-        for r in range(n):
-            first = r * heads // n
+        cache = "model.layers.0.self_attn.k_cache"
+        head_dim = whole[cache].shape[2]
+        for r, (g, _) in enumerate(parts):
+            q_rows = g.node(g.operands("l0.q")[1]).attr("shard")[2:4]
+            o = g.node(g.operands("l0.o")[1])
+            assert o.attr("shard")[2:4] == q_rows
+            assert q_rows[0] % o.type.format.column_unit(o.attr("shard")[4]) == 0
+            lo, hi = g.node(g.operands("l0.k")[1]).attr("shard")[2:4]
+            assert g.node("l0.k_cache").type.shape[1] == (hi - lo) // head_dim
             np.testing.assert_allclose(
-                states[r]["model.layers.0.self_attn.k_cache"],
-                whole["model.layers.0.self_attn.k_cache"][:, first : first + per],
+                states[r][cache],
+                whole[cache][:, lo // head_dim : hi // head_dim],
                 rtol=1e-5,
                 atol=1e-5,
             )
@@ -270,8 +288,9 @@ def test_families_split_on_two_ranks_read_from_their_shards(fixture):
         assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
 
 
-def test_an_o_proj_split_by_heads_inside_a_group_is_refused_naming_the_tensor():
-    # group size 128: o_proj's K of 256 cut by 4 ranks' heads is 64 per rank; every rank says so
+def test_heads_that_cannot_end_on_o_projs_groups_are_refused_naming_the_tensor():
+    # group size 128, heads of 64 under 2 KV heads: 4 ranks would give each KV head's 2 heads
+    # to 2 ranks, 64 inputs of o_proj each; every rank says so
     for fixture, fmt in (
         ("ct_w4a16_qwen2", r"ct_int<bits=4,group_size=128,scale_dtype=bf16>"),
         ("fp8block_qwen3", r"fp8_block<block_out=128,block_in=128>"),
@@ -280,9 +299,9 @@ def test_an_o_proj_split_by_heads_inside_a_group_is_refused_naming_the_tensor():
         for r in range(4):
             with pytest.raises(
                 TensorParallelError,
-                match=r"^tensor_parallel: model.layers.0.self_attn.o_proj: 4 ranks give each 1 "
-                r"of 4 heads \(64 of its 256 inputs\), a K split that cuts its format's groups "
-                rf"of 128 \({re.escape(fmt)}\), so it cannot be exact$",
+                match=r"^tensor_parallel: %l0.attn's 2 heads per KV head make 1 part\(s\) of "
+                r"whole heads on the groups of 128 inputs of model.layers.0.self_attn.o_proj "
+                rf"\({re.escape(fmt)}\) where 2 ranks share each of its 2 KV heads$",
             ):
                 TensorParallel(4, r).run(b.graph.copy())
 

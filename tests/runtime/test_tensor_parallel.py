@@ -40,6 +40,8 @@ def _generate(ck, comm=None, prompt=PROMPT):
         # desc_act: every K part keeps the whole's groups; 2 KV heads: 4 ranks replicate them
         ("gptq_desc_act@320", (2, 4)),
         ("mlx_affine4_g64_S", (2,)),
+        # 10 heads of 32 over 5 KV heads, MLP 11 groups of 64: 4 + 4 + 2 heads, 4 + 4 + 3 groups
+        ("heads10_kv5", (3,)),
         ("ct_nvfp4a16_S", (2,)),
         ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
         ("mixtral_mlx4_g64", (2,)),  # experts split by rows: the MoE decode and combine kernels
