@@ -15,10 +15,11 @@
    groups, laid out in the part's own padded width. A fused projection's segment (Phi-3's
    qkv_proj, gate_up_proj) is those rows of the fused tensors. Stacked experts (mlx-lm's
    switch_mlp, [E, ...]) read each expert's part, as do one module per expert (Mixtral's
-   experts.<e>.w1) and gpt-oss's interleaved gate/up blocks (every other row). A part whose
-   format cannot be the whole's, and a tensor that cannot be cut before reading (a cut inside
-   a block or group, which the cut then refuses), is read whole and cut after (WeightFormat.rows/columns, which refuse an inexact cut), as is the tied
-   lm_head's part of the embedding table (the embedding reads it whole anyway).
+   experts.<e>.w1) and gpt-oss's interleaved gate/up blocks (every other row). A part that
+   reads in another format than the one the pass gave it (and that recast cannot take), and a
+   tensor that cannot be cut before reading, is read whole and cut after
+   (WeightFormat.rows/columns, which refuse an inexact cut), as is the tied lm_head's part of
+   the embedding table (the embedding reads it whole anyway).
 
 `ShardReader.bytes_read` counts every byte handed out, so a test can check a rank's share.
 """

@@ -1,13 +1,23 @@
 """Tensor parallel: one rank's part of a block split across `ranks` ranks (Megatron-style).
 
-- Attention is split by heads: q/k/v are column-parallel (rank r computes its H/N query heads
-  and their KV heads; where there are fewer KV heads than ranks, each rank keeps the one KV
-  head its query heads read, so KV heads are replicated N/KV times), the KV caches hold the
-  rank's KV heads, and o_proj is row-parallel: each rank's partial sum over its heads' inputs,
-  then an `all_reduce`. Attention sinks (gpt-oss: a logit per query head) are cut to the
-  rank's heads like q's rows; q/k/v's biases go with their rows, o's stays on rank 0.
+- Attention is split by heads: q/k/v are column-parallel (rank r computes whole KV heads and
+  their query heads; where there are fewer KV heads than ranks, a multiple of them, the ranks
+  sharing a KV head split its query heads, so KV heads are replicated N/KV times), the KV caches
+  hold the rank's KV heads, and o_proj is row-parallel: each rank's partial sum over its heads'
+  inputs, then an `all_reduce`. Attention sinks (gpt-oss: a logit per query head) are cut to
+  the rank's heads like q's rows; q/k/v's biases go with their rows, o's stays on rank 0.
 - The MLP is split by intermediate features: gate/up column-parallel, down row-parallel, then an
   `all_reduce`.
+
+Parts need not be even. A row-parallel K part must start and end on what its format keeps
+whole (a group, block or packed word: WeightFormat.column_unit; FP8's blocks of rows,
+row_unit, for the column-parallel rows before it), and an exact cut matters more than equal
+ones: the MLP's features are cut in units of down_proj's groups (and gate/up's row blocks), the
+heads in units of the fewest KV heads (or, replicated, query heads) that end on one of
+o_proj's groups, and of the U units rank r takes ceil(U/N) if r < U mod N, else floor(U/N), the
+last unit possibly ragged (unit_range). A K part's format is the format's column_part (a GPTQ
+act-order part keeps all the whole's groups). Refused, by every rank alike, where there are
+fewer units than ranks.
 - The lm_head is vocab-parallel: rank r computes logits of its V/N ids, an `all_gather` along
   the features puts the whole rows back (every rank then samples the same id from them).
 - The embedding stays replicated: a lookup reads M rows of the table, not the table, so
@@ -31,8 +41,8 @@ embedding table is then a weight of its own). A row-parallel weight's bias stays
 only, so it is added once. qir.models.shards cuts the buffers (WeightFormat.rows / columns,
 exact or refused). The graph is renamed `<name>.rank<r>of<N>` so printed IR says whose it is.
 
-Preconditions: the builder's unfused graph (run before the default pipeline); heads, KV heads
-(or ranks by KV heads), intermediate features and vocabulary divisible by the ranks.
+Preconditions: the builder's unfused graph (run before the default pipeline); ranks at most the
+KV heads or a multiple of them; a vocabulary divisible by the ranks.
 - A MoE MLP is split like the dense one, inside every expert: each expert's gate/up by its
   intermediate features, its down by the same inputs, the router replicated (every rank routes
   alike), the combine of the rank's partial rows then an all_reduce (the residual in rank 0's

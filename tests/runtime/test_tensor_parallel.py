@@ -113,3 +113,33 @@ def test_ranks_draw_the_same_ids_without_a_seed():
 
     outs = run_threads(2, rank, timeout=120)
     assert outs[0] == outs[1] and outs[0][1] is not None
+
+
+def test_a_desc_act_k_part_runs_its_kernels_with_the_wholes_groups():
+    """A K part of a desc_act GPTQ weight keeps all 8 of the whole's groups where its 136
+    inputs would hold 5 (gptq<...,groups=8>): the host GEMV (1 row) and GEMM (40 rows) read its
+    scales at that stride and equal the interpreter."""
+    from qir.builder import Builder
+    from qir.dtypes import F16
+    from qir.formats.gptq import Gptq
+    from qir.types import QWeight
+    from tests.conftest import max_rel
+
+    rng = np.random.default_rng(0)
+    whole = Gptq(4, 32, "gptq", 1, F16)
+    g_idx = (np.argsort(rng.permutation(256)) // 32).astype(np.int32)
+    bufs = whole.quantize_grouped(rng.standard_normal((40, 256)).astype(np.float32), g_idx)
+    fmt = whole.column_part(256, 120, 256)
+    assert fmt.group_count(136) == 8 and fmt.tag() == "gptq4g32act8f16"
+    b = Builder("part")
+    x = b.input("x", ("M", 136), F16)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(fmt, 40, 136), name="w")))
+    weights = {"w": fmt.columns(bufs, 40, 256, 120, 256, where="w")}
+    compiled = qir.compile(b.graph, weights, backend="host")
+    reference = qir.compile(b.graph, weights, backend="reference")
+    for m, family in ((1, "qgemv_gptq4g32act8f16"), (40, "qgemm_gptq4g32act8f16")):
+        assert any(
+            la.kernel.name.startswith(family) and la.runs_for(m) for la in compiled.plan.launches
+        )
+        xs = {"x": rng.standard_normal((m, 136), dtype=np.float32).astype(np.float16)}
+        assert max_rel(compiled(xs)["y"], reference(xs)["y"]) <= 2e-3
