@@ -119,6 +119,40 @@ def ct_int_per_channel(out: Path, fixture: str = "ct_w4a16_int4_S") -> Path:
     return out
 
 
+def gptq_per_row(out: Path, fixture: str = "autogptq_g64_llama") -> Path:
+    """A GPTQ checkpoint re-quantized by GPTQ's rule with one group per row (group_size -1), from
+    its own decoded weights, in auto-gptq's layout (its g_idx all zeros)."""
+    from qir.formats.bitstream import pack_codes
+    from qir.formats.gptq import Gptq
+
+    shutil.copytree(DATA / fixture, out)
+    ck = load(out)
+    edit = {}
+    for name in ck.store:
+        if not name.endswith(".qweight"):
+            continue
+        module = name.removesuffix(".qweight")
+        lin = ck.linear(module)
+        t, fmt = lin.weight, lin.weight.format
+        assert isinstance(fmt, Gptq)
+        w = fmt.dequantize(lin.buffers, t.out_features, t.in_features)
+        per_row = Gptq(fmt.bits, t.in_features, fmt.checkpoint_format, 0, fmt.scale_dtype)
+        bufs = per_row.quantize(w)
+        edit[name] = np.ascontiguousarray(bufs["weight"].T).view(np.int32)
+        zeros = pack_codes(np.ascontiguousarray(bufs["zeros"].T).astype(np.uint32), fmt.bits)
+        edit[f"{module}.qzeros"] = zeros.view(np.int32)
+        edit[f"{module}.scales"] = np.ascontiguousarray(bufs["scales"].T)
+        edit[f"{module}.g_idx"] = np.zeros(t.in_features, np.int32)
+    del ck
+    _rewrite(out, edit)
+    file = next(out.glob("gptq_model-*.safetensors")).stem
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"].update(group_size=-1, model_file_base_name=file)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "quantize_config.json").unlink()
+    return out
+
+
 def uneven_heads(out: Path, kv_heads: int) -> Path:
     """A synthetic MLX Llama (tests/models/synthetic_llama.py) in groups of 64 whose 10 heads of
     32 end on a group only in pairs: o_proj's 320 inputs and down_proj's 704 are 5 and 11
@@ -151,6 +185,7 @@ UNEVEN = {
     # 3 groups of 128: 2 + 1 on 2 ranks
     "ct_int4@384": lambda d: trimmed(d, "ct_w4a16_int4_S", 384),
     "ct_int4_channel": lambda d: ct_int_per_channel(d),
+    "gptq_per_row": lambda d: gptq_per_row(d),
     # 5 KV heads, each 2 query heads of 32 (one group of 64): 3 + 2 KV heads on 2 ranks,
     # 2 + 1 + 1 + 1 on 4; one KV head: its 10 heads 4 + 2 + 2 + 2 on 4 ranks that replicate it
     "heads10_kv5": lambda d: uneven_heads(d, 5),

@@ -8,6 +8,11 @@
   the rank's heads like q's rows; q/k/v's biases go with their rows, o's stays on rank 0.
 - The MLP is split by intermediate features: gate/up column-parallel, down row-parallel, then an
   `all_reduce`.
+- The lm_head is vocab-parallel: rank r computes logits of its V/N ids, an `all_gather` along
+  the features puts the whole rows back (every rank then samples the same id from them).
+- The embedding stays replicated: a lookup reads M rows of the table, not the table, so
+  splitting it saves only its memory (V x hidden / N per rank) and would add a collective to
+  every step's critical path (a masked lookup plus an all_reduce).
 
 Parts need not be even. A row-parallel K part must start and end on what its format keeps
 whole (a group, block or packed word: WeightFormat.column_unit; FP8's blocks of rows,
@@ -18,11 +23,6 @@ o_proj's groups, and of the U units rank r takes ceil(U/N) if r < U mod N, else 
 last unit possibly ragged (unit_range). A K part's format is the format's column_part (a GPTQ
 act-order part keeps all the whole's groups). Refused, by every rank alike, where there are
 fewer units than ranks.
-- The lm_head is vocab-parallel: rank r computes logits of its V/N ids, an `all_gather` along
-  the features puts the whole rows back (every rank then samples the same id from them).
-- The embedding stays replicated: a lookup reads M rows of the table, not the table, so
-  splitting it saves only its memory (V x hidden / N per rank) and would add a collective to
-  every step's critical path (a masked lookup plus an all_reduce).
 
 The all_reduce comes right after the row-parallel qlinear, so every later op sees the whole
 sum. A residual add that reads the sum directly, `r + all_reduce(p)`, becomes

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qir.dtypes import BF16, F16
+from qir.formats import parse_format
 from qir.formats.awq import Awq
 from qir.formats.base import FormatError, WeightFormat
 from qir.formats.ct_int import CtInt
@@ -89,7 +90,9 @@ def test_act_order_shards_keep_every_group_their_inputs_may_use() -> None:
         np.testing.assert_array_equal(part["g_idx"], g_idx[start:stop])
         unused = np.setdiff1d(np.arange(8), g_idx[start:stop])
         assert not part["scales"][:, unused].any() and not part["zeros"][:, unused].any()
-    assert fmt.column_part(k, 0, 136).spell().endswith(",groups=8>")  # ceil(136 / 32) is 5
+    part_fmt = fmt.column_part(k, 0, 136)
+    assert part_fmt.spell().endswith(",groups=8>")  # ceil(136 / 32) is 5
+    assert parse_format(part_fmt.spell()) == part_fmt
     assert "groups" not in fmt.column_part(k, 0, 240).spell()  # ceil(240 / 32) is 8
     with pytest.raises(
         FormatError, match=r"w: a K split 0..4 of in_features 256 is not on 8-input words"

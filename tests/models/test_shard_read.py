@@ -130,6 +130,8 @@ CASES = [
     # compressed-tensors int and float layouts; per channel, a K part needs every row's scale
     ("ct_int4@384", (2,), {}),
     ("ct_int4_channel", (2, 4), {r"(o_proj|down_proj)\.weight_scale$": (2, 4)}),
+    ("gptq_per_row", (2,), {r"(o_proj|down_proj)\.(qzeros|scales)$": (2,)}),
+    ("gptq_per_row", (4,), {**KV2, r"(o_proj|down_proj)\.(qzeros|scales)$": (4,)}),
     ("mxfp4@352", (2, 4), {}),
     # FP8 per channel: a K part needs every row's scale
     ("ct_fp8_dynamic_S", (2, 4), {r"(o_proj|down_proj)\.weight_scale$": (2, 4)}),

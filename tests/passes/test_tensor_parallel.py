@@ -185,6 +185,7 @@ UNEVEN_CASES = [
     ("nvfp4_w4a4@336", (2, 4)),  # 21 blocks of 16
     ("mxfp4@352", (4,)),  # 11 blocks of 32
     ("ct_int4_channel", (4,)),  # one scale per row: every K part's
+    ("gptq_per_row", (4,)),  # group_size -1
     ("ct_fp8block_qwen3", (2,)),  # K 416: 3 blocks of 128 and a ragged one
     # 10 heads of 32 in groups of 64: 5 KV heads 3 + 2, 2 + 2 + 1, 2 + 1 + 1 + 1; one KV head
     # replicated, its heads 4 + 2 + 2 + 2

@@ -88,17 +88,20 @@ def _parts(
     plain part of those groups; otherwise (desc_act) the part's inputs may sit in any of the
     whole's groups, so it keeps the whole's group count, the rows of groups it does not use
     zeros and never read."""
-    axis, start, stop, _ = cut
+    axis, start, stop, whole = cut
     g_name = f"{module}.g_idx"
     if axis != "in" or g_name not in reader:
         return None
     q = quant_config(config, "gptq") or {}
     group = q.get("group_size")
-    if not isinstance(group, int) or group < 1:
-        raise Unsliceable(g_name)  # one group per row: the part's group size is not the whole's
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise Unsliceable(g_name)  # read whole: the whole's error
+    group = whole if group == -1 else group  # -1: one group per row, every part's
     g_idx = np.asarray(reader.read(g_name, (slice(start, stop),)))
     used = np.unique(g_idx)
-    in_order = start % group == 0 and np.array_equal(g_idx, np.arange(start, stop) // group)
+    in_order = (start % group == 0 or group >= whole) and np.array_equal(
+        g_idx, np.arange(start, stop) // group
+    )
     out = {f"{module}.qweight": reader.proportional(f"{module}.qweight", cut)}
     out[g_name] = (g_idx - start // group).astype(np.int32) if in_order else g_idx
     for t in ("qzeros", "scales"):
