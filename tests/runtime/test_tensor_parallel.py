@@ -1,9 +1,9 @@
 """Tensor parallel on the host backend: each rank's part of a model compiled to host kernels,
 the ranks as threads of one group exchanging through real collectives (launches of the plan):
 logits equal --tp 1 within 1e-5 relative and greedy ids equal, for Llama checkpoints in AWQ,
-GPTQ (desc_act), MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, and 4
-for GPTQ and NVFP4 W4A4; AWQ's and GPTQ's MLPs in groups that do not divide by the ranks. (tests/test_tp_mpi.py runs ranks as
-MPI processes.)"""
+GPTQ (desc_act), MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, 4 for
+GPTQ and NVFP4 W4A4, 3 for MLX; AWQ's, GPTQ's and MLX's groups (and MLX's heads) do not divide
+by the ranks. (tests/test_tp_mpi.py runs ranks as MPI processes.)"""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def _generate(ck, comm=None, prompt=PROMPT):
         ("awq_gemm@320", (2,)),
         # desc_act: every K part keeps the whole's groups; 2 KV heads: 4 ranks replicate them
         ("gptq_desc_act@320", (2, 4)),
-        ("mlx_affine4_g64_S", (2,)),
-        # 10 heads of 32 over 5 KV heads, MLP 11 groups of 64: 4 + 4 + 2 heads, 4 + 4 + 3 groups
+        # MLX, 10 heads of 32 over 5 KV heads, MLP 11 groups of 64: 4 + 4 + 2 heads, 4 + 4 + 3
+        # groups on 3 ranks, each with its own KV cache shape
         ("heads10_kv5", (3,)),
         ("ct_nvfp4a16_S", (2,)),
         ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
