@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from qir.codegen.lower import Launch, Plan, experts_per_row, value_bytes
 from qir.graph import Graph
@@ -84,6 +85,21 @@ def collectives_json(plan: Plan) -> list[dict[str, object]]:
         sent = 2 * (n - 1) * row // n if node.op == "all_reduce" else (n - 1) * row
         out.append({"value": name, "op": node.op, "payload_bytes": row, "sent_bytes": sent})
     return out
+
+
+def k_parts_json(plan: Plan) -> list[dict[str, Any]]:
+    """A rank's K parts (its row-parallel shards, inputs start..stop of `of`), one entry per
+    distinct cut with the linears cut there: where the ranks' parts differ (groups that do not
+    divide by the ranks), what each holds."""
+    parts: dict[tuple[int, int, int], set[str]] = {}
+    for w in plan.graph.weights:
+        shard = plan.graph.node(w).attr("shard")
+        if shard and shard[1] == "in":
+            parts.setdefault(tuple(shard[2:5]), set()).add(shard[0].rpartition(".")[2])
+    return [
+        {"inputs": [lo, hi], "of": of, "linears": sorted(names)}
+        for (lo, hi, of), names in sorted(parts.items())
+    ]
 
 
 def plan_json(plan: Plan, m: int | None = None) -> dict[str, object]:

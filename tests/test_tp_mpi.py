@@ -26,7 +26,11 @@ def _qir(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_and_run_on_mpi_ranks_equal_one_rank(tmp_path):
-    ck = str(DATA / "autogptq_g64_llama")
+    """An AWQ checkpoint whose down_proj has 5 groups of 64 (as the issue's 1408 is 11 groups
+    of 128): 3 + 2 groups on 2 ranks, 2 + 1 + 1 + 1 on 4."""
+    from tests.tp_checkpoints import trimmed
+
+    ck = str(trimmed(tmp_path / "awq", "awq_gemm_g64_S", 320))
     gen = ["generate", ck, "--tokens", "3,10,17,24,31", "--max-new-tokens", "3", "--greedy"]
     outs = {}
     for n in (1, 2, 4):
@@ -108,7 +112,7 @@ def test_a_split_that_cannot_be_made_is_refused():
     for r in range(3):
         assert (
             f"qir: error: rank {r}: tensor_parallel: %l0.attn has 4 heads and 2 KV heads; "
-            "3 ranks must divide the heads" in p.stderr
+            "3 ranks must be at most the KV heads or a multiple of them" in p.stderr
         )
 
 
@@ -195,8 +199,23 @@ def test_compile_reports_each_ranks_bytes_and_collectives(tmp_path, capsys):
         assert ops == ["all_reduce"] * 4 + ["all_gather"]
         # 4 all_reduces of a 256-float row, 1 all_gather of a rank's 128 logits
         assert rank["collective_bytes_per_token"] == {"payload": 4 * 1024 + 512, "sent": 4608}
+        assert rank["k_parts"] == [  # o_proj's and down_proj's inputs: 128 of 256, 256 of 512
+            {"inputs": [128 * r, 128 * (r + 1)], "of": 256, "linears": ["o_proj"]},
+            {"inputs": [256 * r, 256 * (r + 1)], "of": 512, "linears": ["down_proj"]},
+        ]
     err = capsys.readouterr().err
     assert "rank 1/2: weights" in err and "5 collectives move 4608 B per token" in err
+    assert "K parts 128..256 of 256 (o_proj), 256..512 of 512 (down_proj)" in err
+    # 5 groups of 64 in down_proj: 3 on rank 0, 2 on rank 1, and gate/up's rows with them
+    from tests.tp_checkpoints import trimmed
+
+    awq = str(trimmed(tmp_path / "awq", "awq_gemm_g64_S", 320))
+    argv[2] = awq
+    assert main([*argv, "--tp", "2", "--json", str(tmp_path / "awq.json")]) == 0
+    ranks = json.loads((tmp_path / "awq.json").read_text())["ranks"]
+    assert [r["k_parts"][1]["inputs"] for r in ranks] == [[0, 192], [192, 320]]
+    assert ranks[0]["memory"]["weights_bytes"] > ranks[1]["memory"]["weights_bytes"]
+    assert "K parts 0..128 of 256 (o_proj), 0..192 of 320 (down_proj)" in capsys.readouterr().err
 
 
 def test_graph_and_dump_show_one_ranks_part(tmp_path):

@@ -25,7 +25,7 @@ from qir.cli.options import (
 )
 from qir.codegen.lower import Plan, lower
 from qir.draw import SUFFIXES, draw
-from qir.dump import collectives_json, dump, plan_json
+from qir.dump import collectives_json, dump, k_parts_json, plan_json
 from qir.errors import UsageError
 from qir.models.blocks import Block
 from qir.models.shards import tensor_parallel
@@ -168,14 +168,20 @@ def _compile_tp(args: argparse.Namespace, block: Block) -> int:
             "payload": sum(int(c["payload_bytes"]) for c in coll),  # type: ignore[call-overload]
             "sent": sum(int(c["sent_bytes"]) for c in coll),  # type: ignore[call-overload]
         }
+        parts = k_parts_json(plan)
+        entry["k_parts"] = parts
         ranks.append(entry)
         mem: Any = entry["memory"]
         moved: Any = entry["collective_bytes_per_token"]
+        cuts = ", ".join(
+            f"{p['inputs'][0]}..{p['inputs'][1]} of {p['of']} ({'/'.join(p['linears'])})"
+            for p in parts
+        )
         print(
             f"rank {r}/{args.tp}: weights {mem['weights_bytes']} B, KV cache "
             f"{mem['kv_cache_bytes']} B, arena {mem['arena_bytes']} B at M={m}; "
             f"{len(coll)} collectives move {moved['payload']} B per token "
-            f"({moved['sent']} B sent by a ring)",
+            f"({moved['sent']} B sent by a ring); K parts {cuts or 'none'}",
             file=sys.stderr,
         )
         if args.resources:

@@ -194,6 +194,23 @@ class WeightFormat(ABC):
             for name, t in full.items()
         }
 
+    def row_unit(self) -> int:
+        """What the first row of a row part (a column-parallel shard) must be a multiple of for
+        the part to index its scales as the whole does: 1 where every row has its own."""
+        return 1
+
+    def column_unit(self, in_features: int) -> int:
+        """What a K part's start and stop must be multiples of (its stop may also be
+        in_features) to be exact: the group, block or packed word whose codes and scale one
+        part holds whole. The default: input_multiple()."""
+        return self.input_multiple()[0]
+
+    def column_part(self, in_features: int, start: int, stop: int) -> WeightFormat:
+        """The format of inputs start..stop (on column_unit boundaries) of a weight of
+        in_features: this one, except where the whole's scales cover more than the part's own
+        width would hold (GPTQ act-order, one group per row)."""
+        return self
+
     def recast(
         self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
     ) -> dict[str, np.ndarray] | None:
@@ -217,7 +234,7 @@ class WeightFormat(ABC):
         per-tensor scales) shared. A cut that would split a group, block or packed word is
         refused in one line naming `where` (the tensor) and the group size: the shard would not
         be exact. Formats whose buffers pad or gather groups override this."""
-        n, what = self.input_multiple()
+        n, what = self.column_unit(in_features), self.input_multiple()[1]
         if start % n or stop % n or not 0 <= start < stop <= in_features:
             raise FormatError(
                 f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "

@@ -13,14 +13,14 @@ passes group_size = in_features.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, U32, DType
 from qir.formats import register
-from qir.formats.base import Allowed, ParamTable, WeightFormat
+from qir.formats.base import Allowed, FormatError, ParamTable, WeightFormat
 from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.types import TensorType
 
@@ -87,6 +87,37 @@ class CtInt(WeightFormat):
             "weight": pack_codes(q.astype(np.uint32).reshape(out_features, in_features), self.bits),
             "scales": scale,
         }
+
+    def column_unit(self, in_features: int) -> int:
+        # one group per row (strategy "channel") is every K part's: whole words of codes, 8 at
+        # a time as the kernels read them
+        return 8 if self.group_size >= in_features else self.group_size
+
+    def column_part(self, in_features: int, start: int, stop: int) -> WeightFormat:
+        if self.group_size >= in_features:
+            return replace(self, group_size=stop - start)  # the row's one scale, for its width
+        return self
+
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]:
+        """A K shard, `self` the part's format (column_part): of a weight with one scale per row
+        (strategy "channel"), its codes and every row's scale, else the groups it covers."""
+        if np.shape(bufs["scales"])[-1] != 1 or self.group_size >= in_features:
+            return super().columns(bufs, out_features, in_features, start, stop, where)
+        if start % 8 or stop % 8 or not 0 <= start < stop <= in_features:
+            raise FormatError(
+                f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "
+                "8-input words, so it cannot be exact"
+            )
+        words = bufs["weight"][:, start * self.bits // 32 : stop * self.bits // 32]
+        return {"weight": words, "scales": bufs["scales"]}
 
     def bytes_per_weight(self) -> float:
         return self.bits / 8 + self.scale_dtype.itemsize / self.group_size

@@ -88,6 +88,12 @@ class Fp8Block(WeightFormat):
         codes = e4m3_encode(w / self.expand_scale(scale, out_features, in_features))
         return {"weight": codes.view(ml_dtypes.float8_e4m3fn), "scale": scale}
 
+    def row_unit(self) -> int:
+        return self.block_out
+
+    def column_unit(self, in_features: int) -> int:
+        return self.block_in
+
     def columns(
         self,
         bufs: Mapping[str, np.ndarray],

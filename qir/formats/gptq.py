@@ -13,6 +13,9 @@ Kernel layout:
   scales [O, G]          scale_dtype
   g_idx  [I]             int32        only with act_order=1: the group of each input channel
 
+G = ceil(I/g), except in a K part of an act-order weight (a tensor-parallel shard), which keeps
+the whole's G (`groups`): its inputs may sit in any of the whole's groups.
+
 Decode: `(q - (zeros[g] + zero_offset)) * scales[g]` with g = g_idx[i] (or i // group_size).
 v1 (`checkpoint_format: "gptq"`) stores zero - 1 and every v1 decoder adds 1 back to the masked
 field (so a stored all-ones field means 2^bits); v2 (`"gptq_v2"`) stores the zero itself. Keeping
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -60,6 +63,7 @@ class Gptq(WeightFormat):
     checkpoint_format: str
     act_order: int  # 1: a g_idx buffer maps input channels to groups
     scale_dtype: DType
+    groups: int = 0  # act-order: the zeros/scales columns where not ceil(in/g) (a K part's)
 
     allowed: ClassVar[ParamTable] = {
         "bits": BITS,
@@ -70,7 +74,19 @@ class Gptq(WeightFormat):
         ),
         "act_order": (0, 1),
         "scale_dtype": SCALE_DTYPES,
+        "groups": Allowed(test=lambda n: n >= 0, expected=">= 0"),
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.groups and not self.act_order:
+            raise FormatError(f"gptq: groups={self.groups} needs act_order=1 (a g_idx)")
+
+    def params(self) -> dict[str, Any]:
+        p = super().params()
+        if not self.groups:
+            del p["groups"]  # the usual ceil(in/g) goes unspelled
+        return p
 
     @property
     def zero_offset(self) -> int:
@@ -78,14 +94,20 @@ class Gptq(WeightFormat):
 
     def tag(self) -> str:
         v = "v2" if self.zero_offset == 0 else ""
-        act = "act" if self.act_order else ""
+        act = f"act{self.groups or ''}" if self.act_order else ""
         return f"gptq{v}{self.bits}g{self.group_size}{act}{self.scale_dtype.name}"
 
-    def groups(self, in_features: int) -> int:
-        return -(-in_features // self.group_size)
+    def group_count(self, in_features: int) -> int:
+        """The zeros/scales columns of a weight of in_features."""
+        return self.groups or -(-in_features // self.group_size)
+
+    def holding(self, groups: int, in_features: int) -> Gptq:
+        """This act-order format with `groups` columns for a weight of in_features (spelled
+        only where that is not ceil(in/g))."""
+        return replace(self, groups=0 if groups == -(-in_features // self.group_size) else groups)
 
     def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
-        n = self.groups(in_features)
+        n = self.group_count(in_features)
         bufs = {
             "weight": TensorType((out_features, in_features * self.bits // 32), U32),
             "zeros": TensorType((out_features, n), U8),
@@ -96,9 +118,8 @@ class Gptq(WeightFormat):
         return bufs
 
     def input_multiple(self) -> tuple[int, str]:
-        # Whole words per row, and the kernel dequantizes at least 8 weights at a time (groups
-        # need not divide in_features: the last one may be short).
-        return max(8, 32 // int(np.gcd(32, self.bits))), ""
+        # Whole words per row (groups need not divide in_features: the last one may be short).
+        return self._words(), ""
 
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
@@ -108,11 +129,27 @@ class Gptq(WeightFormat):
             raise FormatError(f"{where}.zeros: values above {(1 << self.bits) - 1}")
         if self.act_order:
             g_idx = np.asarray(bufs["g_idx"])
-            n = self.groups(in_features)
+            n = self.group_count(in_features)
             if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= n):
                 raise FormatError(
                     f"{where}.g_idx: values in [{g_idx.min()}, {g_idx.max()}], expected [0, {n})"
                 )
+
+    def _words(self) -> int:
+        """Inputs per packed word (the kernel dequantizes at least 8 at a time)."""
+        return max(8, 32 // int(np.gcd(32, self.bits)))
+
+    def column_unit(self, in_features: int) -> int:
+        """Whole words, and whole groups where a K part takes the groups it covers (with
+        act-order a part keeps every group, and one group per row is every part's)."""
+        if self.act_order or self.group_size >= in_features:
+            return self._words()
+        return int(np.lcm(self.group_size, self._words()))
+
+    def column_part(self, in_features: int, start: int, stop: int) -> WeightFormat:
+        if self.act_order:
+            return self.holding(self.group_count(in_features), stop - start)
+        return self
 
     def columns(
         self,
@@ -123,24 +160,25 @@ class Gptq(WeightFormat):
         stop: int,
         where: str,
     ) -> dict[str, np.ndarray]:
-        """A K shard. Without act-order: views of the codes and of the groups start..stop covers
-        (the cut on group boundaries). With act-order the part's inputs may belong to any
-        groups: their zeros and scales are gathered (unused columns pad the part's width) and
-        g_idx renumbered, exact where those groups fit the part's width, else refused."""
-        g, words = self.group_size, 32 // int(np.gcd(32, self.bits))
-        unit = words if self.act_order else int(np.lcm(g, words))
+        """A K shard, `self` the part's format (column_part). Without act-order: views of the
+        codes and of the groups start..stop covers (the cut on group boundaries). With
+        act-order the part's inputs may sit in any of the whole's groups, so it keeps all of
+        them, g_idx as it is: the columns of the groups its inputs use, zeros elsewhere
+        (what a rank reading its own part gets, qir.models.families.gptq)."""
+        g, unit = self.group_size, self.column_unit(in_features)
         if start % unit or (stop % unit and stop != in_features) or not 0 <= start < stop:
             what = (
-                f"{words}-input words" if self.act_order else f"group boundaries (group size {g})"
+                f"{unit}-input words"
+                if unit == self._words()
+                else f"group boundaries (group size {g})"
             )
             raise FormatError(
                 f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "
                 f"{what}, so it cannot be exact"
             )
         weight = bufs["weight"][:, start * self.bits // 32 : stop * self.bits // 32]
-        n = self.groups(stop - start)
         if not self.act_order:
-            g0 = start // g
+            g0, n = start // g, self.group_count(stop - start)
             return {
                 "weight": weight,
                 "zeros": bufs["zeros"][:, g0 : g0 + n],
@@ -148,28 +186,25 @@ class Gptq(WeightFormat):
             }
         g_idx = np.asarray(bufs["g_idx"])[start:stop]
         used = np.unique(g_idx)
-        if len(used) > n:
-            raise FormatError(
-                f"{where}: act-order g_idx puts inputs {start}..{stop} in {len(used)} groups, "
-                f"more than the {n} a K shard of {stop - start} holds (group size {g}), so it "
-                "cannot be split exactly"
-            )
-        take = np.concatenate([used, np.full(n - len(used), used[0])])
-        return {
-            "weight": weight,
-            "zeros": np.ascontiguousarray(np.asarray(bufs["zeros"])[:, take]),
-            "scales": np.ascontiguousarray(np.asarray(bufs["scales"])[:, take]),
-            "g_idx": np.searchsorted(used, g_idx).astype(np.int32),
-        }
+        out = {"weight": weight, "g_idx": g_idx}
+        for name in ("zeros", "scales"):
+            whole = np.asarray(bufs[name])
+            part = np.zeros_like(whole)
+            part[:, used] = whole[:, used]
+            out[name] = part
+        return out
 
     def recast(
         self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
     ) -> dict[str, np.ndarray] | None:
         """A part of an act-order weight whose inputs keep their groups in order reads as a
-        plain one: as act-order, its g_idx is the trivial map."""
-        if self.act_order and fmt == replace(self, act_order=0):
+        plain one: as act-order, its g_idx is the trivial map. A part of a weight of one group
+        per row reads with a group of its own width (HF's group_size -1): the same one group."""
+        if self.act_order and not self.groups and fmt == replace(self, act_order=0):
             trivial = (np.arange(in_features) // self.group_size).astype(np.int32)
             return {**bufs, "g_idx": trivial}
+        if self.group_size >= in_features and fmt == replace(self, group_size=in_features):
+            return dict(bufs)
         return super().recast(fmt, bufs, in_features)
 
     def group_of(self, bufs: Mapping[str, np.ndarray], in_features: int) -> np.ndarray:
@@ -199,7 +234,7 @@ class Gptq(WeightFormat):
         is the trivial map, which None stands for)."""
         w = self._quantize_input(w)
         out_features, in_features = w.shape
-        n = self.groups(in_features)
+        n = self.group_count(in_features)
         trivial = np.arange(in_features) // self.group_size
         g_idx = np.asarray(trivial if g_idx is None else g_idx, dtype=np.int32)
         if not self.act_order and not np.array_equal(g_idx, trivial):
@@ -275,13 +310,17 @@ def repack(
     act_order = int(g_idx is not None and not np.array_equal(g_idx, trivial))
     scale_dtype = dtype_among(scales.dtype, SCALE_DTYPES, f"{where}.scales")
     fmt = Gptq(bits, g, checkpoint_format, act_order, scale_dtype)
+    if g_idx is not None and scales.ndim == 2 and scales.shape[0] > fmt.group_count(in_features):
+        # a K part of an act-order weight keeps the whole's groups (qir.models.families.gptq)
+        act_order = 1
+        fmt = replace(fmt, act_order=1).holding(scales.shape[0], in_features)
     fmt.check_read_shape(out_features, in_features, f"{where}.qweight")
     if out_features * bits % 32:
         raise FormatError(
             f"{where}.qzeros: {out_features} output channels x {bits} bits do not fill whole "
             "int32 words"
         )
-    n = fmt.groups(in_features)
+    n = fmt.group_count(in_features)
     qw = _u32(qweight, f"{where}.qweight", (in_features * bits // 32, out_features))
     qz = _u32(qzeros, f"{where}.qzeros", (n, out_features * bits // 32))
     if tuple(scales.shape) != (n, out_features):

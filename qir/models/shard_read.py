@@ -15,10 +15,11 @@
    groups, laid out in the part's own padded width. A fused projection's segment (Phi-3's
    qkv_proj, gate_up_proj) is those rows of the fused tensors. Stacked experts (mlx-lm's
    switch_mlp, [E, ...]) read each expert's part, as do one module per expert (Mixtral's
-   experts.<e>.w1) and gpt-oss's interleaved gate/up blocks (every other row). A part whose
-   format cannot be the whole's, and a tensor that cannot be cut before reading (a cut inside
-   a block or group, which the cut then refuses), is read whole and cut after (WeightFormat.rows/columns, which refuse an inexact cut), as is the tied
-   lm_head's part of the embedding table (the embedding reads it whole anyway).
+   experts.<e>.w1) and gpt-oss's interleaved gate/up blocks (every other row). A part that
+   reads in another format than the one the pass gave it (and that recast cannot take), and a
+   tensor that cannot be cut before reading, is read whole and cut after
+   (WeightFormat.rows/columns, which refuse an inexact cut), as is the tied lm_head's part of
+   the embedding table (the embedding reads it whole anyway).
 
 `ShardReader.bytes_read` counts every byte handed out, so a test can check a rank's share.
 """
@@ -129,16 +130,22 @@ class ShardReader:
         self, module: str, cut: Cut, read: Callable[[], T], expert: int | None = None
     ) -> T:
         """`read()` (a family's reader of `module`) on the part `cut` = (axis, start, stop,
-        whole) of `module`'s tensors (of expert `expert` of stacked ones), cut before any byte
-        is read: by the family's own `parts`, else in proportion along its axes. Raises
-        Unsliceable where neither can cut them."""
+        whole) of `module`'s tensors (of expert `expert` of stacked ones): part_tensors."""
+        return self.serving(self.part_tensors(module, cut, expert), read)
+
+    def part_tensors(
+        self, module: str, cut: Cut, expert: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """`module`'s tensors (of expert `expert` of stacked ones) for the part `cut`, in the
+        checkpoint's layout, cut before any byte is read: by the family's own `parts`, else in
+        proportion along its axes. Raises Unsliceable where neither can cut them."""
         tensors = None
         if self.parts is not None and expert is None:
             tensors = self.parts(self, self.config, module, cut)
         if tensors is None:
             indices = {n: self._index(n, cut, expert) for n in self.tensors(module)}
             tensors = {n: self._take(n, ix, cut) for n, ix in indices.items()}  # checked first
-        return self.serving(tensors, read)
+        return tensors
 
     def serving(self, tensors: dict[str, np.ndarray], read: Callable[[], T]) -> T:
         """`read()` with `tensors` (parts already read) in place of the stored ones."""

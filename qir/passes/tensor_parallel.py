@@ -1,11 +1,11 @@
 """Tensor parallel: one rank's part of a block split across `ranks` ranks (Megatron-style).
 
-- Attention is split by heads: q/k/v are column-parallel (rank r computes its H/N query heads
-  and their KV heads; where there are fewer KV heads than ranks, each rank keeps the one KV
-  head its query heads read, so KV heads are replicated N/KV times), the KV caches hold the
-  rank's KV heads, and o_proj is row-parallel: each rank's partial sum over its heads' inputs,
-  then an `all_reduce`. Attention sinks (gpt-oss: a logit per query head) are cut to the
-  rank's heads like q's rows; q/k/v's biases go with their rows, o's stays on rank 0.
+- Attention is split by heads: q/k/v are column-parallel (rank r computes whole KV heads and
+  their query heads; where there are fewer KV heads than ranks, a multiple of them, the ranks
+  sharing a KV head split its query heads, so KV heads are replicated N/KV times), the KV caches
+  hold the rank's KV heads, and o_proj is row-parallel: each rank's partial sum over its heads'
+  inputs, then an `all_reduce`. Attention sinks (gpt-oss: a logit per query head) are cut to
+  the rank's heads like q's rows; q/k/v's biases go with their rows, o's stays on rank 0.
 - The MLP is split by intermediate features: gate/up column-parallel, down row-parallel, then an
   `all_reduce`.
 - The lm_head is vocab-parallel: rank r computes logits of its V/N ids, an `all_gather` along
@@ -13,6 +13,16 @@
 - The embedding stays replicated: a lookup reads M rows of the table, not the table, so
   splitting it saves only its memory (V x hidden / N per rank) and would add a collective to
   every step's critical path (a masked lookup plus an all_reduce).
+
+Parts need not be even. A row-parallel K part must start and end on what its format keeps
+whole (a group, block or packed word: WeightFormat.column_unit; FP8's blocks of rows,
+row_unit, for the column-parallel rows before it), and an exact cut matters more than equal
+ones: the MLP's features are cut in units of down_proj's groups (and gate/up's row blocks), the
+heads in units of the fewest KV heads (or, replicated, query heads) that end on one of
+o_proj's groups, and of the U units rank r takes ceil(U/N) if r < U mod N, else floor(U/N), the
+last unit possibly ragged (unit_range). A K part's format is the format's column_part (a GPTQ
+act-order part keeps all the whole's groups). Refused, by every rank alike, where there are
+fewer units than ranks.
 
 The all_reduce comes right after the row-parallel qlinear, so every later op sees the whole
 sum. A residual add that reads the sum directly, `r + all_reduce(p)`, becomes
@@ -31,8 +41,8 @@ embedding table is then a weight of its own). A row-parallel weight's bias stays
 only, so it is added once. qir.models.shards cuts the buffers (WeightFormat.rows / columns,
 exact or refused). The graph is renamed `<name>.rank<r>of<N>` so printed IR says whose it is.
 
-Preconditions: the builder's unfused graph (run before the default pipeline); heads, KV heads
-(or ranks by KV heads), intermediate features and vocabulary divisible by the ranks.
+Preconditions: the builder's unfused graph (run before the default pipeline); ranks at most the
+KV heads or a multiple of them; a vocabulary divisible by the ranks.
 - A MoE MLP is split like the dense one, inside every expert: each expert's gate/up by its
   intermediate features, its down by the same inputs, the router replicated (every rank routes
   alike), the combine of the rank's partial rows then an all_reduce (the residual in rank 0's
@@ -47,6 +57,7 @@ Does not handle (refused in one line): fused or multi-output qlinears. Types dow
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from qir.errors import QirError
@@ -66,6 +77,14 @@ class TensorParallelError(QirError, ValueError):
 
 def shard_key(source: str, axis: str, start: int, stop: int) -> str:
     return f"{source}:{axis}{start}-{stop}"
+
+
+def unit_range(size: int, unit: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s part of `size` cut into whole units of `unit` (the last may be short):
+    ceil(U/N) of the U units for the first U mod N ranks, floor(U/N) for the others."""
+    each, extra = divmod(-(-size // unit), ranks)
+    first = rank * each + min(rank, extra)
+    return first * unit, min((first + each + (rank < extra)) * unit, size)
 
 
 @dataclass(frozen=True)
@@ -97,7 +116,7 @@ class TensorParallel:
     # --- the three splits ----------------------------------------------------------------
 
     def _attention(self, graph: Graph, a: str) -> int:
-        n, r = self.ranks, self.rank
+        r = self.rank
         q_value, k_cache = graph.operands(a)[:2]
         cache = graph.node(k_cache).type
         assert isinstance(cache, TensorType)
@@ -105,37 +124,107 @@ class TensorParallel:
         assert isinstance(kv_heads, int) and isinstance(head_dim, int)
         q = _projection(graph, q_value, a)
         heads = _out(graph, q) // head_dim
-        if heads % n or not (kv_heads % n == 0 or n % kv_heads == 0):
-            raise TensorParallelError(
-                f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
-                "must divide the heads, and divide or be a multiple of the KV heads"
-            )
-        local, fired = heads // n, 4  # q, k, v and the caches
-        self._split(graph, q, "out", r * local * head_dim, (r + 1) * local * head_dim)
+        append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
+        kv = [_projection(graph, graph.operands(append)[i], append) for i in (2, 3)]
+        outs = [
+            o for o in graph.users(a) if graph.node(o).op == "qlinear" and graph.operands(o)[0] == a
+        ]
+        for o in outs:
+            _plain(graph, o)
+        parts = self._heads(graph, a, heads, kv_heads, head_dim, q, kv, outs)
+        h0, h1, first, last = parts[r]
+        fired = 4  # q, k, v and the caches
+        self._split(graph, q, "out", h0 * head_dim, h1 * head_dim)
         at = sinks_operand(dict(graph.node(a).attrs))
         if at is not None:  # gpt-oss: a logit per query head, the rank's heads' like q's rows
-            self._split_param(graph, a, at, r * local, (r + 1) * local)
+            self._split_param(graph, a, at, h0, h1)
             fired += 1
-        append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
-        kv_local = max(kv_heads // n, 1)
-        first = r * kv_heads // n  # the first KV head rank r's query heads read
-        for i in (2, 3):  # k, v
-            p = _projection(graph, graph.operands(append)[i], append)
-            self._split(graph, p, "out", first * head_dim, (first + kv_local) * head_dim)
+        for p in kv:
+            self._split(graph, p, "out", first * head_dim, last * head_dim)
         for i in (0, 1):  # the caches hold the rank's KV heads
             state = graph.operands(append)[i]
             t = graph.node(state).type
             assert isinstance(t, TensorType)
-            shape = (t.shape[0], kv_local, head_dim)
+            shape = (t.shape[0], last - first, head_dim)
             graph.set_node(state, replace(graph.node(state), type=TensorType(shape, t.dtype)))
-        for o in graph.users(a):
-            node = graph.node(o)
-            if node.op == "qlinear" and graph.operands(o)[0] == a:
-                _plain(graph, o)
-                self._split(graph, o, "in", r * local * head_dim, (r + 1) * local * head_dim)
-                self._residual_first(graph, self._after(graph, o, "all_reduce"))
-                fired += 1
+        for o in outs:
+            self._split(graph, o, "in", h0 * head_dim, h1 * head_dim)
+            self._residual_first(graph, self._after(graph, o, "all_reduce"))
+            fired += 1
         return fired
+
+    def _heads(
+        self,
+        graph: Graph,
+        a: str,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q: str,
+        kv: list[str],
+        outs: list[str],
+    ) -> list[tuple[int, int, int, int]]:
+        """Every rank's query heads h0..h1 and the KV heads first..last they read, so that its
+        part of o_proj's inputs (and of q's rows) starts on what their formats keep whole (a
+        group, a block): with at least as many KV heads as ranks, whole KV heads and their query
+        heads, in units of the fewest KV heads whose query heads end on a group, ceil or floor of
+        the units per rank; with fewer, each KV head replicated on ranks/KV ranks that share its
+        query heads the same way. Refused where no such parts exist for every rank alike."""
+        n = self.ranks
+        per_kv = heads // kv_heads
+        wide = math.lcm(
+            _weight(graph, q).format.row_unit(),
+            *(_weight(graph, o).format.column_unit(_weight(graph, o).in_features) for o in outs),
+        )
+        what = (
+            f"whole heads on the groups of {wide} inputs of "
+            + ", ".join(f"{_key(graph, o)} ({_weight(graph, o).format.spell()})" for o in outs)
+            if wide > 1
+            else "whole heads"
+        )
+        parts: list[tuple[int, int, int, int]] = []
+        if kv_heads >= n:
+            c = next(
+                (c for c in range(1, kv_heads + 1) if c * per_kv * head_dim % wide == 0),
+                kv_heads,
+            )
+            units = -(-kv_heads // c)
+            if units < n:
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a}'s {heads} heads over {kv_heads} KV heads make "
+                    f"{units} part(s) of {what}, fewer than {n} ranks"
+                )
+            for rank in range(n):
+                first, last = unit_range(kv_heads, c, n, rank)
+                parts.append((first * per_kv, last * per_kv, first, last))
+        else:
+            m = n // kv_heads
+            if n % kv_heads:
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a} has {heads} heads and {kv_heads} KV heads; {n} ranks "
+                    "must be at most the KV heads or a multiple of them"
+                )
+            h = next((h for h in range(1, per_kv + 1) if h * head_dim % wide == 0), per_kv)
+            units = -(-per_kv // h)
+            if units < m or (kv_heads > 1 and per_kv * head_dim % wide):
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a}'s {per_kv} heads per KV head make {units} part(s) "
+                    f"of {what} where {m} ranks share each of its {kv_heads} KV heads"
+                )
+            for rank in range(n):
+                j = rank // m
+                lo, hi = unit_range(per_kv, h, m, rank % m)
+                parts.append((j * per_kv + lo, j * per_kv + hi, j, j + 1))
+        rows = math.lcm(*(_weight(graph, p).format.row_unit() for p in kv))
+        for _, _, first, last in parts:
+            lo, hi = first * head_dim, last * head_dim
+            if lo % rows and lo // rows != (hi - 1) // rows:
+                raise TensorParallelError(
+                    f"tensor_parallel: %{a}: a rank's KV heads {first}..{last} are rows {lo}..{hi} "
+                    f"of {_key(graph, kv[0])}, which straddle its blocks of {rows} rows, so the "
+                    "cut cannot be exact"
+                )
+        return parts
 
     def _mlp(self, graph: Graph, down: str) -> int:
         pair = _gate_up(graph, graph.operands(down)[0])
@@ -144,7 +233,7 @@ class TensorParallel:
         gate, up = pair
         for p in (gate, up, down):
             _plain(graph, p)
-        lo, hi = self._features(_out(graph, gate), f"%{gate} has")
+        lo, hi = self._features(graph, gate, up, down)
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, down, "in", lo, hi)
@@ -165,9 +254,7 @@ class TensorParallel:
                 f"tensor_parallel: %{down} is an expert qlinear without a combine epilogue; "
                 "run the pass on the unfused block"
             )
-        gate = graph.node(graph.operands(h)[1]).type
-        assert isinstance(gate, QExperts)
-        lo, hi = self._features(gate.expert.out_features, f"%{h}'s experts have")
+        lo, hi = self._features(graph, (h, 1), (h, 2), down)
         self._split(graph, h, "out", lo, hi, at=1)
         self._split(graph, h, "out", lo, hi, at=2)
         self._split(graph, down, "in", lo, hi, at=1)
@@ -195,7 +282,7 @@ class TensorParallel:
         gate, up = pair
         _plain(graph, gate)
         _plain(graph, up)
-        lo, hi = self._features(_out(graph, gate), f"%{gate} (a shared expert) has")
+        lo, hi = self._features(graph, gate, up, s)
         self._split(graph, gate, "out", lo, hi)
         self._split(graph, up, "out", lo, hi)
         self._split(graph, s, "in", lo, hi, at=1)
@@ -226,15 +313,25 @@ class TensorParallel:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _features(self, size: int, subject: str) -> tuple[int, int]:
-        """This rank's range of `size` intermediate features (`subject`: whose, for the error)."""
-        n = self.ranks
-        if size % n:
+    def _features(self, graph: Graph, gate: Use, up: Use, down: Use) -> tuple[int, int]:
+        """This rank's range of the intermediate features that gate's and up's rows and down's
+        inputs (each a qlinear, or an expert qlinear and its weight operand) cut alike: whole
+        units, a unit being what all three formats hold whole (down's group, block or packed
+        word, a block of rows), ceil(U/N) units for the first U mod N ranks and floor(U/N) for
+        the others, so that no group is cut and the ranks need not be even; the last unit may
+        be short (a ragged last group or block)."""
+        n, r = self.ranks, self.rank
+        rows = [_weight(graph, q) for q in (gate, up)]
+        cols = _weight(graph, down)
+        size = cols.in_features
+        unit = math.lcm(*(w.format.row_unit() for w in rows), cols.format.column_unit(size))
+        units = -(-size // unit)
+        if units < n:
             raise TensorParallelError(
-                f"tensor_parallel: {subject} {size} intermediate features, not divisible by "
-                f"{n} ranks"
+                f"tensor_parallel: {_key(graph, down)} has {size} inputs in {units} group(s) "
+                f"of {unit} that no rank may cut ({cols.format.spell()}), fewer than {n} ranks"
             )
-        return self.rank * size // n, (self.rank + 1) * size // n
+        return unit_range(size, unit, n, r)
 
     def _split(self, graph: Graph, q: str, axis: str, start: int, stop: int, at: int = 1) -> None:
         """Point q's weight operand `at` at the weight's rows (axis "out") or inputs ("in")
@@ -250,7 +347,10 @@ class TensorParallel:
         if axis == "out":
             part_one = replace(one, out_features=stop - start)
         else:  # a row-parallel bias is added once, on rank 0
-            part_one = replace(one, in_features=stop - start, bias=one.bias and self.rank == 0)
+            fmt = one.format.column_part(one.in_features, start, stop)
+            part_one = replace(
+                one, format=fmt, in_features=stop - start, bias=one.bias and self.rank == 0
+            )
         part = QExperts(part_one, t.count) if isinstance(t, QExperts) else part_one
         attrs = dict(node.attrs)
         attrs.update(
@@ -348,6 +448,23 @@ def _gate_up(graph: Graph, h: str) -> tuple[str, str] | None:
     if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
         return None
     return gate, up
+
+
+Use = str | tuple[str, int]  # a qlinear (its weight operand 1), or (node, weight operand)
+
+
+def _weight(graph: Graph, use: Use) -> QWeight:
+    """The weight (one expert's, of stacked experts) a qlinear or expert qlinear reads."""
+    q, at = (use, 1) if isinstance(use, str) else use
+    t = graph.node(graph.operands(q)[at]).type
+    one = t.expert if isinstance(t, QExperts) else t
+    assert isinstance(one, QWeight)
+    return one
+
+
+def _key(graph: Graph, use: Use) -> str:
+    q, at = (use, 1) if isinstance(use, str) else use
+    return str(graph.node(graph.operands(q)[at]).attr("key"))
 
 
 def _drop_residual(graph: Graph, combine: str) -> None:

@@ -21,7 +21,6 @@ from safetensors.numpy import save_file
 from qir.dtypes import BF16
 from qir.formats.mlx import MlxAffine
 
-FMT = MlxAffine(4, 32, BF16)
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -54,6 +53,7 @@ def write_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     cfg = {**BASE, **overrides}
     cfg = {k: v for k, v in cfg.items() if v is not None}
     rng = np.random.default_rng(seed)
+    fmt = MlxAffine(cfg["quantization"]["bits"], cfg["quantization"]["group_size"], BF16)
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     q_out = cfg["num_attention_heads"] * cfg["head_dim"]
     kv_out = cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -70,7 +70,7 @@ def write_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
 
     def linear(module: str, shape: tuple[int, int], std: float) -> None:
         w = rng.standard_normal(shape, dtype=np.float32) * std
-        tensors.update({f"{module}.{k}": v for k, v in FMT.quantize(w).items()})
+        tensors.update({f"{module}.{k}": v for k, v in fmt.quantize(w).items()})
 
     def norm(module: str) -> None:
         w = 1.0 + 0.1 * rng.standard_normal(hidden, dtype=np.float32)

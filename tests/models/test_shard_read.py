@@ -18,12 +18,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from qir.dtypes import F32
-from qir.formats.base import FormatError
 from qir.models import load
 from qir.models.blocks import build
 from qir.models.shard_read import ShardReader, load_rank
 from qir.models.shards import tensor_parallel
 from tests.conftest import DATA
+from tests.tp_checkpoints import uneven
 
 # Tensors every rank reads whole: the embedding table (a lookup reads M rows) and the router.
 REPLICATED = r"embed_tokens|\.gate\.weight|\.gate\.scales|\.gate\.biases"
@@ -101,27 +101,44 @@ def _check(monkeypatch, path: Path, ranks: int, shared: dict[str, tuple[int, ...
 # KV heads fewer than ranks: each is read by the ranks that replicate it.
 KV2 = {r"\.(k|v)_proj\.": (2,)}
 
+# desc_act: each rank's inputs use nearly every group, so every rank reads their scale rows
+# (GPTQ act-order's zeros and scales: the rows of the groups its inputs use, by 1 to N ranks)
+DESC_ACT = {r"\.(o_proj|down_proj)\.(qzeros|scales)$": (0, 2, 3, 4)}
+
 CASES = [
-    # (fixture, ranks, tensors shared or unread besides a single reader, and why)
-    ("mlx_affine4_g64_S", (2, 4), {}),
-    ("awq_gemm_g64_S", (2, 4), {}),
-    ("ct_nvfp4_w4a4_S", (2, 4), {}),
-    ("autogptq_g64_llama", (2,), {}),
-    ("autogptq_g64_llama", (4,), KV2),
+    # (checkpoint (a fixture, or tests/tp_checkpoints.py's), ranks, tensors shared or unread
+    # besides a single reader, and why). Those named @<features> have an MLP whose groups do not
+    # divide by the ranks (5 groups of 64 for 320): each rank reads ceil or floor of them.
+    ("mlx@320", (2, 4), {}),
+    ("awq_gemm@320", (2, 4), {}),
+    ("nvfp4_w4a4@336", (2, 4), {}),
+    ("gptq@320", (2,), {}),
+    ("gptq@320", (4,), KV2),
+    ("gptq_desc_act@320", (2,), DESC_ACT),
+    ("gptq_desc_act@320", (4,), {**KV2, **DESC_ACT}),
+    # heads uneven too: 10 of 32 in groups of 64, over 5 KV heads (3 + 2, 2 + 2 + 1, ...) or
+    # one, which all 4 ranks read (4 + 2 + 2 + 2 query heads)
+    ("heads10_kv5", (2, 3, 4), {}),
+    ("heads10_kv1", (4,), {r"\.(k|v)_proj\.": (4,)}),
     # AWQ GEMV: eight groups' zeros share a word and rows pad to whole words of groups: the
     # word of two ranks' groups is read by both, the padding by none
-    ("awq_gemv_g64_S", (2, 4), {r"\.qzeros$": (0, 2, 4), r"\.scales$": (0,)}),
+    ("awq_gemv@320", (2, 4), {r"\.qzeros$": (0, 2, 3, 4), r"\.scales$": (0,)}),
     # Phi-3: q/k/v and gate/up are rows of qkv_proj / gate_up_proj
     ("mlx_affine4_phi3", (2,), {}),
     ("mlx_affine4_phi3", (4,), {r"qkv_proj": (2,)}),
     ("ct_w4a16_phi3", (2,), {}),
-    # compressed-tensors int and float layouts
-    ("ct_w4a16_int4_S", (2,), {}),
-    ("ct_mxfp4a16_S", (2, 4), {}),
+    # compressed-tensors int and float layouts; per channel, a K part needs every row's scale
+    ("ct_int4@384", (2,), {}),
+    ("ct_int4_channel", (2, 4), {r"(o_proj|down_proj)\.weight_scale$": (2, 4)}),
+    ("gptq_per_row", (2,), {r"(o_proj|down_proj)\.(qzeros|scales)$": (2,)}),
+    ("gptq_per_row", (4,), {**KV2, r"(o_proj|down_proj)\.(qzeros|scales)$": (4,)}),
+    ("mxfp4@352", (2, 4), {}),
     # FP8 per channel: a K part needs every row's scale
     ("ct_fp8_dynamic_S", (2, 4), {r"(o_proj|down_proj)\.weight_scale$": (2, 4)}),
-    # block FP8: k/v's 128 rows are one block of scales, both ranks' rows lie in it
+    # block FP8: k/v's 128 rows are one block of scales, both ranks' rows lie in it; K 416 is
+    # three blocks of 128 and a ragged one, 2 + 2 (ct_fp8block_qwen3: compressed-tensors')
     ("fp8block_qwen3", (2,), {r"\.(k|v)_proj\.weight_scale_inv$": (2,)}),
+    ("ct_fp8block_qwen3", (2,), {r"\.(k|v)_proj\.weight_scale$": (2,)}),
     # stacked experts (mlx-lm switch_mlp) and one module per expert (AWQ)
     ("mixtral_mlx4_g64", (2,), {}),
     ("mixtral_awq_gemm_g64", (2,), {}),
@@ -132,10 +149,11 @@ CASES = [
     ("fixture", "ranks", "shared"), CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[1]))}" for c in CASES]
 )
 def test_each_rank_reads_only_its_shard_and_builds_the_exact_cuts(
-    monkeypatch, fixture, ranks, shared
+    monkeypatch, tmp_path, fixture, ranks, shared
 ):
+    path = uneven(tmp_path, fixture)
     for n in ranks:
-        _check(monkeypatch, DATA / fixture, n, shared)
+        _check(monkeypatch, path, n, shared)
 
 
 def _act_order(tmp_path: Path) -> Path:
@@ -192,11 +210,12 @@ def test_gptoss_reads_its_heads_and_its_rows_of_the_interleaved_expert_blocks(mo
     assert np.flatnonzero(read).tolist() == list(range(64, 128))
 
 
-def test_a_cut_inside_a_block_is_refused_before_a_wrong_part_is_read():
-    # ct_fp8block_qwen3's down_proj has K 416: two ranks' halves of 208 split block 1
-    with pytest.raises(
-        FormatError,
-        match=r"^model.layers.0.mlp.down_proj.scale: a K split 0..208 of in_features 416 is "
-        r"not on its blocks of 128 inputs, so it cannot be exact$",
-    ):
-        load_rank(load(DATA / "ct_fp8block_qwen3"), 2, 0, act=F32, max_seq=32)
+def test_a_ragged_last_block_goes_with_the_last_ranks_part(monkeypatch):
+    # ct_fp8block_qwen3's down_proj has K 416: blocks of 128 at 0, 128, 256 and a ragged one at
+    # 384; rank 1 of 2 takes the last two (inputs 256..416) and their scale columns, alone
+    masks = _read_masks(monkeypatch, load(DATA / "ct_fp8block_qwen3"), 2, 1)[2]
+    down = "model.layers.0.mlp.down_proj"
+    assert np.flatnonzero(masks[f"{down}.weight"].any(axis=0)).tolist() == list(range(256, 416))
+    assert np.flatnonzero(masks[f"{down}.weight_scale"].any(axis=0)).tolist() == [2, 3]
+    up = masks["model.layers.0.mlp.up_proj.weight_scale"]  # its rows: blocks 2 and 3
+    assert np.flatnonzero(up.any(axis=1)).tolist() == [2, 3]

@@ -13,10 +13,11 @@ from qir.collectives import run_threads
 from qir.dtypes import F32
 from qir.models import load
 from qir.models.blocks import build
+from qir.models.shard_read import load_rank
 from qir.models.shards import shard_weights
 from qir.passes.manager import run_pipeline
 from qir.passes.tensor_parallel import TensorParallel, TensorParallelError
-from qir.types import QWeight, TensorType
+from qir.types import QWeight
 from tests.conftest import DATA
 from tests.passes.test_layer_passes import weights_for
 
@@ -98,6 +99,45 @@ def test_mlp_ir_before_after_and_numbers():
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+# 160 intermediate features are 5 groups of 32: 3 + 2 on 2 ranks, 2 + 2 + 1 on 3
+UNEVEN_MLP = MLP.replace("[128, 64]", "[160, 64]").replace("[64, 128]", "[64, 160]")
+UNEVEN_MLP = UNEVEN_MLP.replace("f32[M, 128]", "f32[M, 160]")
+
+
+def test_an_uneven_mlp_split_takes_whole_groups_per_rank():
+    shards = []
+    for r in range(2):
+        g = parse(UNEVEN_MLP)
+        assert TensorParallel(2, r).run(g) == 3
+        shards.append([g.node(w).attr("shard") for w in g.weights])
+    lo, hi = (0, 96), (96, 160)
+    assert shards == [
+        [(k, a, *lo, 160) for k, a in (("gate", "out"), ("up", "out"), ("down", "in"))],
+        [(k, a, *hi, 160) for k, a in (("gate", "out"), ("up", "out"), ("down", "in"))],
+    ]
+    g1 = parse(UNEVEN_MLP)
+    TensorParallel(2, 1).run(g1)
+    assert "%h = mul %act, %up : f32[M, 64]" in print_graph(g1)
+    rng = np.random.default_rng(0)
+    weights = weights_for(UNEVEN_MLP, rng)
+    x = {"x": rng.standard_normal((5, 64)).astype(np.float32)}
+    want = interpret(parse(UNEVEN_MLP), x, weights)["y"]
+    for n in (2, 3):
+        parts, _ = _ranks(parse(UNEVEN_MLP), weights, n)
+        widths = [g.node(g.operands("down")[1]).type.in_features for g, _ in parts]
+        assert widths == ([96, 64] if n == 2 else [64, 64, 32])
+        outs = [o["y"] for o in _interpret(parts, x)]
+        for o in outs:
+            np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(o, outs[0])
+    with pytest.raises(
+        TensorParallelError,
+        match=r"^tensor_parallel: down has 160 inputs in 5 group\(s\) of 32 that no rank may "
+        r"cut \(mlx_affine<bits=4,group_size=32,scale_dtype=f16>\), fewer than 6 ranks$",
+    ):
+        TensorParallel(6, 0).run(parse(UNEVEN_MLP))
+
+
 def test_does_not_fire_on_one_rank_or_without_splittable_layers():
     g = parse(MLP)
     assert TensorParallel(1, 0).run(g) == 0
@@ -113,8 +153,21 @@ def test_does_not_fire_on_one_rank_or_without_splittable_layers():
 def test_refusals_name_what_cannot_be_split():
     ck = load(DATA / "autogptq_g64_llama")  # 4 heads, 2 KV heads
     b = build(ck, "model", 0, act=F32, max_seq=32)
-    with pytest.raises(TensorParallelError, match=r"%l0.attn has 4 heads and 2 KV heads; 3 ranks"):
+    with pytest.raises(
+        TensorParallelError,
+        match=r"^tensor_parallel: %l0.attn has 4 heads and 2 KV heads; 3 ranks must be at most "
+        "the KV heads or a multiple of them$",
+    ):
         TensorParallel(3, 0).run(b.graph.copy())
+    # 4 heads of 64, one KV head each, in groups of 128: whole pairs of heads, 2 parts
+    mha = build(load(DATA / "ct_w4a16_int4_S"), "model", 0, act=F32, max_seq=32)
+    with pytest.raises(
+        TensorParallelError,
+        match=r"^tensor_parallel: %l0.attn's 4 heads over 4 KV heads make 2 part\(s\) of whole "
+        r"heads on the groups of 128 inputs of model.layers.0.self_attn.o_proj \(ct_int<bits=4,"
+        r"group_size=128,scale_dtype=bf16>\), fewer than 4 ranks$",
+    ):
+        TensorParallel(4, 3).run(mha.graph.copy())
     with pytest.raises(TensorParallelError, match="rank 2 of 2 ranks is out of range"):
         TensorParallel(2, 2).run(b.graph.copy())
     fused, _ = run_pipeline(b.graph)
@@ -122,39 +175,66 @@ def test_refusals_name_what_cannot_be_split():
         TensorParallel(2, 0).run(fused)
 
 
-@pytest.mark.parametrize(
-    "fixture",
-    ["autogptq_g64_llama", "awq_gemm_g64_S", "mlx_affine4_g64_S", "ct_nvfp4_w4a4_S"],
-)
-def test_every_rank_equals_the_unsplit_model(fixture):
-    b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+UNEVEN_CASES = [
+    # (checkpoint (tests/tp_checkpoints.py), ranks): intermediate features whose groups do not
+    # divide by the ranks, each rank ceil or floor of them
+    ("gptq@320", (2, 4)),  # 5 groups of 64; 2 KV heads: 4 ranks replicate them
+    ("gptq_desc_act@320", (2, 4)),  # desc_act: each part keeps every group
+    ("awq_gemm@320", (2, 4)),
+    ("mlx@320", (2, 4)),
+    ("nvfp4_w4a4@336", (2, 4)),  # 21 blocks of 16
+    ("mxfp4@352", (4,)),  # 11 blocks of 32
+    ("ct_int4_channel", (4,)),  # one scale per row: every K part's
+    ("gptq_per_row", (4,)),  # group_size -1
+    ("ct_fp8block_qwen3", (2,)),  # K 416: 3 blocks of 128 and a ragged one
+    # 10 heads of 32 in groups of 64: 5 KV heads 3 + 2, 2 + 2 + 1, 2 + 1 + 1 + 1; one KV head
+    # replicated, its heads 4 + 2 + 2 + 2
+    ("heads10_kv5", (2, 3, 4)),
+    ("heads10_kv1", (4,)),
+]
+
+
+@pytest.mark.parametrize(("fixture", "ranks"), UNEVEN_CASES, ids=[c[0] for c in UNEVEN_CASES])
+def test_every_rank_equals_the_unsplit_model(tmp_path, fixture, ranks):
+    from tests.tp_checkpoints import uneven
+
+    b = build(load(uneven(tmp_path, fixture)), "model", 0, act=F32, max_seq=32)
     inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
     want = interpret(b.graph, inputs, b.weights)
     layers = sum(1 for _ in b.graph.of_op("attention"))
-    for n in (2, 4):
+    for n in ranks:
         parts, fired = _ranks(b.graph, b.weights, n)
         assert fired == 8 * layers + 1  # q k v o gate up down per layer, and the lm_head
+        # down_proj's inputs: consecutive whole units, ceil or floor of them per rank
+        cuts = [g.node(g.operands("l0.down")[1]).attr("shard")[2:4] for g, _ in parts]
+        size = b.graph.node(b.graph.operands("l0.down")[1]).type.in_features
+        fmt = b.graph.node(b.graph.operands("l0.down")[1]).type.format
+        assert [c[0] for c in cuts[1:]] == [c[1] for c in cuts[:-1]] and cuts[-1][1] == size
+        unit = fmt.column_unit(size)
+        units = [-(-(hi - lo) // unit) for lo, hi in cuts]
+        assert max(units) - min(units) <= 1 and all(lo % unit == 0 for lo, _ in cuts)
         states = [{} for _ in range(n)]
         outs = _interpret(parts, inputs, states)
         for o in outs:
             err = np.abs(o["logits"] - want["logits"]).max() / np.abs(want["logits"]).max()
             assert err <= 1e-5
             np.testing.assert_array_equal(o["logits"], outs[0]["logits"])
-        g0 = parts[0][0]
-        kv = g0.node("l0.k_cache").type
-        assert isinstance(kv, TensorType) and kv.shape[1] == max(
-            b.graph.node("l0.k_cache").type.shape[1] // n, 1
-        )
-        # the KV cache each rank wrote holds its KV heads of the unsplit cache
+        # o_proj's inputs are the rank's query heads, in whole groups; the KV cache each rank
+        # wrote holds the KV heads its k_proj rows are, of the unsplit cache
         whole = {}
         interpret(b.graph, inputs, b.weights, whole)
-        heads = whole["model.layers.0.self_attn.k_cache"].shape[1]
-        per = max(heads // n, 1)
-        for r in range(n):
-            first = r * heads // n
+        cache = "model.layers.0.self_attn.k_cache"
+        head_dim = whole[cache].shape[2]
+        for r, (g, _) in enumerate(parts):
+            q_rows = g.node(g.operands("l0.q")[1]).attr("shard")[2:4]
+            o = g.node(g.operands("l0.o")[1])
+            assert o.attr("shard")[2:4] == q_rows
+            assert q_rows[0] % o.type.format.column_unit(o.attr("shard")[4]) == 0
+            lo, hi = g.node(g.operands("l0.k")[1]).attr("shard")[2:4]
+            assert g.node("l0.k_cache").type.shape[1] == (hi - lo) // head_dim
             np.testing.assert_allclose(
-                states[r]["model.layers.0.self_attn.k_cache"],
-                whole["model.layers.0.self_attn.k_cache"][:, first : first + per],
+                states[r][cache],
+                whole[cache][:, lo // head_dim : hi // head_dim],
                 rtol=1e-5,
                 atol=1e-5,
             )
@@ -200,8 +280,6 @@ def test_row_parallel_bias_stays_on_rank_0_and_fusions_fire_per_rank():
     ],
 )
 def test_families_split_on_two_ranks_read_from_their_shards(fixture):
-    from qir.models.shard_read import load_rank
-
     b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
     inputs = b.token_inputs(np.array([3, 10, 17, 24, 31], np.int32))
     want = interpret(b.graph, inputs, b.weights)["logits"]
@@ -211,23 +289,22 @@ def test_families_split_on_two_ranks_read_from_their_shards(fixture):
         assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
 
 
-def test_a_k_split_off_the_group_size_is_refused_naming_the_tensor():
-    from qir.formats.base import FormatError
-    from qir.models.shard_read import load_rank
-
-    # group size 128: o_proj's K of 256 cut in four is 64 per rank
-    with pytest.raises(
-        FormatError,
-        match=r"^model.layers.0.self_attn.o_proj: a K split 0..64 of "
-        r"in_features 256 is not on the group size 128 boundaries",
+def test_heads_that_cannot_end_on_o_projs_groups_are_refused_naming_the_tensor():
+    # group size 128, heads of 64 under 2 KV heads: 4 ranks would give each KV head's 2 heads
+    # to 2 ranks, 64 inputs of o_proj each; every rank says so
+    for fixture, fmt in (
+        ("ct_w4a16_qwen2", r"ct_int<bits=4,group_size=128,scale_dtype=bf16>"),
+        ("fp8block_qwen3", r"fp8_block<block_out=128,block_in=128>"),
     ):
-        load_rank(load(DATA / "ct_w4a16_qwen2"), 4, 0, act=F32, max_seq=32)
-    with pytest.raises(
-        FormatError,
-        match=r"o_proj.scale: a K split 0..64 of in_features 256 is "
-        r"not on its blocks of 128 inputs",
-    ):
-        load_rank(load(DATA / "fp8block_qwen3"), 4, 0, act=F32, max_seq=32)
+        b = build(load(DATA / fixture), "model", 0, act=F32, max_seq=32)
+        for r in range(4):
+            with pytest.raises(
+                TensorParallelError,
+                match=r"^tensor_parallel: %l0.attn's 2 heads per KV head make 1 part\(s\) of "
+                r"whole heads on the groups of 128 inputs of model.layers.0.self_attn.o_proj "
+                rf"\({re.escape(fmt)}\) where 2 ranks share each of its 2 KV heads$",
+            ):
+                TensorParallel(4, r).run(b.graph.copy())
 
 
 @pytest.mark.parametrize("fixture", ["mixtral_mlx4_g64", "mixtral_awq_gemm_g64"])
@@ -277,15 +354,14 @@ def test_a_shared_expert_is_split_like_the_dense_mlp_and_added_once(tmp_path):
     np.testing.assert_array_equal(outs[0]["logits"], outs[1]["logits"])
 
 
-def test_moe_experts_too_narrow_for_their_groups_are_refused():
-    from qir.formats.base import FormatError
-    from qir.models.shard_read import load_rank
-
-    # Qwen3-MoE's experts have 64 intermediate features in groups of 64: 2 ranks cannot cut them
+def test_moe_experts_narrower_than_a_group_per_rank_are_refused():
+    # Qwen3-MoE's experts (layer 1) have 64 intermediate features in one group of 64: 2 ranks
+    # cannot share it (a rank with no features would have no weights)
     with pytest.raises(
-        FormatError,
-        match=r"switch_mlp.down_proj: a K split 0..32 of in_features "
-        r"64 is not on the group size 64 boundaries",
+        TensorParallelError,
+        match=r"^tensor_parallel: model.layers.1.mlp.switch_mlp.down_proj has 64 inputs in 1 "
+        r"group\(s\) of 64 that no rank may cut \(mlx_affine<bits=4,group_size=64,"
+        r"scale_dtype=bf16>\), fewer than 2 ranks$",
     ):
         load_rank(load(DATA / "qwen3moe_mlx4_g64"), 2, 0, act=F32, max_seq=32)
 
@@ -369,9 +445,6 @@ def test_gptoss_splits_on_two_ranks_and_refuses_four_in_one_line():
     """gpt-oss (sinks, q/k/v/o and expert biases, sliding-window layers, MXFP4 experts) read
     from each rank's shards equals the unsplit model; at 4 ranks each expert's down_proj would
     be cut inside a 32-input MX block."""
-    from qir.formats.base import FormatError
-    from qir.models.shard_read import load_rank
-
     b = build(load(DATA / "gptoss_mxfp4"), "model", 0, act=F32, max_seq=32)
     inputs = b.token_inputs(np.arange(3, 15, dtype=np.int32))  # 12 positions, a window of 8
     want = interpret(b.graph, inputs, b.weights)["logits"]
@@ -388,8 +461,8 @@ def test_gptoss_splits_on_two_ranks_and_refuses_four_in_one_line():
     for o in outs:
         assert np.abs(o["logits"] - want).max() / np.abs(want).max() <= 1e-5
     with pytest.raises(
-        FormatError,
-        match=r"^model.layers.0.mlp.experts.down_proj: a K split 0..16 of in_features 64 is "
-        r"not on the MX block size 32 boundaries",
+        TensorParallelError,
+        match=r"^tensor_parallel: model.layers.0.mlp.experts.down_proj has 64 inputs in 2 "
+        r"group\(s\) of 32 that no rank may cut \(mxfp4<>\), fewer than 4 ranks$",
     ):
         load_rank(load(DATA / "gptoss_mxfp4"), 4, 0, act=F32, max_seq=32)

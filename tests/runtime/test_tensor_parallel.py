@@ -1,9 +1,9 @@
 """Tensor parallel on the host backend: each rank's part of a model compiled to host kernels,
 the ranks as threads of one group exchanging through real collectives (launches of the plan):
 logits equal --tp 1 within 1e-5 relative and greedy ids equal, for Llama checkpoints in AWQ,
-GPTQ, MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, and 4 for GPTQ and
-NVFP4 W4A4. (tests/test_tp_mpi.py runs ranks as
-MPI processes.)"""
+GPTQ (desc_act), MLX and NVFP4 (W4A16 and W4A4), a Mixtral (MoE) and gpt-oss, on 2 ranks, 4 for
+GPTQ and NVFP4 W4A4, 3 for MLX; AWQ's, GPTQ's and MLX's groups (and MLX's heads) do not divide
+by the ranks. (tests/test_tp_mpi.py runs ranks as MPI processes.)"""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.conftest import DATA
 from tests.moe_common import qwen2moe_g32
 from tests.passes.test_layer_passes import weights_for
 from tests.passes.test_tensor_parallel import MLP
+from tests.tp_checkpoints import uneven
 
 PROMPT = [3, 10, 17, 24, 31]
 
@@ -34,9 +35,13 @@ def _generate(ck, comm=None, prompt=PROMPT):
 @pytest.mark.parametrize(
     ("fixture", "ranks"),
     [
-        ("awq_gemm_g64_S", (2,)),
-        ("autogptq_g64_llama", (2, 4)),  # 2 KV heads: 4 ranks replicate them
-        ("mlx_affine4_g64_S", (2,)),
+        # down_proj's 5 groups of 64 are 3 + 2 on 2 ranks, 2 + 1 + 1 + 1 on 4 (tests/tp_checkpoints.py)
+        ("awq_gemm@320", (2,)),
+        # desc_act: every K part keeps the whole's groups; 2 KV heads: 4 ranks replicate them
+        ("gptq_desc_act@320", (2, 4)),
+        # MLX, 10 heads of 32 over 5 KV heads, MLP 11 groups of 64: 4 + 4 + 2 heads, 4 + 4 + 3
+        # groups on 3 ranks, each with its own KV cache shape
+        ("heads10_kv5", (3,)),
         ("ct_nvfp4a16_S", (2,)),
         ("ct_nvfp4_w4a4_S", (2, 4)),  # K shards of 64 and 128: whole NVFP4 blocks
         ("mixtral_mlx4_g64", (2,)),  # experts split by rows: the MoE decode and combine kernels
@@ -45,9 +50,9 @@ def _generate(ck, comm=None, prompt=PROMPT):
         ("gptoss_mxfp4", (2,)),
     ],
 )
-def test_tp_ranks_equal_one_rank(fixture, ranks):
+def test_tp_ranks_equal_one_rank(tmp_path, fixture, ranks):
     """(4 ranks on two of them only: each rank count compiles its own kernel shapes.)"""
-    ck = load(DATA / fixture)
+    ck = load(uneven(tmp_path, fixture))
     prompt = list(range(3, 13)) if fixture == "gptoss_mxfp4" else PROMPT  # past the window
     one, want = _generate(ck, prompt=prompt)
     for n in ranks:
@@ -108,3 +113,33 @@ def test_ranks_draw_the_same_ids_without_a_seed():
 
     outs = run_threads(2, rank, timeout=120)
     assert outs[0] == outs[1] and outs[0][1] is not None
+
+
+def test_a_desc_act_k_part_runs_its_kernels_with_the_wholes_groups():
+    """A K part of a desc_act GPTQ weight keeps all 8 of the whole's groups where its 136
+    inputs would hold 5 (gptq<...,groups=8>): the host GEMV (1 row) and GEMM (40 rows) read its
+    scales at that stride and equal the interpreter."""
+    from qir.builder import Builder
+    from qir.dtypes import F16
+    from qir.formats.gptq import Gptq
+    from qir.types import QWeight
+    from tests.conftest import max_rel
+
+    rng = np.random.default_rng(0)
+    whole = Gptq(4, 32, "gptq", 1, F16)
+    g_idx = (np.argsort(rng.permutation(256)) // 32).astype(np.int32)
+    bufs = whole.quantize_grouped(rng.standard_normal((40, 256)).astype(np.float32), g_idx)
+    fmt = whole.column_part(256, 120, 256)
+    assert fmt.group_count(136) == 8 and fmt.tag() == "gptq4g32act8f16"
+    b = Builder("part")
+    x = b.input("x", ("M", 136), F16)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(fmt, 40, 136), name="w")))
+    weights = {"w": fmt.columns(bufs, 40, 256, 120, 256, where="w")}
+    compiled = qir.compile(b.graph, weights, backend="host")
+    reference = qir.compile(b.graph, weights, backend="reference")
+    for m, family in ((1, "qgemv_gptq4g32act8f16"), (40, "qgemm_gptq4g32act8f16")):
+        assert any(
+            la.kernel.name.startswith(family) and la.runs_for(m) for la in compiled.plan.launches
+        )
+        xs = {"x": rng.standard_normal((m, 136), dtype=np.float32).astype(np.float16)}
+        assert max_rel(compiled(xs)["y"], reference(xs)["y"]) <= 2e-3

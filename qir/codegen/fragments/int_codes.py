@@ -139,7 +139,7 @@ def _awq(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
 def _gptq(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     assert isinstance(fmt, Gptq)
     scale_t = fmt.scale_dtype.c_type
-    groups = fmt.groups(in_features)
+    groups = fmt.group_count(in_features)
     buffers = {
         "weight": ("uint32_t", in_features * fmt.bits // 32),
         "zeros": ("uint8_t", groups),

@@ -106,10 +106,15 @@ def _ct_linear(ck: Checkpoint, module: str) -> Linear:
 
 
 def _axes(config: Mapping[str, Any]) -> Axes:
-    # codes [O, I*bits/32], one scale per group [O, I/g] (per channel [O, 1]: "in" by 1 is not in
-    # proportion, so such a linear is read whole and cut), weight_shape [out, in]
+    # codes [O, I*bits/32], one scale per group [O, I/g], or per channel [O, 1] (every K part's;
+    # where the config mixes strategies, "in" by 1 is not in proportion, so a per-channel
+    # linear is read whole and cut), weight_shape [out, in]
+    q = ct_config(config) or {}
+    schemes = [g.get("weights") or {} for g in config_groups(q).values()]
+    channel = bool(schemes) and all(w.get("strategy") == "channel" for w in schemes)
     oi = ("out", "in")
-    return {**OUT_IN, "weight_packed": oi, "weight_scale": oi, "weight_shape": ("shape",)}
+    scale = ("out", "") if channel else oi
+    return {**OUT_IN, "weight_packed": oi, "weight_scale": scale, "weight_shape": ("shape",)}
 
 
 register_family(Family("ct_int", matches_config, _ct_linear, axes=_axes))

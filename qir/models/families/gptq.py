@@ -64,39 +64,57 @@ def _files(config: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _axes(config: Mapping[str, Any]) -> Axes:
-    # qweight [I*bits/32, O], qzeros [G, O*bits/32], scales [G, O]; g_idx numbers groups of the
-    # whole weight, so a K shard of it is not the part's own g_idx (read whole, then cut).
-    io = ("in", "out")
-    return {**OUT_IN, "qweight": io, "qzeros": io, "scales": io, "g_idx": ("in?",)}
+    # qweight [I*bits/32, O]; qzeros [G, O*bits/32] and scales [G, O] one row per group of g
+    # inputs (the last may be short), or one for the row (group_size -1: every K part's);
+    # g_idx numbers groups of the whole weight (a part's is its slice: qir.formats.gptq).
+    q = quant_config(config, "gptq") or {}
+    group = q.get("group_size")
+    groups = f"in/{group}" if isinstance(group, int) and group >= 1 else ""
+    return {
+        **OUT_IN,
+        "qweight": ("in", "out"),
+        "qzeros": (groups, "out"),
+        "scales": (groups, "out"),
+        "g_idx": ("in?",),
+    }
 
 
 def _parts(
     reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
 ) -> dict[str, np.ndarray] | None:
     """A K part of a linear with g_idx: its codes in proportion, its slice of g_idx, and the
-    zeros and scales of only the groups that slice names (a desc_act part's inputs may sit in
-    any groups), padded to the part's group count and g_idx renumbered, as Gptq.columns cuts
-    them. The whole g_idx is never needed; a part in more groups than it holds cannot be exact
-    (read whole, then refused)."""
-    axis, start, stop, _ = cut
+    zeros and scales of only the groups that slice names, as Gptq.columns cuts them. A slice
+    whose inputs sit in their own groups in order (g_idx stored though trivial) reads as a
+    plain part of those groups; otherwise (desc_act) the part's inputs may sit in any of the
+    whole's groups, so it keeps the whole's group count, the rows of groups it does not use
+    zeros and never read."""
+    axis, start, stop, whole = cut
     g_name = f"{module}.g_idx"
     if axis != "in" or g_name not in reader:
         return None
     q = quant_config(config, "gptq") or {}
     group = q.get("group_size")
-    if not isinstance(group, int) or group < 1:
-        raise Unsliceable(g_name)  # one group per row: the part's group size is not the whole's
-    n = -(-(stop - start) // group)
-    rows = {f"{module}.{t}": reader.proportional(f"{module}.{t}", cut) for t in ("qweight",)}
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise Unsliceable(g_name)  # read whole: the whole's error
+    group = whole if group == -1 else group  # -1: one group per row, every part's
     g_idx = np.asarray(reader.read(g_name, (slice(start, stop),)))
     used = np.unique(g_idx)
-    if len(used) > n or (len(used) and used[0] < 0):
-        raise Unsliceable(g_name)
-    take = np.concatenate([np.arange(len(used)), np.zeros(n - len(used), np.intp)])
-    out = {**rows, g_name: np.searchsorted(used, g_idx).astype(np.int32)}
+    in_order = (start % group == 0 or group >= whole) and np.array_equal(
+        g_idx, np.arange(start, stop) // group
+    )
+    out = {f"{module}.qweight": reader.proportional(f"{module}.qweight", cut)}
+    out[g_name] = (g_idx - start // group).astype(np.int32) if in_order else g_idx
     for t in ("qzeros", "scales"):
-        groups = reader.read(f"{module}.{t}", (used, slice(None)))  # the rows of `used` only
-        out[f"{module}.{t}"] = groups[take]
+        name = f"{module}.{t}"
+        shape = reader.store.shape(name)
+        if len(shape) != 2 or not 0 <= used[0] <= used[-1] < shape[0]:
+            raise Unsliceable(name)  # read whole: the whole's error
+        rows = reader.read(name, (used, slice(None)))  # the rows of `used` only
+        if in_order:
+            out[name] = rows
+        else:
+            out[name] = np.zeros(shape, reader.dtype(name))
+            out[name][used] = rows
     bias = f"{module}.bias"
     if bias in reader:
         out[bias] = reader.proportional(bias, cut)
