@@ -110,7 +110,10 @@ def read_linear(ck: Checkpoint, module: str) -> Linear:
         raise FormatError(f"{name}: missing from {ck.path}")
     gguf = ck.gguf_store  # type: ignore[attr-defined]
     t, ne = gguf.ggml_type(name), gguf.ne(name)
-    raw = np.asarray(ck.store.get(name))  # an expert's [out, row_bytes] where ck.store slices
+    # An expert's rows where ck.store slices stacked experts; plain types come as elements.
+    raw = np.asarray(ck.store.get(name))
+    if raw.dtype != np.uint8:
+        raw = np.ascontiguousarray(raw).view(np.uint8)
     if len(ne) < 2 or raw.ndim != 2:
         raise FormatError(f"{name}: {t.name} {list(ne)} (ggml ne) is not a linear's [in, out]")
     where = f"{name} ({gguf.stored(name)})"

@@ -261,7 +261,8 @@ def _rope_scaling(model: GGUFModel, k: _Keys, head_dim: int) -> dict[str, Any]:
     return out
 
 
-# Control tokens llama.cpp ends a generation at by their text (llama-vocab.cpp's EOG list).
+# Tokens llama.cpp ends a generation at by their text (llama-vocab.cpp's EOG list), which it
+# makes control tokens whatever their token_type.
 EOG_TEXTS = (
     "<|eot_id|>",
     "<|im_end|>",
@@ -278,7 +279,7 @@ EOG_TEXTS = (
 
 def _tokens(model: GGUFModel) -> dict[str, Any]:
     """bos_token_id and eos_token_id (every id that ends a generation, as llama.cpp has them:
-    eos, eot, eom and the control tokens it knows by their text)."""
+    eos, eot, eom and the tokens it knows by their text)."""
     out: dict[str, Any] = {}
     ids = {}
     for which in ("bos", "eos", "eot", "eom"):
@@ -289,10 +290,8 @@ def _tokens(model: GGUFModel) -> dict[str, Any]:
         out["bos_token_id"] = ids["bos"]
     eog = {ids[w] for w in ("eos", "eot", "eom") if w in ids}
     tokens = model.value("tokenizer.ggml.tokens", ARRAY)
-    types = model.value("tokenizer.ggml.token_type", ARRAY)
-    if tokens is not None and types is not None and len(types) == len(tokens):
-        control = np.flatnonzero(np.asarray(types) == 3)
-        eog |= {int(i) for i in control if tokens[i] in EOG_TEXTS}
+    if tokens is not None:
+        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
     if eog:
         out["eos_token_id"] = sorted(eog)
     return out

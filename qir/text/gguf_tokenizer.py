@@ -12,8 +12,9 @@ conversion of a large vocabulary takes minutes).
   are every split of every token into two tokens, ranked by the joined token's score (then its
   id), found in one pass over the vocabulary. Spaces become U+2581, with one prepended to every
   run of text (at the start and after a special token) where add_space_prefix says so.
-- Control tokens (token_type 3) are special tokens and user-defined ones (4) added tokens,
-  both matched in text as llama.cpp matches them with parse_special.
+- Control tokens (token_type 3, and the tokens llama.cpp ends generations at, which it makes
+  control tokens) are special tokens and user-defined ones (4) added tokens, both matched in
+  text as llama.cpp matches them with parse_special.
 - BOS/EOS around a text as tokenizer.ggml.add_bos_token / add_eos_token say, with llama.cpp's
   defaults (SPM and Llama 3's BPE add BOS); the chat template is tokenizer.chat_template.
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from qir.errors import UsageError
 from qir.formats.base import FormatError
+from qir.models.gguf_config import EOG_TEXTS
 from qir.models.gguf_io import ARRAY, STRING, GGUFModel
 from qir.text.tokenizer import Tokenizer
 
@@ -190,9 +192,11 @@ def build(model: GGUFModel) -> Tokenizer:
         raise FormatError(
             f"{model.path}: tokenizer.ggml.model {kind!r} is not supported (gpt2, llama)"
         )
+    # llama.cpp makes the tokens it ends generations at control tokens, whatever their type
+    control = (types == CONTROL) | np.isin(np.array(tokens, dtype=object), EOG_TEXTS)
     added = [
-        AddedToken(tokens[i], special=bool(types[i] == CONTROL), normalized=False)
-        for i in np.flatnonzero((types == CONTROL) | (types == USER_DEFINED))
+        AddedToken(tokens[i], special=bool(control[i]), normalized=False)
+        for i in np.flatnonzero(control | (types == USER_DEFINED))
         if tokens[i]
     ]
     backend.add_tokens(added)
@@ -202,10 +206,9 @@ def build(model: GGUFModel) -> Tokenizer:
     if add_bos or add_eos:
         single = ([tokens[bos]] if add_bos and bos is not None else []) + ["$A"]
         single += [tokens[eos]] if add_eos and eos is not None else []
-        specials = [(tokens[i], i) for i in (bos if add_bos else None, eos if add_eos else None)]
+        ids = [i for i, add in ((bos, add_bos), (eos, add_eos)) if add and i is not None]
         backend.post_processor = processors.TemplateProcessing(
-            single=" ".join(single),
-            special_tokens=[(t, i) for t, i in specials if i is not None],  # type: ignore[misc]
+            single=" ".join(single), special_tokens=[(tokens[i], i) for i in ids]
         )
     special = {
         "bos_token": tokens[bos] if bos is not None else None,
