@@ -11,8 +11,9 @@ gguf-py's dequantize of every tensor) and runs eager float32 attention:
 Saved as DIR/<family>/transformers.npz with `tokens` (the prompt).
 
 What transformers' GGUF loader does not read and llama.cpp hard-codes is passed as config
-keywords, so that the reference is llama.cpp's model: Qwen3-MoE's norm_topk_prob (true:
-llama.cpp renormalises the chosen experts' weights).
+keywords, so that the reference is llama.cpp's model: head_dim (the file's
+attention.key_length; transformers reads it for some families only) and Qwen3-MoE's
+norm_topk_prob (true: llama.cpp renormalises the chosen experts' weights).
 """
 
 from __future__ import annotations
@@ -28,13 +29,24 @@ PROMPT_LEN, NEW = 12, 8
 OVERRIDES = {"qwen3moe": {"norm_topk_prob": True}}
 
 
+def head_dim(path: Path) -> dict[str, int]:
+    """head_dim from the file's attention.key_length, which transformers' GGUF tables read for
+    some families only (not Qwen3's: its config's default would be 128)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    arch = fields["general.architecture"].contents()
+    key = fields.get(f"{arch}.attention.key_length")
+    return {"head_dim": int(key.contents())} if key is not None else {}
+
+
 def forward(path: Path, family: str) -> dict[str, np.ndarray]:
     model = AutoModelForCausalLM.from_pretrained(
         path.parent,
         gguf_file=path.name,
         torch_dtype=torch.float32,
         attn_implementation="eager",
-        **OVERRIDES.get(family, {}),
+        **{**head_dim(path), **OVERRIDES.get(family, {})},
     ).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.tensor([[(7 * j + 3) % vocab for j in range(PROMPT_LEN)]])
