@@ -11,8 +11,9 @@ gguf-py's dequantize of every tensor) and runs eager float32 attention:
 Saved as DIR/<family>/transformers.npz with `tokens` (the prompt).
 
 What transformers' GGUF loader does not read and llama.cpp hard-codes is passed as config
-keywords, so that the reference is llama.cpp's model: head_dim (the file's
-attention.key_length; transformers reads it for some families only) and Qwen3-MoE's
+keywords, so that the reference is llama.cpp's model: head_dim and moe_intermediate_size (the
+file's attention.key_length and expert_feed_forward_length, which transformers reads for some
+families only) and Qwen3-MoE's
 norm_topk_prob (true: llama.cpp renormalises the chosen experts' weights).
 """
 
@@ -29,15 +30,19 @@ PROMPT_LEN, NEW = 12, 8
 OVERRIDES = {"qwen3moe": {"norm_topk_prob": True}}
 
 
-def head_dim(path: Path) -> dict[str, int]:
-    """head_dim from the file's attention.key_length, which transformers' GGUF tables read for
-    some families only (not Qwen3's: its config's default would be 128)."""
+# File keys transformers' GGUF tables read for some families only -> their config keys.
+UNREAD = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size"}
+
+
+def unread(path: Path) -> dict[str, int]:
+    """The config keys of UNREAD, from the file (head_dim: Qwen3's default would be 128;
+    moe_intermediate_size: Qwen3-MoE's default 768)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(path).fields
     arch = fields["general.architecture"].contents()
-    key = fields.get(f"{arch}.attention.key_length")
-    return {"head_dim": int(key.contents())} if key is not None else {}
+    keys = {hf: fields.get(f"{arch}.{k}") for k, hf in UNREAD.items()}
+    return {hf: int(f.contents()) for hf, f in keys.items() if f is not None}
 
 
 def forward(path: Path, family: str) -> dict[str, np.ndarray]:
@@ -46,7 +51,7 @@ def forward(path: Path, family: str) -> dict[str, np.ndarray]:
         gguf_file=path.name,
         torch_dtype=torch.float32,
         attn_implementation="eager",
-        **{**head_dim(path), **OVERRIDES.get(family, {})},
+        **{**unread(path), **OVERRIDES.get(family, {})},
     ).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.tensor([[(7 * j + 3) % vocab for j in range(PROMPT_LEN)]])

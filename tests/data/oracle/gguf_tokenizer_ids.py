@@ -55,7 +55,7 @@ BASE = [
     "https://example.com/path?query=1&b=2#frag",
     "user@example.com",
     "C:\\Windows\\System32",
-    "{\"key\": [1, 2, 3], \"nested\": {\"a\": null}}",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
     "<html><body><p>Hi</p></body></html>",
     "SELECT * FROM table WHERE id = 7;",
     "$$\\int_0^1 x^2 dx = 1/3$$",
