@@ -4,6 +4,7 @@ the weight's rows as stored, read without a copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -34,4 +35,4 @@ class DenseReader(GgmlReader):
 
 
 for _id, _dtype in ((0, F32), (1, F16), (30, BF16)):
-    register_ggml(_id)(lambda i=_id, d=_dtype: DenseReader(i, d))
+    register_ggml(_id)(partial(DenseReader, _id, _dtype))

@@ -84,7 +84,7 @@ class Checkpoint:
         config: dict[str, Any],
         family: Family,
         text_of: tuple[Callable[[str], str | None], str] | None = None,
-        store: Any = None,
+        store: TensorStore | None = None,
     ) -> None:
         """`text_of`: a multimodal checkpoint's text model (qir.models.multimodal): the store's
         renaming and the line that says so. `store`: the tensors, where they are not the
@@ -95,7 +95,7 @@ class Checkpoint:
         self.text_of = text_of[1] if text_of else None
         if store is None:
             store = TensorStore(path, family.files(config), text_of[0] if text_of else None)
-        self.store = store
+        self.store: TensorStore = store
         self._fused: Linear | None = None  # the fused linear a block reads segments of
 
     def tokenizer(self) -> Any:

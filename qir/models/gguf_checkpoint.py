@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from qir.models.families import Family
 from qir.models.gguf_config import config as gguf_config
 from qir.models.gguf_config import hf_name, module_names
 from qir.models.gguf_io import GGUFModel
+from qir.models.safetensors_io import TensorStore
 from qir.types import QWeight
 
 
@@ -140,7 +141,8 @@ class GgufCheckpoint(Checkpoint):
         model = GGUFModel(path)
         config, arch = gguf_config(model)
         self.gguf_store = GgufStore(model, arch, config)
-        super().__init__(model.path, config, FAMILY, store=self.gguf_store)
+        # GgufStore has TensorStore's interface (keys, shape, dtype, get)
+        super().__init__(model.path, config, FAMILY, store=cast(TensorStore, self.gguf_store))
 
     @property
     def model(self) -> GGUFModel:

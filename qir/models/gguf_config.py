@@ -234,7 +234,11 @@ def _rope_scaling(model: GGUFModel, k: _Keys, head_dim: int) -> dict[str, Any]:
     if factors:
         long = factors.get("rope_factors_long.weight")
         short = factors.get("rope_factors_short.weight", long)
-        out = {"rope_type": "longrope", "short_factor": short, "long_factor": long or short}
+        out: dict[str, Any] = {
+            "rope_type": "longrope",
+            "short_factor": short,
+            "long_factor": long or short,
+        }
         if attn is not None:
             out["attention_factor"] = attn
         if original is not None:

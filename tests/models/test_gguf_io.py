@@ -157,5 +157,5 @@ def test_split_models_open_from_the_first_shard(tmp_path):
     with pytest.raises(QirError, match="shard 2 of 3 of a split model; give the first"):
         GGUFModel(shards[1])
     shards[2].unlink()
-    with pytest.raises(QirError, match="m-00003-of-00003.gguf: missing"):
+    with pytest.raises(QirError, match=r"m-00003-of-00003\.gguf: missing"):
         GGUFModel(shards[0])

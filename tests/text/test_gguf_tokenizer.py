@@ -7,6 +7,7 @@ with llama-cpp-python 0.3.36): the real SmolLM2 vocabulary (GPT-2 BPE, pre-token
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from qir.cli import main
@@ -32,7 +33,11 @@ def test_ids_equal_llama_cpp_on_the_corpus(name):
     corpus = IDS["corpus"]
     assert len(corpus) >= 200 and "" in corpus
     got = [tok.encode(s) for s in corpus]
-    wrong = [(s, want, ids) for s, want, ids in zip(corpus, IDS["ids"][name], got) if ids != want]
+    wrong = [
+        (s, want, ids)
+        for s, want, ids in zip(corpus, IDS["ids"][name], got, strict=True)
+        if ids != want
+    ]
     assert not wrong, f"{len(wrong)} of {len(corpus)} differ, first: {wrong[0]}"
 
 

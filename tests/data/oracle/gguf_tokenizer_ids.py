@@ -42,7 +42,7 @@ BASE = [
     "Emoji: 😀 🎉 👍🏽 🇫🇷",
     "🤖🤖🤖",
     "日本語のテキスト",
-    "中文分词测试，标点。",
+    "中文分词测试\uff0c标点\u3002",  # fullwidth comma and full stop
     "한국어 문장입니다.",
     "Café, naïve, façade, jalapeño, Ångström, Straße",
     "Привет, мир!",
