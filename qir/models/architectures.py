@@ -80,14 +80,38 @@ class Architecture:
     # MOE_FAMILIES; without it, a config that counts experts is refused.
     experts: bool = False
     sinks: bool = False  # gpt-oss: a learned logit per head (self_attn.sinks) in attention
+    # GGUF files (llama.cpp; qir.models.gguf_config): the general.architecture names of the
+    # family's files (a row with `experts` takes those whose expert_count is positive);
+    # whether llama.cpp's converter permuted the rows of q and k for its adjacent-pair RoPE
+    # (qir un-permutes them); the config keys llama.cpp hard-codes for the family rather than
+    # reading them from the file; the activation dtype (llama.cpp computes in float32: float16
+    # unless the family's activations need bfloat16's range).
+    gguf: tuple[str, ...] = ()
+    gguf_permuted_qk: bool = False
+    gguf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    gguf_act: str = "float16"
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("llama", ("llama",), ("LlamaForCausalLM",)),
+    Architecture(
+        "llama", ("llama",), ("LlamaForCausalLM",), gguf=("llama",), gguf_permuted_qk=True
+    ),
     Architecture("mistral", ("mistral",), ("MistralForCausalLM",), sliding="all"),
-    Architecture("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), qkv_bias=True, sliding="qwen"),
-    Architecture("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), qk_norm=True, sliding="qwen"),
-    Architecture("mixtral", ("mixtral",), ("MixtralForCausalLM",), sliding="all", experts=True),
+    Architecture(
+        "qwen2", ("qwen2",), ("Qwen2ForCausalLM",), qkv_bias=True, sliding="qwen", gguf=("qwen2",)
+    ),
+    Architecture(
+        "qwen3", ("qwen3",), ("Qwen3ForCausalLM",), qk_norm=True, sliding="qwen", gguf=("qwen3",)
+    ),
+    Architecture(
+        "mixtral",
+        ("mixtral",),
+        ("MixtralForCausalLM",),
+        sliding="all",
+        experts=True,
+        gguf=("llama",),  # llama.cpp converts Mixtral as a llama with ffn_*_exps
+        gguf_permuted_qk=True,
+    ),
     Architecture(
         "qwen3_moe",
         ("qwen3_moe",),
@@ -95,6 +119,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         qk_norm=True,
         sliding="qwen",
         experts=True,
+        gguf=("qwen3moe",),
     ),
     Architecture(
         "qwen2_moe",
@@ -103,6 +128,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         qkv_bias=True,
         sliding="qwen",
         experts=True,
+        gguf=("qwen2moe",),
     ),
     Architecture(
         "gpt_oss",
@@ -111,6 +137,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         sliding="types",
         experts=True,
         sinks=True,
+        gguf=("gpt-oss",),
     ),
     Architecture(
         "phi3",
@@ -120,6 +147,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         fused={"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")},
         # Phi3Config's, which overrides rope_scaling's own for longrope
         defaults={"original_max_position_embeddings": 4096},
+        gguf=("phi3",),
     ),
     Architecture(
         "gemma2",
@@ -140,6 +168,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0,
         },
+        gguf=("gemma2",),
+        gguf_act="bfloat16",
     ),
     Architecture(
         "gemma3",
@@ -155,6 +185,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         attn_scalar=True,
         local_rope=True,
         defaults={"query_pre_attn_scalar": 256, "sliding_window": 4096},
+        gguf=("gemma3",),
+        # llama.cpp's Gemma 3: every 6th layer global, sliding layers at RoPE base 10000
+        gguf_defaults={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0},
+        gguf_act="bfloat16",
     ),
 )
 

@@ -32,6 +32,7 @@ from qir.models.architectures import (
 from qir.models.checkpoint_dir import find, read_bytes
 from qir.models.config_fields import BY_KEY, check_config
 from qir.models.families import FAMILIES, Family, load_all
+from qir.models.gguf_io import is_gguf
 from qir.models.multimodal import text_model
 from qir.models.safetensors_io import TensorStore
 from qir.rope import REQUIRED, rope_problem, yarn_attention_factor
@@ -83,15 +84,25 @@ class Checkpoint:
         config: dict[str, Any],
         family: Family,
         text_of: tuple[Callable[[str], str | None], str] | None = None,
+        store: TensorStore | None = None,
     ) -> None:
         """`text_of`: a multimodal checkpoint's text model (qir.models.multimodal): the store's
-        renaming and the line that says so."""
+        renaming and the line that says so. `store`: the tensors, where they are not the
+        directory's safetensors (a GGUF model's)."""
         self.path = path
         self.config = config
         self.family = family
         self.text_of = text_of[1] if text_of else None
-        self.store = TensorStore(path, family.files(config), text_of[0] if text_of else None)
+        if store is None:
+            store = TensorStore(path, family.files(config), text_of[0] if text_of else None)
+        self.store: TensorStore = store
         self._fused: Linear | None = None  # the fused linear a block reads segments of
+
+    def tokenizer(self) -> Any:
+        """The checkpoint's qir.text.Tokenizer (a UsageError where it ships none)."""
+        from qir.text import Tokenizer
+
+        return Tokenizer.load(self.path)
 
     def field(self, key: str) -> Any:
         """config.json's `key`, a top-level entry of config_fields.FIELDS (checked when the
@@ -431,8 +442,17 @@ def _unsupported(config: Mapping[str, Any]) -> str:
 
 def load(path: str | Path) -> Checkpoint:
     """Open a checkpoint directory: read and check config.json, detect its format, validate every
-    safetensors header (tensors stay lazy)."""
+    safetensors header (tensors stay lazy). A GGUF model (a .gguf file, a directory holding
+    one and no config.json, or the first shard of a split one) is read from its metadata
+    (qir.models.gguf_checkpoint)."""
     path = Path(path)
+    if is_gguf(path):
+        from qir.models.gguf_checkpoint import GgufCheckpoint
+
+        load_all()
+        ck = GgufCheckpoint(path)
+        check_config(ck.config, str(ck.path))
+        return ck
     try:
         is_dir, exists = path.is_dir(), path.exists()
     except OSError as e:  # a name too long, say

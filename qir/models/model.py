@@ -166,9 +166,7 @@ class Model:
     def tokenizer(self) -> Any:
         """The checkpoint's qir.text.Tokenizer (a UsageError where it ships none)."""
         if self._tokenizer is None:
-            from qir.text import Tokenizer
-
-            self._tokenizer = Tokenizer.load(self.checkpoint.path)
+            self._tokenizer = self.checkpoint.tokenizer()
         return self._tokenizer
 
     @property

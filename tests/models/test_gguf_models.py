@@ -1,0 +1,108 @@
+"""GGUF models made by llama.cpp's own tools (tests/data/gguf_<family>: convert_hf_to_gguf.py
+and llama_model_quantize; tests/data/oracle/gguf_*.py) read from their metadata and run whole:
+host float32 logits within 1e-3 of transformers' float32 forward of the same file, the same
+greedy ids through `qir generate`; llama.cpp's own logits as a second reference (its activations
+go through 8 and 16 bits: top-1 agreement and mean KL, llama.cpp's metric, bounded by what was
+measured). What the converter changed is undone exactly: the llama q/k rows and Gemma's norms
+equal the source model's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qir.cli import main
+from qir.dtypes import F32
+from qir.models import Model, load
+from tests.conftest import BACKENDS, DATA, max_rel
+
+F32_TOL = 1e-3
+# family -> the files transformers' goldens cover (tests/data/gguf_<family>/transformers.npz)
+# whose ggml types qir reads
+FAMILIES = {
+    "llama": ("F16",),
+    "qwen2": ("F16",),
+    "qwen3": ("F16",),
+    "qwen3moe": ("F16",),
+    "phi3": ("F16",),
+    "gemma3": ("F16",),
+}
+CASES = [(f, t) for f, types in FAMILIES.items() for t in types]
+
+
+def _kl(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Mean KL(ref || ours) over positions of softmaxed logits (llama-perplexity's KLD)."""
+
+    def logp(a: np.ndarray) -> np.ndarray:
+        a = a.astype(np.float64)
+        a = a - a.max(-1, keepdims=True)
+        return a - np.log(np.exp(a).sum(-1, keepdims=True))
+
+    p, q = logp(ref), logp(ours)
+    return float(np.mean(np.sum(np.exp(p) * (p - q), -1)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("family", "ftype"), CASES)
+def test_f32_logits_and_greedy_ids_match_transformers_forward_of_the_gguf(
+    family, ftype, backend, tmp_path, capsys
+):
+    path = DATA / f"gguf_{family}" / f"model-{ftype}.gguf"
+    golden = np.load(DATA / f"gguf_{family}" / "transformers.npz")
+    model = Model.load(path, backend=backend, act=F32)
+    logits = model.logits(golden["tokens"])
+    assert max_rel(logits, golden[f"{ftype}.logits"]) <= F32_TOL
+    out = tmp_path / "g.npz"
+    argv = ["-q", "generate", str(path), "--act-dtype", "f32", "--backend", backend]
+    tokens = ",".join(map(str, golden["tokens"]))
+    assert main([*argv, "--tokens", tokens, "--max-new-tokens", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()[0].split()
+    gen = np.load(out)
+    np.testing.assert_array_equal(gen["tokens"], golden[f"{ftype}.greedy"])
+    assert printed == [str(t) for t in golden[f"{ftype}.greedy"]]
+    assert max_rel(gen["logits"], golden[f"{ftype}.step_logits"]) <= F32_TOL
+    # llama.cpp's own logits of the file: the same argmax everywhere, KL as measured
+    cpp = np.load(DATA / f"gguf_{family}" / "llamacpp.npz")[f"{ftype}.logits"]
+    top1 = float(np.mean(cpp.argmax(-1) == logits.argmax(-1)))
+    kl = _kl(logits, cpp)
+    print(f"{family} {ftype}: top-1 vs llama.cpp {top1:.3f}, mean KL {kl:.2e}")
+    assert top1 == 1.0 and kl < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_converter_changes_are_undone_exactly(family):
+    """The llama converter's q/k row permutation is undone (rows back in Hugging Face's order,
+    as transformers' reverse permute puts them): q and k project like the source's. Gemma's
+    norms are read as w (stored 1 + w)."""
+    import gguf
+
+    ck = load(DATA / f"gguf_{family}" / "model-F16.gguf")
+    reader = gguf.GGUFReader(DATA / f"gguf_{family}" / "model-F16.gguf")
+    stored = {t.name: np.asarray(t.data) for t in reader.tensors}
+    if family == "llama":
+        heads = {"q": ck.num_heads, "k": ck.num_kv_heads}
+        for p, n in heads.items():
+            lin = ck.linear(f"model.layers.0.self_attn.{p}_proj")
+            w = lin.buffers["weight"].astype(np.float32)
+            g = stored[f"blk.0.attn_{p}.weight"].astype(np.float32)
+            d = g.shape[0] // n
+            # the converter's permute of Hugging Face's rows gives the stored ones back
+            permuted = w.reshape(n, 2, d // 2, -1).swapaxes(1, 2).reshape(g.shape)
+            np.testing.assert_array_equal(permuted, g)
+    else:
+        w = ck.tensor("model.layers.0.input_layernorm.weight")
+        np.testing.assert_array_equal(np.float32(1) + w, stored["blk.0.attn_norm.weight"])
+        assert ck.features.windows == (8,)  # layer 0 of llama.cpp's pattern of 6 slides
+
+
+def test_inspect_lists_every_tensor_and_the_metadata_read(capsys):
+    path = DATA / "gguf_qwen3moe" / "model-Q4_K_M.gguf"
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    import gguf
+
+    for t in gguf.GGUFReader(path).tensors:
+        row = next(line for line in out.splitlines() if line.startswith(t.name + " "))
+        assert row.split()[1] == t.tensor_type.name
+        assert str(int(t.n_bytes)) in row.split()
+    assert "num_experts 4" in out and "pre 'qwen2'" in out
