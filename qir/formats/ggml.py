@@ -1,0 +1,302 @@
+"""ggml's (GGUF's) linear tensor types as one weight format, `ggml<type=Q4_K>`: the legacy
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, the non-linear IQ4_NL and IQ4_XS, and the
+ternary TQ1_0 / TQ2_0; each decodes as gguf-py (and ggml's C) decodes it, bit for bit
+(qir.formats.ggml_blocks). ggml's MXFP4 becomes qir's `mxfp4` (its nibbles reordered); the
+codebook types (IQ1_S, IQ1_M, IQ2_*, IQ3_*) are refused by the ggml_types registry.
+
+Kernel layout: the blocks are split once at load into planes, every plane a whole number of
+16-byte rows of 32-bit words where its chunks are read:
+
+| buffer | type, shape | holds |
+|---|---|---|
+| codes  | u32 [O, K*L/32] | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0), element j at bits L*j of the row's little-endian bitstream |
+| high   | u32 [O, K*H/32] | the other H bits (Q5_*: 1, Q6_K: 2, Q3_K: 1), tiled for the decoder (high_tiling) |
+| scales | f16 [O, K/b] or [O, 2K/b] | each block's d (then its m or dmin, interleaved) |
+| sub    | u8 [O, K/r * n] | each sub-block's scale (and min): Q4_K/Q5_K (sc, mn) bytes, Q2_K sc \\| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32 and Q6_K its int8, as two's-complement bytes |
+
+Why planes and not the blocks as stored: a block is 18..210 bytes, so most blocks start at
+2-byte offsets and their code bytes cannot be read with aligned 16-byte loads, and each
+block's fields sit at different offsets of it; in planes a chunk's codes are one aligned
+16-byte load and its scales one small load, and the codes take the bitstream order the
+magic-number decode of the other integer formats reads cheapest (4-bit fields at bit 0 and 16
+of a word form a pair). A row is still a byte slice of every plane (row splits, q/k/v splits),
+and a K split on block boundaries is one too. The planes cost what the blocks cost, but for
+the K-quants' sub-scales: Q4_K's and Q5_K's 6-bit (scale, min) pairs take a byte each (16
+bytes a super-block where ggml packs 12: 148 bytes a 256-block instead of 144, Q5_K 180 for
+176), Q3_K's 6-bit scales a byte (114 for 110), IQ4_XS's a byte (138 for 136): a chunk then
+finds its sub-scale at a fixed offset, where the packed form would cost a dozen bit operations
+on a run-time index per chunk. TQ1_0's base-3 bytes are repacked into TQ2_0's 2-bit codes
+(66 bytes a block for 54: ternary digits have no bit-field decode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache, partial
+from typing import Any, ClassVar
+
+import numpy as np
+
+from qir.dtypes import F16, U8, U32
+from qir.formats import register
+from qir.formats.base import (
+    Allowed,
+    FormatError,
+    ParamTable,
+    WeightFormat,
+    check_tensor,
+    refuse_codes,
+)
+from qir.formats.bitstream import pack_codes, unpack_codes
+from qir.formats.ggml_blocks import SPECS, Fields, Spec, decode, encode, parse
+from qir.formats.ggml_types import TYPES, GgmlReader, register_ggml
+from qir.formats.mx import E8M0_NAN, Mxfp4
+from qir.types import TensorType
+
+
+def lo_bits(spec: Spec) -> int:
+    """Bits of a code kept in `codes`."""
+    return 8 if spec.bits == 8 else 4 if spec.bits >= 4 else 2
+
+
+def hi_bits(spec: Spec) -> int:
+    return spec.bits - lo_bits(spec)
+
+
+def sub_bytes(spec: Spec) -> int:
+    """Bytes of `sub` per sub-block."""
+    if not spec.sub:
+        return 0
+    return 2 if spec.sub == "sc_mn" and spec.name != "Q2_K" else 1
+
+
+# Pairs of one word that the f16 decode reads after one shift of the word (fields at 0, L, ...).
+_F16_GROUP = {4: 2, 2: 4}
+
+
+@cache
+def high_tiling(lo: int, hi: int) -> tuple[int, tuple[int, ...]]:
+    """(elements per word of `high`, the bit of each one's first high bit in its word).
+
+    The decoder forms pairs (e, e + 16/L) of a code word, fields at bits L*e and L*e + 16,
+    shifting the word once per group of _F16_GROUP pairs, and ORs each code's high bits in
+    right above its low ones. A group's high bits sit in one word of `high` at a common offset
+    from where they go, so one shift of that word serves the group: the offsets are the
+    smallest that tile the 32 bits (5-bit: 0-3 and 8-11, one word per 32 codes; 6-bit: 0, 2, 8,
+    10 per 16 codes; Q3_K's 3-bit: 0, 1, 8, 9 per 32)."""
+    stride, group = 16 // lo, _F16_GROUP[lo]
+    rel = {i * lo + k + h for i in range(group) for k in range(hi) for h in (0, 16)}
+    offsets: list[int] = []
+    used: set[int] = set()
+    for o in range(32):
+        cand = {o + r for r in rel}
+        if max(cand) < 32 and not cand & used:
+            offsets.append(o)
+            used |= cand
+    assert len(used) == 32, (lo, hi)
+    per_word = stride // group  # groups a code word has
+    words = len(offsets) // per_word
+    pos = [0] * (words * 2 * stride)
+    for t in range(words):
+        for e in range(stride):
+            bit = offsets[t * per_word + e // group] + (e % group) * lo
+            pos[t * 2 * stride + e] = bit
+            pos[t * 2 * stride + e + stride] = bit + 16
+    return len(pos), tuple(pos)
+
+
+def pack_high(h: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """uint32 [..., K*hi/32] of the high bits h [..., K]."""
+    n, pos = high_tiling(lo, hi)
+    lead = h.shape[:-1]
+    g = h.reshape(*lead, -1, n).astype(np.uint32) << np.asarray(pos, dtype=np.uint32)
+    return np.bitwise_or.reduce(g, axis=-1)
+
+
+def unpack_high(words: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    _, pos = high_tiling(lo, hi)
+    lead = words.shape[:-1]
+    v = (words[..., None] >> np.asarray(pos, dtype=np.uint32)) & ((1 << hi) - 1)
+    return v.reshape(*lead, -1).astype(np.uint8)
+
+
+def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1)
+
+
+def _rows_codes(q: np.ndarray, bits: int) -> np.ndarray:
+    """pack_codes over any leading dims."""
+    lead = q.shape[:-1]
+    flat = q.reshape(-1, q.shape[-1]).astype(np.uint32)
+    return pack_codes(flat, bits).reshape(*lead, -1)
+
+
+def _codes_rows(words: np.ndarray, bits: int, k: int) -> np.ndarray:
+    lead = words.shape[:-1]
+    return unpack_codes(words.reshape(-1, words.shape[-1]), bits, k).reshape(*lead, k)
+
+
+@register
+@dataclass(frozen=True)
+class Ggml(WeightFormat):
+    kind: ClassVar[str] = "ggml"
+
+    type: str
+
+    allowed: ClassVar[ParamTable] = {
+        "type": Allowed(
+            tuple(SPECS),
+            refusal="ggml: type {value!r} has no qir layout; expected {expected}",
+        ),
+    }
+
+    @property
+    def spec(self) -> Spec:
+        return SPECS[self.type]
+
+    def tag(self) -> str:
+        return "ggml" + self.type.lower().replace("_", "")
+
+    def input_multiple(self) -> tuple[int, str]:
+        return self.spec.block, f"the {self.type} block"
+
+    def describe(self) -> dict[str, Any]:
+        return {"bits": self.spec.bits, "group": self.spec.run, "w4a4": False}
+
+    def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
+        s, k, o = self.spec, in_features, out_features
+        bufs = {"codes": TensorType((o, k * lo_bits(s) // 32), U32)}
+        if hi_bits(s):
+            bufs["high"] = TensorType((o, k * hi_bits(s) // 32), U32)
+        bufs["scales"] = TensorType((o, k // s.block * (2 if s.mins else 1)), F16)
+        if s.sub:
+            bufs["sub"] = TensorType((o, k // s.run * sub_bytes(s)), U8)
+        return bufs
+
+    def bytes_per_weight(self) -> float:
+        s = self.spec
+        scales = 2 * (2 if s.mins else 1) / s.block
+        return s.bits / 8 + scales + sub_bytes(s) / s.run
+
+    @property
+    def fragment(self) -> str:
+        return "ggml"
+
+    # ---- fields <-> planes -----------------------------------------------------------------
+
+    def planes(self, f: Fields) -> dict[str, np.ndarray]:
+        """Kernel-layout buffers of fields (any leading dims)."""
+        s = self.spec
+        lo = lo_bits(s)
+        out = {"codes": _rows_codes(f.q & ((1 << lo) - 1), lo)}
+        if hi_bits(s):
+            out["high"] = pack_high(f.q >> lo, lo, hi_bits(s))
+        d = f.d.astype(np.float16)
+        out["scales"] = _interleave(d, f.dmin.astype(np.float16)) if f.dmin is not None else d
+        if s.sub:
+            assert f.sc is not None
+            if s.sub == "sc" or f.mn is None:
+                sub = f.sc.astype(np.int8).view(np.uint8)
+            elif sub_bytes(s) == 1:
+                sub = (f.sc | (f.mn << 4)).astype(np.uint8)
+            else:
+                sub = _interleave(f.sc.astype(np.uint8), f.mn.astype(np.uint8))
+            out["sub"] = np.ascontiguousarray(sub)
+        return {n: np.ascontiguousarray(a) for n, a in out.items()}
+
+    def fields(self, bufs: Mapping[str, np.ndarray], in_features: int) -> Fields:
+        s = self.spec
+        lo = lo_bits(s)
+        q = _codes_rows(np.asarray(bufs["codes"]), lo, in_features).astype(np.uint8)
+        if hi_bits(s):
+            q |= unpack_high(np.asarray(bufs["high"]), lo, hi_bits(s)) << lo
+        scales = np.asarray(bufs["scales"])
+        d, dmin = (scales[..., 0::2], scales[..., 1::2]) if s.mins else (scales, None)
+        sc = mn = None
+        if s.sub:
+            sub = np.asarray(bufs["sub"])
+            if s.sub == "sc":
+                sc = sub.view(np.int8).astype(np.int16)
+            elif sub_bytes(s) == 1:
+                sc, mn = (sub & 15).astype(np.int16), (sub >> 4).astype(np.int16)
+            else:
+                sc, mn = sub[..., 0::2].astype(np.int16), sub[..., 1::2].astype(np.int16)
+        return Fields(q, d, dmin, sc, mn)
+
+    def dequantize(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
+    ) -> np.ndarray:
+        self.check_buffers(bufs, out_features, in_features, where=self.spell())
+        return decode(self.spec, self.fields(bufs, in_features))
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        """Round-to-nearest from each block's extremes (ggml_blocks.encode): valid blocks of the
+        type, not llama.cpp's error-searching quantizer."""
+        return self.planes(encode(self.spec, self._quantize_input(w)))
+
+    def repack(
+        self, raw: np.ndarray, out_features: int, in_features: int, where: str
+    ) -> dict[str, np.ndarray]:
+        """Kernel-layout buffers of a tensor's raw blocks uint8 [..., out_features, row_bytes]
+        (a 3-D expert tensor has the experts first)."""
+        row = TYPES[_ID[self.type]].row_bytes(in_features)
+        raw = np.asarray(raw)
+        check_tensor(raw, where, (*raw.shape[:-2], out_features, row), np.uint8)
+        bufs = self.planes(parse(self.spec, raw))
+        if not np.all(np.isfinite(bufs["scales"])):
+            at = tuple(int(i) for i in np.argwhere(~np.isfinite(bufs["scales"]))[0])
+            block = at[-1] // (2 if self.spec.mins else 1)
+            raise FormatError(
+                f"{where}: {self.type} block {block} of row {at[-2]} has a NaN or Inf scale"
+            )
+        return bufs
+
+
+_ID = {t.name: i for i, t in TYPES.items()}
+
+
+@dataclass(frozen=True)
+class _LinearReader(GgmlReader):
+    fmt: Ggml
+
+    def format(self) -> WeightFormat:
+        return self.fmt
+
+    def repack(
+        self, raw: np.ndarray, out_features: int, in_features: int, where: str
+    ) -> dict[str, np.ndarray]:
+        self.fmt.check_read_shape(out_features, in_features, where)
+        return self.fmt.repack(raw, out_features, in_features, where)
+
+
+class _Mxfp4Reader(GgmlReader):
+    """ggml's MXFP4 as qir's: the same E2M1 codes and E8M0 byte (ggml's 2^(e-128) times doubled
+    E2M1 values is E2M1 times 2^(e-127), both exact), the codes of a block reordered from ggml's
+    halves (byte j: elements j and j + 16) to OCP's pairs (byte k: elements 2k and 2k + 1)."""
+
+    def format(self) -> WeightFormat:
+        return Mxfp4()
+
+    def repack(
+        self, raw: np.ndarray, out_features: int, in_features: int, where: str
+    ) -> dict[str, np.ndarray]:
+        fmt = Mxfp4()
+        fmt.check_read_shape(out_features, in_features, where)
+        row = TYPES[_ID["MXFP4"]].row_bytes(in_features)
+        raw = np.asarray(raw)
+        check_tensor(raw, where, (*raw.shape[:-2], out_features, row), np.uint8)
+        b = raw.reshape(*raw.shape[:-1], -1, 17)
+        codes = np.concatenate([b[..., 1:] & 15, b[..., 1:] >> 4], axis=-1)
+        pairs = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+        bufs = {
+            "weight": np.ascontiguousarray(pairs.reshape(*raw.shape[:-1], -1)),
+            "scales": np.ascontiguousarray(b[..., 0]),
+        }
+        refuse_codes(bufs["scales"], (E8M0_NAN,), where, "E8M0 NaN (ggml reads 2^127)")
+        return bufs
+
+
+for _name in SPECS:
+    register_ggml(_ID[_name])(partial(_LinearReader, Ggml(_name)))
+register_ggml(_ID["MXFP4"])(_Mxfp4Reader)
