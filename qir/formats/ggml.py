@@ -9,7 +9,7 @@ Kernel layout: the blocks are split once at load into planes, every plane a whol
 
 | buffer | type, shape | holds |
 |---|---|---|
-| codes  | u32 [O, K*L/32] | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0), element j at bits L*j of the row's little-endian bitstream |
+| weight | u32 [O, K*L/32] | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0), element j at bits L*j of the row's little-endian bitstream |
 | high   | u32 [O, K*H/32] | the other H bits (Q5_*: 1, Q6_K: 2, Q3_K: 1), tiled for the decoder (high_tiling) |
 | scales | f16 [O, K/b] or [O, 2K/b] | each block's d (then its m or dmin, interleaved) |
 | sub    | u8 [O, K/r * n] | each sub-block's scale (and min): Q4_K/Q5_K (sc, mn) bytes, Q2_K sc \\| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32 and Q6_K its int8, as two's-complement bytes |
@@ -48,7 +48,6 @@ from qir.formats.base import (
     check_tensor,
     refuse_codes,
 )
-from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.formats.ggml_blocks import SPECS, Fields, Spec, decode, encode, parse
 from qir.formats.ggml_types import TYPES, GgmlReader, register_ggml
 from qir.formats.mx import E8M0_NAN, Mxfp4
@@ -56,7 +55,7 @@ from qir.types import TensorType
 
 
 def lo_bits(spec: Spec) -> int:
-    """Bits of a code kept in `codes`."""
+    """Bits of a code kept in `weight`."""
     return 8 if spec.bits == 8 else 4 if spec.bits >= 4 else 2
 
 
@@ -71,70 +70,104 @@ def sub_bytes(spec: Spec) -> int:
     return 2 if spec.sub == "sc_mn" and spec.name != "Q2_K" else 1
 
 
-# Pairs of one word that the f16 decode reads after one shift of the word (fields at 0, L, ...).
-_F16_GROUP = {4: 2, 2: 4}
+@dataclass(frozen=True)
+class CodeWord:
+    """How a 32-bit word of `weight` holds its codes' low bits: as pairs, pair p holding
+    elements (lo[p], lo[p] + 4) at bits (field[p], field[p] + 16), the f16 pair the
+    magic-number decode reads; a step is 4 pairs, 8 consecutive elements (units of 4, stride 4),
+    and the decoder shifts the word once per step (`shift`), after which the step's fields sit
+    at field - shift, inside f16's unit-1 window."""
+
+    lo: tuple[int, ...]
+    field: tuple[int, ...]
+    shift: tuple[int, ...]
+
+    @property
+    def elems(self) -> int:
+        return 2 * len(self.lo)
+
+    def bit_of_element(self) -> tuple[int, ...]:
+        bits = [0] * self.elems
+        for e, f in zip(self.lo, self.field, strict=True):
+            bits[e], bits[e + 4] = f, f + 16
+        return tuple(bits)
+
+
+def code_word(lo: int) -> CodeWord:
+    """4-bit: the row's plain bitstream (elements e, e + 4 at bits 4e, 4e + 16; the step's
+    pairs 2 and 3 after a shift of 8). 2-bit: two steps a word, step s's pairs at bits 8s + 2e
+    and 8s + 2e + 16 (e < 4), so that a step is 8 elements like the other widths' (not the
+    plain bitstream's 16, whose pairs (e, e + 8) would halve the GEMV's rows per warp)."""
+    if lo == 4:
+        return CodeWord((0, 1, 2, 3), (0, 4, 8, 12), (0, 0, 8, 8))
+    assert lo == 2, lo
+    return CodeWord(
+        tuple(8 * s + e for s in (0, 1) for e in range(4)),
+        tuple(8 * s + 2 * e for s in (0, 1) for e in range(4)),
+        (0, 0, 0, 0, 8, 8, 8, 8),
+    )
 
 
 @cache
 def high_tiling(lo: int, hi: int) -> tuple[int, tuple[int, ...]]:
     """(elements per word of `high`, the bit of each one's first high bit in its word).
 
-    The decoder forms pairs (e, e + 16/L) of a code word, fields at bits L*e and L*e + 16,
-    shifting the word once per group of _F16_GROUP pairs, and ORs each code's high bits in
-    right above its low ones. A group's high bits sit in one word of `high` at a common offset
-    from where they go, so one shift of that word serves the group: the offsets are the
-    smallest that tile the 32 bits (5-bit: 0-3 and 8-11, one word per 32 codes; 6-bit: 0, 2, 8,
-    10 per 16 codes; Q3_K's 3-bit: 0, 1, 8, 9 per 32)."""
-    stride, group = 16 // lo, _F16_GROUP[lo]
-    rel = {i * lo + k + h for i in range(group) for k in range(hi) for h in (0, 16)}
-    offsets: list[int] = []
+    The decoder ORs each code's high bits in right above its low ones, after its word's
+    shift (code_word): a group of pairs read after one shift has its high bits in one word of
+    `high` at a common offset from where they go, so that one shift of that word serves the
+    group. The offsets are the smallest that tile the 32 bits (5-bit: 0-3 and 8-11, one word
+    per 32 codes; 6-bit: 0, 2, 8, 10 per 16 codes; Q3_K's 3-bit: 0, 1, 8, 9 per 32)."""
+    cw = code_word(lo)
+    by_shift: dict[int, list[int]] = {}
+    for p, sh in enumerate(cw.shift):
+        by_shift.setdefault(sh, []).append(p)
+    groups = list(by_shift.items())
+    rel = [
+        {cw.field[p] - sh + k + h for p in ps for k in range(hi) for h in (0, 16)}
+        for sh, ps in groups
+    ]
+    bases: list[int] = []
     used: set[int] = set()
-    for o in range(32):
-        cand = {o + r for r in rel}
-        if max(cand) < 32 and not cand & used:
-            offsets.append(o)
-            used |= cand
-    assert len(used) == 32, (lo, hi)
-    per_word = stride // group  # groups a code word has
-    words = len(offsets) // per_word
-    pos = [0] * (words * 2 * stride)
+    while len(used) < 32:
+        g = len(bases) % len(groups)
+        o = next(
+            (o for o in range(32) if max(rel[g]) + o < 32 and not {o + r for r in rel[g]} & used),
+            None,
+        )
+        assert o is not None, (lo, hi)
+        bases.append(o)
+        used |= {o + r for r in rel[g]}
+    words = len(bases) // len(groups)
+    pos = [0] * (words * cw.elems)
     for t in range(words):
-        for e in range(stride):
-            bit = offsets[t * per_word + e // group] + (e % group) * lo
-            pos[t * 2 * stride + e] = bit
-            pos[t * 2 * stride + e + stride] = bit + 16
+        for g, (sh, ps) in enumerate(groups):
+            for p in ps:
+                bit = bases[t * len(groups) + g] + cw.field[p] - sh
+                pos[t * cw.elems + cw.lo[p]] = bit
+                pos[t * cw.elems + cw.lo[p] + 4] = bit + 16
     return len(pos), tuple(pos)
 
 
-def pack_high(h: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """uint32 [..., K*hi/32] of the high bits h [..., K]."""
-    n, pos = high_tiling(lo, hi)
-    lead = h.shape[:-1]
-    g = h.reshape(*lead, -1, n).astype(np.uint32) << np.asarray(pos, dtype=np.uint32)
+def _pack_bits(v: np.ndarray, pos: tuple[int, ...]) -> np.ndarray:
+    """uint32 [..., n/len(pos)] of small values v [..., n], value i of each run of len(pos)
+    at bit pos[i] of its word."""
+    lead = v.shape[:-1]
+    g = v.reshape(*lead, -1, len(pos)).astype(np.uint32) << np.asarray(pos, dtype=np.uint32)
     return np.bitwise_or.reduce(g, axis=-1)
 
 
-def unpack_high(words: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    _, pos = high_tiling(lo, hi)
+def _unpack_bits(words: np.ndarray, pos: tuple[int, ...], bits: int) -> np.ndarray:
     lead = words.shape[:-1]
-    v = (words[..., None] >> np.asarray(pos, dtype=np.uint32)) & ((1 << hi) - 1)
+    v = (np.asarray(words)[..., None] >> np.asarray(pos, dtype=np.uint32)) & ((1 << bits) - 1)
     return v.reshape(*lead, -1).astype(np.uint8)
+
+
+def _lo_positions(lo: int) -> tuple[int, ...]:
+    return tuple(range(0, 32, 8)) if lo == 8 else code_word(lo).bit_of_element()
 
 
 def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1)
-
-
-def _rows_codes(q: np.ndarray, bits: int) -> np.ndarray:
-    """pack_codes over any leading dims."""
-    lead = q.shape[:-1]
-    flat = q.reshape(-1, q.shape[-1]).astype(np.uint32)
-    return pack_codes(flat, bits).reshape(*lead, -1)
-
-
-def _codes_rows(words: np.ndarray, bits: int, k: int) -> np.ndarray:
-    lead = words.shape[:-1]
-    return unpack_codes(words.reshape(-1, words.shape[-1]), bits, k).reshape(*lead, k)
 
 
 @register
@@ -166,7 +199,7 @@ class Ggml(WeightFormat):
 
     def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
         s, k, o = self.spec, in_features, out_features
-        bufs = {"codes": TensorType((o, k * lo_bits(s) // 32), U32)}
+        bufs = {"weight": TensorType((o, k * lo_bits(s) // 32), U32)}
         if hi_bits(s):
             bufs["high"] = TensorType((o, k * hi_bits(s) // 32), U32)
         bufs["scales"] = TensorType((o, k // s.block * (2 if s.mins else 1)), F16)
@@ -189,9 +222,9 @@ class Ggml(WeightFormat):
         """Kernel-layout buffers of fields (any leading dims)."""
         s = self.spec
         lo = lo_bits(s)
-        out = {"codes": _rows_codes(f.q & ((1 << lo) - 1), lo)}
+        out = {"weight": _pack_bits(f.q & ((1 << lo) - 1), _lo_positions(lo))}
         if hi_bits(s):
-            out["high"] = pack_high(f.q >> lo, lo, hi_bits(s))
+            out["high"] = _pack_bits(f.q >> lo, high_tiling(lo, hi_bits(s))[1])
         d = f.d.astype(np.float16)
         out["scales"] = _interleave(d, f.dmin.astype(np.float16)) if f.dmin is not None else d
         if s.sub:
@@ -208,9 +241,9 @@ class Ggml(WeightFormat):
     def fields(self, bufs: Mapping[str, np.ndarray], in_features: int) -> Fields:
         s = self.spec
         lo = lo_bits(s)
-        q = _codes_rows(np.asarray(bufs["codes"]), lo, in_features).astype(np.uint8)
+        q = _unpack_bits(bufs["weight"], _lo_positions(lo), lo)
         if hi_bits(s):
-            q |= unpack_high(np.asarray(bufs["high"]), lo, hi_bits(s)) << lo
+            q |= _unpack_bits(bufs["high"], high_tiling(lo, hi_bits(s))[1], hi_bits(s)) << lo
         scales = np.asarray(bufs["scales"])
         d, dmin = (scales[..., 0::2], scales[..., 1::2]) if s.mins else (scales, None)
         sc = mn = None

@@ -1,17 +1,17 @@
 """Fragment constants for ggml's linear types (templates/formats/ggml.cuh.j2), over the planes of
-qir.formats.ggml: codes, high bits, block scales, sub-block scales.
+qir.formats.ggml: low code bits (`weight`), high bits, block scales, sub-block scales.
 
-A chunk is one 16-byte load of `codes` (32 codes of 4 low bits, 64 of 2, 16 of 8) plus its
+A chunk is one 16-byte load of `weight` (32 codes of 4 low bits, 64 of 2, 16 of 8) plus its
 high bits, its block's d (and m or dmin) and its sub-blocks' scales, each one small load; a run
 is a sub-block (at most 32 codes), whose scale d * sc (and min) the GEMV applies once to the
-run's sum.
+run's sum. A step is 8 codes, 4 pairs, at every width.
 
-Packed decode, per code word (see int_codes.py for the magic-number trick): pair e holds the
-codes at bits L*e and L*e + 16 (stride 16/L); the low fields are masked in place where they
-fit T's unit-1 window together with their high bits and the zero, after one shift of the word
-per group of pairs elsewhere, and the high bits are ORed in right above them from one shift of
-the `high` word (formats.ggml.high_tiling places them so that, in f16, one shift serves a
-group). Q8_0's bytes take f16's magic exponent byte by PRMT; IQ4's 16 table values take two
+Packed decode, per step (see int_codes.py for the magic-number trick; formats.ggml.code_word
+for where the pairs sit): pair e holds codes (e, e + 4) in the two halves of a word; the low
+fields are masked in place where they fit T's unit-1 window together with their high bits and
+the zero, after one shift of the word per step in f16 (per pair where bf16's narrower window
+needs it), and the high bits are ORed in right above them from one shift of the `high` word
+(formats.ggml.high_tiling places them so that, in f16, one shift serves a step). Q8_0's bytes take f16's magic exponent byte by PRMT; IQ4's 16 table values take two
 PRMT lookups (magnitudes of the negative and of the positive entries, a code's sign bit
 selecting zero in the other) and one subtraction into offset-binary bytes, then the same.
 Types with a min (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) keep their codes centred, as MLX's are
@@ -31,17 +31,16 @@ from qir.codegen.fragments import (
     register_fragment,
 )
 from qir.formats.base import WeightFormat
-from qir.formats.ggml import Ggml, hi_bits, high_tiling, lo_bits, sub_bytes
+from qir.formats.ggml import CodeWord, Ggml, code_word, hi_bits, high_tiling, lo_bits, sub_bytes
 from qir.formats.ggml_blocks import Spec
 
 
-def _pairs(lo: int, bits: int, zero: int, window: int) -> list[tuple[int, int]]:
-    """(word shift, field position) of each pair of a code word in T's window: a field fits
-    where code and zero, at that position, stay below 2^window (the mantissa bits below the
-    magic exponent: 10 for f16, 7 for bf16)."""
+def _shifts(cw: CodeWord, bits: int, zero: int, window: int) -> list[int]:
+    """The word shift of each pair for T: the step's common shift where the field, holding the
+    code and the zero, fits T's window there (the mantissa bits below the magic exponent: 10
+    for f16, 7 for bf16), else the field's own bit (position 0)."""
     top = window - max(bits, max(zero, 1).bit_length())
-    span = lo * (top // lo + 1)
-    return [(lo * e - lo * e % span, lo * e % span) for e in range(16 // lo)]
+    return [sh if f - sh <= top else f for f, sh in zip(cw.field, cw.shift, strict=True)]
 
 
 def _table_luts(table: tuple[int, ...]) -> dict[str, str]:
@@ -60,20 +59,21 @@ def _table_luts(table: tuple[int, ...]) -> dict[str, str]:
     }
 
 
-def _high(spec: Spec, chunk: int, step: int) -> dict[str, Any]:
-    """The high bits' word and bit, per step and pair, and its words per chunk."""
+def _high(spec: Spec, cw: CodeWord, chunk: int) -> dict[str, Any]:
+    """The high bits' word (chunk-local) per step and their bit per step and pair."""
     lo, hi = lo_bits(spec), hi_bits(spec)
     if not hi:
-        return {"high_words": 0, "high_word": [], "high_bit": []}
+        return {"high_words": 0}
     per_word, pos = high_tiling(lo, hi)
     assert chunk % per_word == 0, (spec.name, chunk, per_word)
-    stride = 16 // lo
+    spw = cw.elems // 8
+    elems = [
+        [s // spw * cw.elems + cw.lo[s % spw * 4 + e] for e in range(4)] for s in range(chunk // 8)
+    ]
     return {
         "high_words": chunk * hi // 32,
-        "high_word": [s * step // per_word for s in range(chunk // step)],
-        "high_bit": [
-            [pos[(s * step) % per_word + e] for e in range(stride)] for s in range(chunk // step)
-        ],
+        "high_word": [row[0] // per_word for row in elems],
+        "high_bit": [[pos[j % per_word] for j in row] for row in elems],
     }
 
 
@@ -83,14 +83,14 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     s = fmt.spec
     lo, hi = lo_bits(s), hi_bits(s)
     chunk = {4: 32, 2: 64, 8: 16}[lo]
-    step = 16 if lo == 2 else 8
-    stride = 2 if s.table else 1 if lo == 8 else 16 // lo
+    step = 8
+    stride = 2 if s.table else 1 if lo == 8 else 4
     run = min(s.run, chunk, 2 * MAX_RUN_PAIRS)
     centred = bool(s.mins)
     zero = 1 << (s.bits - 1) if centred else s.zero
     code_max = 127 if s.table else max(zero, (1 << s.bits) - 1 - zero)
     per_block = 2 if s.mins else 1
-    buffers: dict[str, FragmentBuffer] = {"codes": ("uint32_t", in_features * lo // 32)}
+    buffers: dict[str, FragmentBuffer] = {"weight": ("uint32_t", in_features * lo // 32)}
     if hi:
         buffers["high"] = ("uint32_t", in_features * hi // 32)
     buffers["scales"] = ("__half", in_features // s.block * per_block)
@@ -105,12 +105,12 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "chunk_words": chunk * lo // 32,
         "step": step,
         "stride": stride,
-        "run_steps": run // step if run >= step else 1,
-        "runs": chunk // max(run, step),
+        "run_steps": run // step,
+        "runs": chunk // run,
         "run_elems": run,
         "zero": zero,
         "code_offset": zero if centred else 0,
-        "code_shift": overflow_shift(max(run, step) // 2, code_max),
+        "code_shift": overflow_shift(run // 2, code_max),
         "block": s.block,
         "per_block": per_block,
         "mins": s.mins,
@@ -119,12 +119,19 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "sub_chunk_bytes": chunk // s.run * sub_bytes(s) if s.sub else 0,
         "sub_per_run": sub_bytes(s),
         "table": bool(s.table),
-        **(
-            {t: _pairs(lo, s.bits, zero, w) for t, w in (("pairs_f16", 10), ("pairs_bf16", 7))}
-            if lo < 8 and not s.table
-            else {}
-        ),
-        **_high(s, chunk, step),
+        "high_words": 0,
         **(_table_luts(s.table) if s.table else {}),
     }
+    if lo < 8 and not s.table:
+        cw = code_word(lo)
+        spw = cw.elems // 8
+        context |= {
+            "steps_per_word": spw,
+            "field": [list(cw.field[i * 4 : i * 4 + 4]) for i in range(spw)],
+            "shifts": [
+                [sh[i * 4 : i * 4 + 4] for i in range(spw)]
+                for sh in (_shifts(cw, s.bits, zero, w) for w in (10, 7))
+            ],
+            **_high(s, cw, chunk),
+        }
     return make_fragment("formats/ggml.cuh.j2", buffers, chunk, context)
