@@ -306,7 +306,9 @@ class _LinearReader(GgmlReader):
 class _Mxfp4Reader(GgmlReader):
     """ggml's MXFP4 as qir's: the same E2M1 codes and E8M0 byte (ggml's 2^(e-128) times doubled
     E2M1 values is E2M1 times 2^(e-127), both exact), the codes of a block reordered from ggml's
-    halves (byte j: elements j and j + 16) to OCP's pairs (byte k: elements 2k and 2k + 1)."""
+    halves (byte j: elements j and j + 16) to OCP's pairs (byte k: elements 2k and 2k + 1).
+    Equal values, not bits, in one place: code 8 is E2M1's -0, which ggml's table reads as +0.
+    Exponent 255 (ggml reads 2^127, OCP NaN) is refused, as for any MXFP4 weight."""
 
     def format(self) -> WeightFormat:
         return Mxfp4()
