@@ -128,7 +128,7 @@ def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16, bias: bool = False) -> G
 def prologue_mlp(
     gate: WeightFormat, up: WeightFormat, down: WeightFormat, s: Shapes, gate_act: str = "silu"
 ) -> Graph:
-    """gate and up in different formats (not merged): silu(g) * u (or gate_act's) is
+    """gate and up in different formats (merged, not paired): silu(g) * u (or gate_act's) is
     down_proj's prologue."""
     b = Builder("prologue")
     x = b.input("x", ("M", s.hidden), F16)
