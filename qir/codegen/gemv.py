@@ -212,10 +212,8 @@ class GemvSpec:
         w0 = self.weights[0]
         outs = segments(self.weights)
         if self.mixed:
-            # each part's format, its lanes where a group of lanes takes a row
-            tags = "_".join(
-                p.weights[0].format.tag() + lanes_suffix(p.lanes) for _, p in self.parts
-            )
+            # each part's format (its lanes per row follow from the format and K)
+            tags = "_".join(p.weights[0].format.tag() for _, p in self.parts)
             fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm, self.res_norm)
             fused += EPILOGUES[self.epilogue] + cap_suffix(self.cap) + target_suffix(self.target)
             return (

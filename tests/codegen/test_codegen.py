@@ -79,7 +79,7 @@ def test_mixed_formats_are_parts_of_one_launch_unpaired_only():
     spec = GemvSpec((a, b, a), F16, 8)
     assert [index for index, _ in spec.parts] == [(0, 2), (1,)]
     assert spec.grid_x == sum(p.grid_x for _, p in spec.parts)
-    assert spec.name == "qgemv_mlx4g128bf16_l2_mlx8g128bf16_l4_f16_n512_512_512_k256_m8"
+    assert spec.name == "qgemv_mlx4g128bf16_mlx8g128bf16_f16_n512_512_512_k256_m8"
     source = gemv_kernel(spec).source
     assert source.count("namespace qir_part1 {") == 1 and "qir_part1::qir_part(" in source
     with pytest.raises(ValueError, match="unpaired and 16-bit only"):
