@@ -1,4 +1,4 @@
-"""ggml's (GGUF's) linear tensor types as one weight format, `ggml<type=Q4_K>`: the legacy
+r"""ggml's (GGUF's) linear tensor types as one weight format, `ggml<type=Q4_K>`: the legacy
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, the non-linear IQ4_NL and IQ4_XS, and the
 ternary TQ1_0 / TQ2_0; each decodes as gguf-py (and ggml's C) decodes it, bit for bit
 (qir.formats.ggml_blocks). ggml's MXFP4 becomes qir's `mxfp4` (its nibbles reordered); the
@@ -11,8 +11,8 @@ Kernel layout: the blocks are split once at load into planes, every plane a whol
 |---|---|---|
 | weight | u32 [O, K*L/32] | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0), element j at bits L*j of the row's little-endian bitstream |
 | high   | u32 [O, K*H/32] | the other H bits (Q5_*: 1, Q6_K: 2, Q3_K: 1), tiled for the decoder (high_tiling) |
-| scales | f16 [O, K/b] or [O, 2K/b] | each block's d (then its m or dmin, interleaved) |
-| sub    | u8 [O, K/r * n] | each sub-block's scale (and min): Q4_K/Q5_K (sc, mn) bytes, Q2_K sc \\| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32 and Q6_K its int8, as two's-complement bytes |
+| scales | f16 [O, K/b] or [O, 2K/b] | each block's d (then its m, interleaved): the legacy types |
+| scales | u8 [O, K/256 * R] | the K-quants' and IQ4_XS's block records of R bytes: d (and dmin) as fp16, then each sub-block's scale (and min) byte: Q4_K/Q5_K (sc, mn), Q2_K sc \| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32, Q6_K its int8 (two's complement) |
 
 Why planes and not the blocks as stored: a block is 18..210 bytes, so most blocks start at
 2-byte offsets and their code bytes cannot be read with aligned 16-byte loads, and each
@@ -25,7 +25,8 @@ the K-quants' sub-scales: Q4_K's and Q5_K's 6-bit (scale, min) pairs take a byte
 bytes a super-block where ggml packs 12: 148 bytes a 256-block instead of 144, Q5_K 180 for
 176), Q3_K's 6-bit scales a byte (114 for 110), IQ4_XS's a byte (138 for 136): a chunk then
 finds its sub-scale at a fixed offset, where the packed form would cost a dozen bit operations
-on a run-time index per chunk. TQ1_0's base-3 bytes are repacked into TQ2_0's 2-bit codes
+on a run-time index per chunk. A block's scales and sub-scales share one record (one buffer:
+a pointer less per row a warp streams, which kept Q5_K's paired GEMV from spilling). TQ1_0's base-3 bytes are repacked into TQ2_0's 2-bit codes
 (66 bytes a block for 54: ternary digits have no bit-field decode).
 """
 
@@ -64,10 +65,16 @@ def hi_bits(spec: Spec) -> int:
 
 
 def sub_bytes(spec: Spec) -> int:
-    """Bytes of `sub` per sub-block."""
+    """Bytes of a sub-block's scale (and min) in `scales`."""
     if not spec.sub:
         return 0
     return 2 if spec.sub == "sc_mn" and spec.name != "Q2_K" else 1
+
+
+def record_bytes(spec: Spec) -> int:
+    """Bytes of a block's record in `scales` where it has sub-blocks: d (and dmin) as fp16,
+    then the sub-blocks' scale (and min) bytes."""
+    return 2 * (2 if spec.mins else 1) + spec.block // spec.run * sub_bytes(spec)
 
 
 @dataclass(frozen=True)
@@ -202,9 +209,10 @@ class Ggml(WeightFormat):
         bufs = {"weight": TensorType((o, k * lo_bits(s) // 32), U32)}
         if hi_bits(s):
             bufs["high"] = TensorType((o, k * hi_bits(s) // 32), U32)
-        bufs["scales"] = TensorType((o, k // s.block * (2 if s.mins else 1)), F16)
         if s.sub:
-            bufs["sub"] = TensorType((o, k // s.run * sub_bytes(s)), U8)
+            bufs["scales"] = TensorType((o, k // s.block * record_bytes(s)), U8)
+        else:
+            bufs["scales"] = TensorType((o, k // s.block * (2 if s.mins else 1)), F16)
         return bufs
 
     def bytes_per_weight(self) -> float:
@@ -226,8 +234,10 @@ class Ggml(WeightFormat):
         if hi_bits(s):
             out["high"] = _pack_bits(f.q >> lo, high_tiling(lo, hi_bits(s))[1])
         d = f.d.astype(np.float16)
-        out["scales"] = _interleave(d, f.dmin.astype(np.float16)) if f.dmin is not None else d
-        if s.sub:
+        dm = _interleave(d, f.dmin.astype(np.float16)) if f.dmin is not None else d
+        if not s.sub:
+            out["scales"] = dm
+        else:
             assert f.sc is not None
             if s.sub == "sc" or f.mn is None:
                 sub = f.sc.astype(np.int8).view(np.uint8)
@@ -235,7 +245,10 @@ class Ggml(WeightFormat):
                 sub = (f.sc | (f.mn << 4)).astype(np.uint8)
             else:
                 sub = _interleave(f.sc.astype(np.uint8), f.mn.astype(np.uint8))
-            out["sub"] = np.ascontiguousarray(sub)
+            lead, nb = dm.shape[:-1], d.shape[-1]
+            dm_bytes = np.ascontiguousarray(dm.astype("<f2")).view(np.uint8).reshape(*lead, nb, -1)
+            rec = np.concatenate([dm_bytes, sub.reshape(*lead, nb, -1)], axis=-1)
+            out["scales"] = rec.reshape(*lead, -1)
         return {n: np.ascontiguousarray(a) for n, a in out.items()}
 
     def fields(self, bufs: Mapping[str, np.ndarray], in_features: int) -> Fields:
@@ -244,11 +257,10 @@ class Ggml(WeightFormat):
         q = _unpack_bits(bufs["weight"], _lo_positions(lo), lo)
         if hi_bits(s):
             q |= _unpack_bits(bufs["high"], high_tiling(lo, hi_bits(s))[1], hi_bits(s)) << lo
-        scales = np.asarray(bufs["scales"])
+        scales, sub = self.split_scales(bufs["scales"])
         d, dmin = (scales[..., 0::2], scales[..., 1::2]) if s.mins else (scales, None)
         sc = mn = None
         if s.sub:
-            sub = np.asarray(bufs["sub"])
             if s.sub == "sc":
                 sc = sub.view(np.int8).astype(np.int16)
             elif sub_bytes(s) == 1:
@@ -256,6 +268,31 @@ class Ggml(WeightFormat):
             else:
                 sc, mn = sub[..., 0::2].astype(np.int16), sub[..., 1::2].astype(np.int16)
         return Fields(q, d, dmin, sc, mn)
+
+    def split_scales(self, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The fp16 block scales (d, then dmin, interleaved) and the sub-block bytes (empty
+        without sub-blocks) of `scales`."""
+        s = self.spec
+        scales = np.asarray(scales)
+        if not s.sub:
+            return scales, scales[..., :0].view(np.uint8)
+        lead = scales.shape[:-1]
+        rec = scales.reshape(*lead, -1, record_bytes(s))
+        half = 4 if s.mins else 2
+        dm = np.ascontiguousarray(rec[..., :half]).view("<f2").astype(np.float16)
+        return dm.reshape(*lead, -1), rec[..., half:].reshape(*lead, -1)
+
+    def check_buffers(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
+    ) -> None:
+        super().check_buffers(bufs, out_features, in_features, where)
+        d = self.split_scales(bufs["scales"])[0].astype(np.float32)
+        if not np.all(np.isfinite(d)):
+            at = tuple(int(i) for i in np.argwhere(~np.isfinite(d))[0])
+            block = at[-1] // (2 if self.spec.mins else 1)
+            raise FormatError(
+                f"{where}: {self.type} block {block} of row {at[-2]} has a NaN or Inf scale"
+            )
 
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
@@ -277,12 +314,10 @@ class Ggml(WeightFormat):
         raw = np.asarray(raw)
         check_tensor(raw, where, (*raw.shape[:-2], out_features, row), np.uint8)
         bufs = self.planes(parse(self.spec, raw))
-        if not np.all(np.isfinite(bufs["scales"])):
-            at = tuple(int(i) for i in np.argwhere(~np.isfinite(bufs["scales"]))[0])
-            block = at[-1] // (2 if self.spec.mins else 1)
-            raise FormatError(
-                f"{where}: {self.type} block {block} of row {at[-2]} has a NaN or Inf scale"
-            )
+        lead = raw.shape[:-2]
+        flat = {n: a.reshape(-1, *a.shape[len(lead) :]) for n, a in bufs.items()}
+        for e in range(flat["weight"].shape[0]):
+            self.check_buffers({n: a[e] for n, a in flat.items()}, out_features, in_features, where)
         return bufs
 
 

@@ -2,7 +2,8 @@
 qir.formats.ggml: low code bits (`weight`), high bits, block scales, sub-block scales.
 
 A chunk is one 16-byte load of `weight` (32 codes of 4 low bits, 64 of 2, 16 of 8) plus its
-high bits, its block's d (and m or dmin) and its sub-blocks' scales, each one small load; a run
+high bits, its block's d (and m or dmin) and its sub-blocks' scales (from the block's record in
+`scales` where it has sub-blocks), each one small load; a run
 is a sub-block (at most 32 codes), whose scale d * sc (and min) the GEMV applies once to the
 run's sum. A step is 8 codes, 4 pairs, at every width.
 
@@ -31,7 +32,16 @@ from qir.codegen.fragments import (
     register_fragment,
 )
 from qir.formats.base import WeightFormat
-from qir.formats.ggml import CodeWord, Ggml, code_word, hi_bits, high_tiling, lo_bits, sub_bytes
+from qir.formats.ggml import (
+    CodeWord,
+    Ggml,
+    code_word,
+    hi_bits,
+    high_tiling,
+    lo_bits,
+    record_bytes,
+    sub_bytes,
+)
 from qir.formats.ggml_blocks import Spec
 
 
@@ -93,9 +103,10 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     buffers: dict[str, FragmentBuffer] = {"weight": ("uint32_t", in_features * lo // 32)}
     if hi:
         buffers["high"] = ("uint32_t", in_features * hi // 32)
-    buffers["scales"] = ("__half", in_features // s.block * per_block)
     if s.sub:
-        buffers["sub"] = ("uint8_t", in_features // s.run * sub_bytes(s))
+        buffers["scales"] = ("uint8_t", in_features // s.block * record_bytes(s))
+    else:
+        buffers["scales"] = ("__half", in_features // s.block * per_block)
     context: dict[str, Any] = {
         "what": f"ggml {s.name}",
         "packed": True,
@@ -118,6 +129,8 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "sub_nibbles": s.sub == "sc_mn" and sub_bytes(s) == 1,
         "sub_chunk_bytes": chunk // s.run * sub_bytes(s) if s.sub else 0,
         "sub_per_run": sub_bytes(s),
+        "record": record_bytes(s) if s.sub else 0,
+        "chunks_per_block": s.block // chunk,
         "table": bool(s.table),
         "high_words": 0,
         **(_table_luts(s.table) if s.table else {}),
