@@ -102,11 +102,15 @@ def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType) -> int:
     """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
     fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
     spill; so do four slots of f32 activations (eight rows of x, each a float per weight), and
-    four of 2-bit codes at eight rows of x (16 codes a step: two slots)."""
+    four of 2-bit codes at eight rows of x (16 codes a step: two slots). A fragment may ask for
+    fewer slots when paired (`paired_slots` in its context)."""
     if frag.context.get("gathers") or act == F32:
         slots = 1
     else:
         slots = SLOTS // 2 if int(frag.context.get("step", 8)) > 8 else SLOTS
+    if weights_per_warp > 1:
+        # a fragment whose pair of weights at two rows each spills keeps to fewer (ggml Q6_K)
+        slots = min(slots, int(frag.context.get("paired_slots", slots)))
     return max(1, slots // weights_per_warp)
 
 

@@ -4,30 +4,33 @@ ternary TQ1_0 / TQ2_0; each decodes as gguf-py (and ggml's C) decodes it, bit fo
 (qir.formats.ggml_blocks). ggml's MXFP4 becomes qir's `mxfp4` (its nibbles reordered); the
 codebook types (IQ1_S, IQ1_M, IQ2_*, IQ3_*) are refused by the ggml_types registry.
 
-Kernel layout: the blocks are split once at load into planes, every plane a whole number of
-16-byte rows of 32-bit words where its chunks are read:
+Kernel layout: each row's blocks are split once at load into planes; the codes' low bits are
+the `weight` buffer, the rest of a row's planes lie one after another in `fields` (its rows
+padded to 16 bytes, so that every row starts aligned), each plane a whole number of chunks'
+worth where its chunks are read (RowLayout has the sizes):
 
-| buffer | type, shape | holds |
+| buffer | plane | holds |
 |---|---|---|
-| weight | u32 [O, K*L/32] | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0), element j at bits L*j of the row's little-endian bitstream |
-| high   | u32 [O, K*H/32] | the other H bits (Q5_*: 1, Q6_K: 2, Q3_K: 1), tiled for the decoder (high_tiling) |
-| scales | f16 [O, K/b] or [O, 2K/b] | each block's d (then its m, interleaved): the legacy types |
-| scales | u8 [O, K/256 * R] | the K-quants' and IQ4_XS's block records of R bytes: d (and dmin) as fp16, then each sub-block's scale (and min) byte: Q4_K/Q5_K (sc, mn), Q2_K sc \| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32, Q6_K its int8 (two's complement) |
+| weight (u32 [O, K*L/32]) | codes | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0) as little-endian 32-bit words (code_word: the 4-bit row is a plain bitstream) |
+| fields (u8 [O, R]) | high | the other H bits (Q5_*: 1, Q6_K: 2, Q3_K: 1), tiled for the decoder (high_tiling) |
+| | scales | the legacy types: each block's fp16 d (then its m, interleaved); the K-quants and IQ4_XS: first each sub-block's scale (and min) byte: Q4_K/Q5_K (sc, mn), Q2_K sc \| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32, Q6_K its int8 (two's complement); then each block's d (and dmin, interleaved) as fp16 |
 
 Why planes and not the blocks as stored: a block is 18..210 bytes, so most blocks start at
 2-byte offsets and their code bytes cannot be read with aligned 16-byte loads, and each
 block's fields sit at different offsets of it; in planes a chunk's codes are one aligned
 16-byte load and its scales one small load, and the codes take the bitstream order the
 magic-number decode of the other integer formats reads cheapest (4-bit fields at bit 0 and 16
-of a word form a pair). A row is still a byte slice of every plane (row splits, q/k/v splits),
-and a K split on block boundaries is one too. The planes cost what the blocks cost, but for
-the K-quants' sub-scales: Q4_K's and Q5_K's 6-bit (scale, min) pairs take a byte each (16
-bytes a super-block where ggml packs 12: 148 bytes a 256-block instead of 144, Q5_K 180 for
-176), Q3_K's 6-bit scales a byte (114 for 110), IQ4_XS's a byte (138 for 136): a chunk then
-finds its sub-scale at a fixed offset, where the packed form would cost a dozen bit operations
-on a run-time index per chunk. A block's scales and sub-scales share one record (one buffer:
-a pointer less per row a warp streams, which kept Q5_K's paired GEMV from spilling). TQ1_0's base-3 bytes are repacked into TQ2_0's 2-bit codes
-(66 bytes a block for 54: ternary digits have no bit-field decode).
+of a word form a pair). Why two buffers and not one per plane: a warp streams 4 rows at a time,
+and two pointers per row instead of up to four leave the decoder the registers it needs (Q5_K's
+paired GEMV spilled on sm_100a with three). A row is still a byte slice of both (row splits,
+q/k/v splits); a K split on block boundaries is rebuilt (columns). The planes cost what
+the blocks cost (and up to 15 bytes of padding a row), but for the K-quants' sub-scales:
+Q4_K's and Q5_K's 6-bit (scale, min) pairs take a byte each (16 bytes a super-block where ggml
+packs 12: 148 bytes a 256-block instead of 144, Q5_K 180 for 176), Q3_K's 6-bit scales a byte
+(114 for 110), IQ4_XS's a byte (138 for 136): a chunk then finds its sub-scale at a fixed
+offset, where the packed form would cost a dozen bit operations on a run-time index per chunk.
+TQ1_0's base-3 bytes are repacked into TQ2_0's 2-bit codes (66 bytes a block for 54: ternary
+digits have no bit-field decode).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from qir.dtypes import F16, U8, U32
+from qir.dtypes import U8, U32
 from qir.formats import register
 from qir.formats.base import (
     Allowed,
@@ -72,9 +75,33 @@ def sub_bytes(spec: Spec) -> int:
 
 
 def record_bytes(spec: Spec) -> int:
-    """Bytes of a block's record in `scales` where it has sub-blocks: d (and dmin) as fp16,
-    then the sub-blocks' scale (and min) bytes."""
+    """Bytes of a block's scales where it has sub-blocks: d (and dmin) as fp16 and the
+    sub-blocks' scale (and min) bytes."""
     return 2 * (2 if spec.mins else 1) + spec.block // spec.run * sub_bytes(spec)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A row's bytes in each buffer: `weight` holds the codes' low bits, `fields` the high
+    bits, then the scales (its length padded to 16: every row starts 16-byte aligned)."""
+
+    codes: int
+    high: int
+    scales: int
+
+    @property
+    def scales_at(self) -> int:
+        return self.high
+
+    @property
+    def fields(self) -> int:
+        return -(-(self.high + self.scales) // 16) * 16
+
+
+def row_layout(spec: Spec, in_features: int) -> RowLayout:
+    k, blocks = in_features, in_features // spec.block
+    scales = blocks * (record_bytes(spec) if spec.sub else 2 * (2 if spec.mins else 1))
+    return RowLayout(k * lo_bits(spec) // 8, k * hi_bits(spec) // 8, scales)
 
 
 @dataclass(frozen=True)
@@ -117,42 +144,56 @@ def code_word(lo: int) -> CodeWord:
 
 @cache
 def high_tiling(lo: int, hi: int) -> tuple[int, tuple[int, ...]]:
-    """(elements per word of `high`, the bit of each one's first high bit in its word).
+    """(elements per word of `high`, the bit of each one's first high bit in its word; its
+    other high bits follow, modulo 32).
 
     The decoder ORs each code's high bits in right above its low ones, after its word's
     shift (code_word): a group of pairs read after one shift has its high bits in one word of
-    `high` at a common offset from where they go, so that one shift of that word serves the
-    group. The offsets are the smallest that tile the 32 bits (5-bit: 0-3 and 8-11, one word
-    per 32 codes; 6-bit: 0, 2, 8, 10 per 16 codes; Q3_K's 3-bit: 0, 1, 8, 9 per 32)."""
+    `high` at a common rotation from where they go, so that one rotation of that word serves
+    the group, and the first group of a word needs none. The rotations are the smallest from
+    there that tile the 32 bits (5-bit: 0-3 and 8-11, one word per 32 codes; 6-bit: 0, 2, 8,
+    10 per 16 codes; Q3_K's 3-bit: 0, 1, 8, 9 per 32)."""
     cw = code_word(lo)
     by_shift: dict[int, list[int]] = {}
     for p, sh in enumerate(cw.shift):
         by_shift.setdefault(sh, []).append(p)
     groups = list(by_shift.items())
+    # where a group's bits go, relative to its first field: lo bits above each field, +16
     rel = [
-        {cw.field[p] - sh + k + h for p in ps for k in range(hi) for h in (0, 16)}
+        {cw.field[p] - sh + lo + k + h for p in ps for k in range(hi) for h in (0, 16)}
         for sh, ps in groups
     ]
-    bases: list[int] = []
+    rotations: list[int] = []
     used: set[int] = set()
     while len(used) < 32:
-        g = len(bases) % len(groups)
-        o = next(
-            (o for o in range(32) if max(rel[g]) + o < 32 and not {o + r for r in rel[g]} & used),
-            None,
-        )
-        assert o is not None, (lo, hi)
-        bases.append(o)
-        used |= {o + r for r in rel[g]}
-    words = len(bases) // len(groups)
+        g = len(rotations) % len(groups)
+        r = next((r for r in range(32) if not {(x + r) % 32 for x in rel[g]} & used), None)
+        assert r is not None, (lo, hi)
+        rotations.append(r)
+        used |= {(x + r) % 32 for x in rel[g]}
+    words = len(rotations) // len(groups)
     pos = [0] * (words * cw.elems)
     for t in range(words):
         for g, (sh, ps) in enumerate(groups):
             for p in ps:
-                bit = bases[t * len(groups) + g] + cw.field[p] - sh
+                bit = (rotations[t * len(groups) + g] + cw.field[p] - sh + lo) % 32
                 pos[t * cw.elems + cw.lo[p]] = bit
-                pos[t * cw.elems + cw.lo[p] + 4] = bit + 16
+                pos[t * cw.elems + cw.lo[p] + 4] = (bit + 16) % 32
     return len(pos), tuple(pos)
+
+
+def _pack_high(h: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """uint32 [..., K*hi/32] of the high bits h [..., K] (high_tiling)."""
+    pos = high_tiling(lo, hi)[1]
+    return np.bitwise_or.reduce(
+        [_pack_bits((h >> k) & 1, tuple((b + k) % 32 for b in pos)) for k in range(hi)], axis=0
+    )
+
+
+def _unpack_high(words: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    pos = high_tiling(lo, hi)[1]
+    bits = [_unpack_bits(words, tuple((b + k) % 32 for b in pos), 1) << k for k in range(hi)]
+    return np.bitwise_or.reduce(bits, axis=0).astype(np.uint8)
 
 
 def _pack_bits(v: np.ndarray, pos: tuple[int, ...]) -> np.ndarray:
@@ -205,17 +246,14 @@ class Ggml(WeightFormat):
         return {"bits": self.spec.bits, "group": self.spec.run, "w4a4": False}
 
     def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]:
-        s, k, o = self.spec, in_features, out_features
-        bufs = {"weight": TensorType((o, k * lo_bits(s) // 32), U32)}
-        if hi_bits(s):
-            bufs["high"] = TensorType((o, k * hi_bits(s) // 32), U32)
-        if s.sub:
-            bufs["scales"] = TensorType((o, k // s.block * record_bytes(s)), U8)
-        else:
-            bufs["scales"] = TensorType((o, k // s.block * (2 if s.mins else 1)), F16)
-        return bufs
+        lay = row_layout(self.spec, in_features)
+        return {
+            "weight": TensorType((out_features, lay.codes // 4), U32),
+            "fields": TensorType((out_features, lay.fields), U8),
+        }
 
     def bytes_per_weight(self) -> float:
+        """The planes' bytes (a row's padding to 16 bytes not counted)."""
         s = self.spec
         scales = 2 * (2 if s.mins else 1) / s.block
         return s.bits / 8 + scales + sub_bytes(s) / s.run
@@ -229,15 +267,18 @@ class Ggml(WeightFormat):
     def planes(self, f: Fields) -> dict[str, np.ndarray]:
         """Kernel-layout buffers of fields (any leading dims)."""
         s = self.spec
-        lo = lo_bits(s)
-        out = {"weight": _pack_bits(f.q & ((1 << lo) - 1), _lo_positions(lo))}
-        if hi_bits(s):
-            out["high"] = _pack_bits(f.q >> lo, high_tiling(lo, hi_bits(s))[1])
+        lo, hi = lo_bits(s), hi_bits(s)
+        lead, k = f.q.shape[:-1], f.q.shape[-1]
+        lay = row_layout(s, k)
+
+        def as_bytes(a: np.ndarray, dtype: str) -> np.ndarray:
+            return np.ascontiguousarray(a.astype(dtype)).view(np.uint8).reshape(*lead, -1)
+
+        codes = _pack_bits(f.q & ((1 << lo) - 1), _lo_positions(lo)).astype(np.uint32)
+        parts = [as_bytes(_pack_high(f.q >> lo, lo, hi), "<u4")] if hi else []
         d = f.d.astype(np.float16)
-        dm = _interleave(d, f.dmin.astype(np.float16)) if f.dmin is not None else d
-        if not s.sub:
-            out["scales"] = dm
-        else:
+        dm = as_bytes(_interleave(d, f.dmin) if f.dmin is not None else d, "<f2")
+        if s.sub:
             assert f.sc is not None
             if s.sub == "sc" or f.mn is None:
                 sub = f.sc.astype(np.int8).view(np.uint8)
@@ -245,19 +286,23 @@ class Ggml(WeightFormat):
                 sub = (f.sc | (f.mn << 4)).astype(np.uint8)
             else:
                 sub = _interleave(f.sc.astype(np.uint8), f.mn.astype(np.uint8))
-            lead, nb = dm.shape[:-1], d.shape[-1]
-            dm_bytes = np.ascontiguousarray(dm.astype("<f2")).view(np.uint8).reshape(*lead, nb, -1)
-            rec = np.concatenate([dm_bytes, sub.reshape(*lead, nb, -1)], axis=-1)
-            out["scales"] = rec.reshape(*lead, -1)
-        return {n: np.ascontiguousarray(a) for n, a in out.items()}
+            parts.append(sub.reshape(*lead, -1))
+        parts += [dm, np.zeros((*lead, lay.fields - lay.high - lay.scales), np.uint8)]
+        return {
+            "weight": np.ascontiguousarray(codes),
+            "fields": np.ascontiguousarray(np.concatenate(parts, axis=-1)),
+        }
 
     def fields(self, bufs: Mapping[str, np.ndarray], in_features: int) -> Fields:
         s = self.spec
-        lo = lo_bits(s)
-        q = _unpack_bits(bufs["weight"], _lo_positions(lo), lo)
-        if hi_bits(s):
-            q |= _unpack_bits(bufs["high"], high_tiling(lo, hi_bits(s))[1], hi_bits(s)) << lo
-        scales, sub = self.split_scales(bufs["scales"])
+        lo, hi = lo_bits(s), hi_bits(s)
+        row = np.asarray(bufs["fields"])
+        lay = row_layout(s, in_features)
+        q = _unpack_bits(np.asarray(bufs["weight"]), _lo_positions(lo), lo)
+        if hi:
+            high = np.ascontiguousarray(row[..., : lay.high]).view("<u4")
+            q |= _unpack_high(high, lo, hi) << lo
+        scales, sub = self.split_scales(row[..., lay.scales_at : lay.scales_at + lay.scales])
         d, dmin = (scales[..., 0::2], scales[..., 1::2]) if s.mins else (scales, None)
         sc = mn = None
         if s.sub:
@@ -270,29 +315,53 @@ class Ggml(WeightFormat):
         return Fields(q, d, dmin, sc, mn)
 
     def split_scales(self, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The fp16 block scales (d, then dmin, interleaved) and the sub-block bytes (empty
-        without sub-blocks) of `scales`."""
+        """The fp16 block scales (d, then dmin or m, interleaved) and the sub-block bytes (none
+        without sub-blocks) of a row's scales plane (bytes)."""
         s = self.spec
-        scales = np.asarray(scales)
-        if not s.sub:
-            return scales, scales[..., :0].view(np.uint8)
-        lead = scales.shape[:-1]
-        rec = scales.reshape(*lead, -1, record_bytes(s))
-        half = 4 if s.mins else 2
-        dm = np.ascontiguousarray(rec[..., :half]).view("<f2").astype(np.float16)
-        return dm.reshape(*lead, -1), rec[..., half:].reshape(*lead, -1)
+        n = scales.shape[-1] * sub_bytes(s) * s.block // s.run // record_bytes(s) if s.sub else 0
+        dm = np.ascontiguousarray(scales[..., n:]).view("<f2").astype(np.float16)
+        return dm, scales[..., :n]
 
     def check_buffers(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
     ) -> None:
         super().check_buffers(bufs, out_features, in_features, where)
-        d = self.split_scales(bufs["scales"])[0].astype(np.float32)
+        lay = row_layout(self.spec, in_features)
+        scales = np.asarray(bufs["fields"])[..., lay.scales_at : lay.scales_at + lay.scales]
+        d = self.split_scales(scales)[0].astype(np.float32)
         if not np.all(np.isfinite(d)):
             at = tuple(int(i) for i in np.argwhere(~np.isfinite(d))[0])
             block = at[-1] // (2 if self.spec.mins else 1)
             raise FormatError(
                 f"{where}: {self.type} block {block} of row {at[-2]} has a NaN or Inf scale"
             )
+
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]:
+        """Inputs start..stop (whole blocks): the rows rebuilt from their fields' slices (a
+        copy: the planes of a row move when it gets shorter)."""
+        s = self.spec
+        if start % s.block or stop % s.block or not 0 <= start < stop <= in_features:
+            raise FormatError(
+                f"{where}: a K split {start}..{stop} of in_features {in_features} is not on "
+                f"{s.name} block {s.block} boundaries, so it cannot be exact"
+            )
+        f = self.fields(bufs, in_features)
+
+        def cut(a: np.ndarray | None, per: int) -> np.ndarray | None:
+            return None if a is None else a[..., start // per : stop // per]
+
+        q = f.q[..., start:stop]
+        d = cut(f.d, s.block)
+        assert d is not None
+        return self.planes(Fields(q, d, cut(f.dmin, s.block), cut(f.sc, s.run), cut(f.mn, s.run)))
 
     def dequantize(
         self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int

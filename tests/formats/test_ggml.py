@@ -185,9 +185,12 @@ def test_bad_tensors_are_refused_in_one_line() -> None:
 def test_format_spells_and_counts_its_bytes(name: str) -> None:
     fmt = Ggml(name)
     assert parse_format(fmt.spell()) == fmt
-    bufs = fmt.buffers(4, 512)
-    nbytes = sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in bufs.values())
-    assert nbytes == fmt.bytes_per_weight() * 4 * 512
+    for k in (fmt.spec.block, 512):
+        bufs = fmt.buffers(4, k)
+        # the planes' bytes, the rows of `fields` padded to 16 (aligned loads of every row)
+        assert bufs["weight"].shape[1] * 4 % 16 == 0 and bufs["fields"].shape[1] % 16 == 0
+        row = bufs["weight"].shape[1] * 4 + bufs["fields"].shape[1]
+        assert 0 <= row - fmt.bytes_per_weight() * k < 16
     with pytest.raises(FormatError, match="has no qir layout"):
         Ggml("IQ2_XXS")
 

@@ -1,9 +1,9 @@
 """Fragment constants for ggml's linear types (templates/formats/ggml.cuh.j2), over the planes of
 qir.formats.ggml: low code bits (`weight`), high bits, block scales, sub-block scales.
 
-A chunk is one 16-byte load of `weight` (32 codes of 4 low bits, 64 of 2, 16 of 8) plus its
-high bits, its block's d (and m or dmin) and its sub-blocks' scales (from the block's record in
-`scales` where it has sub-blocks), each one small load; a run
+A chunk is one 16-byte load of the row's codes (32 codes of 4 low bits, 64 of 2, 16 of 8) plus
+its high bits, its block's d (and m or dmin) and its sub-blocks' scales, each one small load
+from the row's `fields` (formats.ggml's planes); a run
 is a sub-block (at most 32 codes), whose scale d * sc (and min) the GEMV applies once to the
 run's sum. A step is 8 codes, 4 pairs, at every width.
 
@@ -39,7 +39,7 @@ from qir.formats.ggml import (
     hi_bits,
     high_tiling,
     lo_bits,
-    record_bytes,
+    row_layout,
     sub_bytes,
 )
 from qir.formats.ggml_blocks import Spec
@@ -100,13 +100,11 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     zero = 1 << (s.bits - 1) if centred else s.zero
     code_max = 127 if s.table else max(zero, (1 << s.bits) - 1 - zero)
     per_block = 2 if s.mins else 1
-    buffers: dict[str, FragmentBuffer] = {"weight": ("uint32_t", in_features * lo // 32)}
-    if hi:
-        buffers["high"] = ("uint32_t", in_features * hi // 32)
-    if s.sub:
-        buffers["scales"] = ("uint8_t", in_features // s.block * record_bytes(s))
-    else:
-        buffers["scales"] = ("__half", in_features // s.block * per_block)
+    lay = row_layout(s, in_features)
+    buffers: dict[str, FragmentBuffer] = {
+        "weight": ("uint32_t", lay.codes // 4),
+        "fields": ("uint8_t", lay.fields),
+    }
     context: dict[str, Any] = {
         "what": f"ggml {s.name}",
         "packed": True,
@@ -129,10 +127,16 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "sub_nibbles": s.sub == "sc_mn" and sub_bytes(s) == 1,
         "sub_chunk_bytes": chunk // s.run * sub_bytes(s) if s.sub else 0,
         "sub_per_run": sub_bytes(s),
-        "record": record_bytes(s) if s.sub else 0,
+        "sub_bytes_row": in_features // s.run * sub_bytes(s),
+        "scales_at": lay.scales_at,
         "chunks_per_block": s.block // chunk,
+        # a 16-bit d and a chunk's sub-block bytes, at most 2, in one register
+        "sub_in_d": bool(s.sub) and per_block == 1 and chunk // s.run * sub_bytes(s) <= 2,
         "table": bool(s.table),
         "high_words": 0,
+        # Q6_K's gate/up pair at two rows of both spilled 24-32 B on sm_100a and sm_120a (its
+        # chunk is the most registers: 4 code words, 2 high words, d and the sub-scales)
+        **({"paired_slots": 2} if s.name == "Q6_K" else {}),
         **(_table_luts(s.table) if s.table else {}),
     }
     if lo < 8 and not s.table:
