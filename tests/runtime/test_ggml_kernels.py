@@ -2,7 +2,7 @@
 the numpy interpreter: every type in the GEMV (M = 1, the staged decode path, and M = 5) and the
 GEMM (M = 33) at a ragged N = 37 and K = 256 (one K-quant block); a Q4_K_M-style layer whose
 q/k (Q4_K) and v (Q6_K) share one launch, gate/up (Q4_K) paired, down (Q6_K) with the residual;
-embedding rows read from quantized tables, the tied table as lm_head."""
+embedding rows read from quantized tables, the tied table as lm_head; stacked experts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from qir.formats.ggml import Ggml
 from qir.formats.ggml_blocks import SPECS
 from qir.types import TensorType
 from tests.conftest import BACKENDS, max_rel, random_weight, with_bias
+from tests.runtime.test_moe_kernels import close as moe_close
+from tests.runtime.test_moe_kernels import experts_graph, feed
 
 HIDDEN, INTER, RAGGED = 256, 512, 37
 ALL = tuple(Ggml(t) for t in SPECS)
@@ -156,3 +158,18 @@ def test_embedding_rows_and_tied_lm_head_from_ggml_tables(backend: str) -> None:
                 assert np.asarray(ours[name]).tobytes() == value.tobytes(), name
             else:
                 assert max_rel(np.asarray(ours[name]), value) <= TOL[F16], name
+
+
+@pytest.mark.parametrize("gemm_from_m", [None, 1], ids=["gemv", "grouped"])
+def test_expert_tensors_in_ggml_types(gemm_from_m: int | None) -> None:
+    """Stacked experts (a GGUF's ffn_*_exps) in Q4_K: the expert GEMVs (decode), and the
+    grouped GEMM, on the host."""
+    graph, weights = experts_graph(Ggml("Q4_K"), 2, k_in=HIDDEN, inter=HIDDEN)
+    compiled = qir.compile(graph, weights, backend="host", gemm_from_m=gemm_from_m)
+    reference = qir.compile(graph, weights, backend="reference")
+    prefix = "moe_qgemm_" if gemm_from_m else "moe_gemv_"
+    assert compiled.plan is not None
+    assert any(la.kernel.name.startswith(prefix) for la in compiled.plan.launches)
+    for m in (1, 9):
+        x = feed(m, 2, k_in=HIDDEN)
+        moe_close(compiled(x), reference(x))
