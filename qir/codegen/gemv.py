@@ -98,19 +98,21 @@ def lanes_of(kernel_name: str) -> int:
     return int(m.group(1)) if m else 32
 
 
-def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType) -> int:
+def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType, part: bool = False) -> int:
     """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
     fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
     spill; so do four slots of f32 activations (eight rows of x, each a float per weight), and
     four of 2-bit codes at eight rows of x (16 codes a step: two slots). A fragment may ask for
-    fewer slots when paired (`paired_slots` in its context)."""
+    fewer where the kernel holds more (`crowded_slots` in its context): paired, or a `part` of
+    a launch of several formats."""
     if frag.context.get("gathers") or act == F32:
         slots = 1
     else:
         slots = SLOTS // 2 if int(frag.context.get("step", 8)) > 8 else SLOTS
-    if weights_per_warp > 1:
-        # a fragment whose pair of weights at two rows each spills keeps to fewer (ggml Q6_K)
-        slots = min(slots, int(frag.context.get("paired_slots", slots)))
+    if weights_per_warp > 1 or part:
+        # A fragment that spills where a kernel holds other code (a gate/up pair, a part of a
+        # launch of several formats) beside its four rows keeps to fewer (ggml Q6_K).
+        slots = min(slots, int(frag.context.get("crowded_slots", slots)))
     return max(1, slots // weights_per_warp)
 
 
@@ -141,6 +143,8 @@ class GemvSpec:
     res_norm: tuple[DType, float, bool] | None = None
     # Lanes per row at least (a power of two): an expert kernel's shared memory per block row.
     min_lanes: int = 1
+    # One format's part of a launch of several (parts): the kernel holds the others' code too.
+    part: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -207,7 +211,9 @@ class GemvSpec:
         for fmt, js in groups.items():
             w = self.weights[js[0]]
             target = self.target and for_target(self.target, fmt, w.out_features, w.in_features)
-            sub = replace(self, weights=tuple(self.weights[j] for j in js), target=target)
+            sub = replace(
+                self, weights=tuple(self.weights[j] for j in js), target=target, part=True
+            )
             out.append((tuple(js), sub))
         return tuple(out)
 
@@ -249,7 +255,8 @@ class GemvSpec:
     @property
     def rows_per_warp(self) -> int:
         """Rows of each weight one group of `lanes` lanes computes (its slots)."""
-        return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1, self.act)
+        weights = len(self.weights) if self.paired else 1
+        return rows_per_warp(self.fragment, weights, self.act, self.part)
 
     @property
     def lanes(self) -> int:

@@ -134,9 +134,10 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "sub_in_d": bool(s.sub) and per_block == 1 and chunk // s.run * sub_bytes(s) <= 2,
         "table": bool(s.table),
         "high_words": 0,
-        # Q6_K's gate/up pair at two rows of both spilled 24-32 B on sm_100a and sm_120a (its
-        # chunk is the most registers: 4 code words, 2 high words, d and the sub-scales)
-        **({"paired_slots": 2} if s.name == "Q6_K" else {}),
+        # Q6_K's chunk holds the most registers (4 code words, 2 high words, d and sub-scales):
+        # its gate/up pair at two rows of both spilled 24-32 B on sm_100a and sm_120a, its part
+        # of a Q4_K_M q/k/v launch 12 B on sm_120a
+        **({"crowded_slots": 2} if s.name == "Q6_K" else {}),
         **(_table_luts(s.table) if s.table else {}),
     }
     if lo < 8 and not s.table:
