@@ -3,18 +3,20 @@ qir.formats.ggml: low code bits (`weight`), high bits, block scales, sub-block s
 
 A chunk is one 16-byte load of the row's codes (32 codes of 4 low bits, 64 of 2, 16 of 8) plus
 its high bits, its block's d (and m or dmin) and its sub-blocks' scales, each one small load
-from the row's `fields` (formats.ggml's planes); a run
-is a sub-block (at most 32 codes), whose scale d * sc (and min) the GEMV applies once to the
-run's sum. A step is 8 codes, 4 pairs, at every width.
+from the row's `fields` (formats.ggml's planes); a run is a sub-block (at most 32 codes), whose
+scale d * sc (and min) the GEMV applies once to the run's sum. A step is 8 codes, 4 pairs, at
+every width.
 
 Packed decode, per step (see int_codes.py for the magic-number trick; formats.ggml.code_word
 for where the pairs sit): pair e holds codes (e, e + 4) in the two halves of a word; the low
 fields are masked in place where they fit T's unit-1 window together with their high bits and
 the zero, after one shift of the word per step in f16 (per pair where bf16's narrower window
-needs it), and the high bits are ORed in right above them from one shift of the `high` word
-(formats.ggml.high_tiling places them so that, in f16, one shift serves a step). Q8_0's bytes take f16's magic exponent byte by PRMT; IQ4's 16 table values take two
-PRMT lookups (magnitudes of the negative and of the positive entries, a code's sign bit
-selecting zero in the other) and one subtraction into offset-binary bytes, then the same.
+needs it), and the high bits are ORed in right above them from one rotation of their word
+(formats.ggml.high_tiling places them so that, in f16, one rotation serves a step, and a word's
+first step needs none). Q8_0's bytes take f16's magic exponent byte by PRMT; IQ4's 16 table
+values take two PRMT lookups (magnitudes of the negative and of the positive entries, a code's
+sign bit selecting zero in the other) and one subtraction into offset-binary bytes, then the
+same.
 Types with a min (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) keep their codes centred, as MLX's are
 (int_codes.py): half the code range, a bias term that does not cancel most of the codes' sum.
 """
@@ -108,7 +110,6 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
     context: dict[str, Any] = {
         "what": f"ggml {s.name}",
         "packed": True,
-        "type": s.name,
         "lo_bits": lo,
         "hi_bits": hi,
         "chunk_words": chunk * lo // 32,
