@@ -39,6 +39,8 @@ from qir.formats.ct_int import CtInt
 from qir.formats.dense import Dense
 from qir.formats.fp8 import Fp8
 from qir.formats.fp8_block import Fp8Block
+from qir.formats.ggml import Ggml
+from qir.formats.ggml_blocks import SPECS
 from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4, Mxfp8
@@ -72,6 +74,8 @@ FORMATS: tuple[WeightFormat, ...] = (
     Nvfp4("mul", 16),
     Nvfp4("div", 4),
     Dense(F16),
+    # GGUF's tensor types (qir.formats.ggml); TQ1_0 runs TQ2_0's planes
+    *(Ggml(t) for t in SPECS),
 )
 BLOCKS = ("qkv", "o", "mlp", "moe")
 # The "moe" block: a routed MLP (router, gate/up pair, down + combine + residual) at

@@ -496,7 +496,7 @@ def _params(spec: GemmSpec, frag: Fragment) -> list[KernelParam]:
     scale = f.a4 and (f.prologue or f.native) and f.a4_mode != "dynamic"
     return [
         *inputs,
-        *weight_params(f.weights, frag),
+        *weight_params(f.weights),
         *(
             KernelParam(f"y{j}", f"{f.act.c_type}* __restrict__", "buffer")
             for j in range(1 if f.paired else len(f.weights))

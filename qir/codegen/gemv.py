@@ -26,7 +26,7 @@ products depends on the fragment and the activation dtype (`path`):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
@@ -98,15 +98,21 @@ def lanes_of(kernel_name: str) -> int:
     return int(m.group(1)) if m else 32
 
 
-def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType) -> int:
+def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType, part: bool = False) -> int:
     """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
     fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
     spill; so do four slots of f32 activations (eight rows of x, each a float per weight), and
-    four of 2-bit codes at eight rows of x (16 codes a step: two slots)."""
+    four of 2-bit codes at eight rows of x (16 codes a step: two slots). A fragment may ask for
+    fewer where the kernel holds more (`crowded_slots` in its context): paired, or a `part` of
+    a launch of several formats."""
     if frag.context.get("gathers") or act == F32:
         slots = 1
     else:
         slots = SLOTS // 2 if int(frag.context.get("step", 8)) > 8 else SLOTS
+    if weights_per_warp > 1 or part:
+        # A fragment that spills where a kernel holds other code (a gate/up pair, a part of a
+        # launch of several formats) beside its four rows keeps to fewer (ggml Q6_K).
+        slots = min(slots, int(frag.context.get("crowded_slots", slots)))
     return max(1, slots // weights_per_warp)
 
 
@@ -137,14 +143,17 @@ class GemvSpec:
     res_norm: tuple[DType, float, bool] | None = None
     # Lanes per row at least (a power of two): an expert kernel's shared memory per block row.
     min_lanes: int = 1
+    # One format's part of a launch of several (parts): the kernel holds the others' code too.
+    part: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
             # A warp's lanes store its outputs, one each: SLOTS rows x m_tile rows of x.
             raise ValueError(f"m_tile must be 1..{32 // SLOTS}, got {self.m_tile}")
-        formats = {(w.format, w.in_features) for w in self.weights}
-        if len(formats) != 1:
-            raise ValueError(f"one GEMV launch needs one format and in_features, got {formats}")
+        if len({w.in_features for w in self.weights}) != 1:
+            raise ValueError(f"one GEMV launch needs one in_features, got {self.weights}")
+        if self.mixed and (self.paired or self.a4):
+            raise ValueError("weights of several formats share a launch unpaired and 16-bit only")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {self.epilogue!r}; known: {EPILOGUES}")
         if self.epilogue == "residual" and len(self.weights) != 1:
@@ -171,15 +180,56 @@ class GemvSpec:
             raise ValueError(f"unknown gate activation {self.gate_act!r}; known: {GATE_ACTS}")
         if self.gate_act != "silu" and not (self.prologue or self.epilogue == "silu_mul"):
             raise ValueError(f"gate activation {self.gate_act}: needs a gate to apply it to")
-        if self.target is not None and not (self.target.fp4_cvt and self.fragment.e2m1):
+        if self.target is not None and not (
+            self.target.fp4_cvt and any(f.e2m1 for f in self.fragments)
+        ):
             raise ValueError(
                 f"{self.target.arch} changes no code of {self.weights[0].format.spell()}"
             )
 
     @property
+    def mixed(self) -> bool:
+        """Weights of several formats: each format's weights a part of the launch (parts)."""
+        return len({w.format for w in self.weights}) > 1
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        return tuple(
+            fragment_for(w.format, w.out_features, w.in_features)
+            for w in {w.format: w for w in self.weights}.values()
+        )
+
+    @property
+    def parts(self) -> tuple[tuple[tuple[int, ...], GemvSpec], ...]:
+        """The launch by format, in the order the formats first appear: the weights' indices
+        and the one-format GEMV of them (a kernel of its own's blocks, at the target where it
+        changes the format's code)."""
+        groups: dict[WeightFormat, list[int]] = {}
+        for j, w in enumerate(self.weights):
+            groups.setdefault(w.format, []).append(j)
+        out = []
+        for fmt, js in groups.items():
+            w = self.weights[js[0]]
+            target = self.target and for_target(self.target, fmt, w.out_features, w.in_features)
+            sub = replace(
+                self, weights=tuple(self.weights[j] for j in js), target=target, part=True
+            )
+            out.append((tuple(js), sub))
+        return tuple(out)
+
+    @property
     def name(self) -> str:
         w0 = self.weights[0]
         outs = segments(self.weights)
+        if self.mixed:
+            # each part's format (its lanes per row follow from the format and K)
+            tags = "_".join(p.weights[0].format.tag() for _, p in self.parts)
+            fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm, self.res_norm)
+            fused += EPILOGUES[self.epilogue] + cap_suffix(self.cap) + target_suffix(self.target)
+            return (
+                f"qgemv_{tags}_{self.act.name}_n{outs}_k{w0.in_features}_m{self.m_tile}"
+                f"{gate_spelled(fused, self.gate_act)}"
+            )
         fused = ("_silu" if self.prologue else "") + norm_suffix(self.norm, self.res_norm)
         fused += EPILOGUES[self.epilogue] + cap_suffix(self.cap)
         if self.a4:
@@ -205,7 +255,8 @@ class GemvSpec:
     @property
     def rows_per_warp(self) -> int:
         """Rows of each weight one group of `lanes` lanes computes (its slots)."""
-        return rows_per_warp(self.fragment, len(self.weights) if self.paired else 1, self.act)
+        weights = len(self.weights) if self.paired else 1
+        return rows_per_warp(self.fragment, weights, self.act, self.part)
 
     @property
     def lanes(self) -> int:
@@ -222,6 +273,8 @@ class GemvSpec:
 
     @property
     def grid_x(self) -> int:
+        if self.mixed:
+            return sum(p.grid_x for _, p in self.parts)
         if self.paired:
             return self.blocks(self.weights[0])
         return sum(self.blocks(w) for w in self.weights)
@@ -253,15 +306,16 @@ def segments(weights: tuple[QWeight, ...]) -> str:
     return "_".join(f"{w.out_features}{'b' if w.bias else ''}" for w in weights)
 
 
-def weight_params(weights: tuple[QWeight, ...], frag: Fragment) -> list[KernelParam]:
-    """Each weight's buffers as kernel parameters w<j>_<buffer>, its bias (float) last."""
+def weight_params(weights: tuple[QWeight, ...]) -> list[KernelParam]:
+    """Each weight's buffers (its fragment's) as kernel parameters w<j>_<buffer>, its bias
+    (float) last."""
     return [
         p
         for j, w in enumerate(weights)
         for p in (
             *(
                 KernelParam(f"w{j}_{q.name.removeprefix('w_')}", q.c_type, "buffer")
-                for q in frag.params
+                for q in fragment_for(w.format, w.out_features, w.in_features).params
             ),
             *(
                 (KernelParam(f"w{j}_bias", "const float* __restrict__", "buffer"),)
@@ -277,7 +331,7 @@ def bias_of(weights: tuple[QWeight, ...], j: int) -> str:
     return f"w{j}_bias" if weights[j].bias else "nullptr"
 
 
-def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
+def _params(spec: GemvSpec) -> list[KernelParam]:
     act_in = f"const {spec.act.c_type}* __restrict__"
     inputs: tuple[KernelParam, ...]
     if spec.prologue:
@@ -291,7 +345,7 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
     scale = spec.a4 and spec.prologue and spec.a4_mode != "dynamic"
     return [
         *inputs,
-        *weight_params(spec.weights, frag),
+        *weight_params(spec.weights),
         *(
             KernelParam(f"y{j}", f"{spec.act.c_type}* __restrict__", "buffer")
             for j in range(1 if spec.paired else len(spec.weights))
@@ -303,10 +357,15 @@ def _params(spec: GemvSpec, frag: Fragment) -> list[KernelParam]:
     ]
 
 
-def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
+def _select(
+    spec: GemvSpec, frag: Fragment, index: tuple[int, ...] = (), block: int = 0
+) -> list[str]:
     """C++ statements choosing this block's weight(s), output and row count: a launch of several
-    weights gives each a range of blocks; a paired launch reads both weights in every block."""
+    weights gives each a range of blocks; a paired launch reads both weights in every block. A
+    part of a mixed launch (GemvSpec.parts) names its weights by their indices in the launch,
+    `index`, and its blocks start at `block`."""
     ws = spec.weights
+    index = index or tuple(range(len(ws)))
     if spec.paired:
         w0, w1 = (frag.weight_init(f"w{j}_") for j in range(2))
         return [
@@ -315,7 +374,7 @@ def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
             f"const int n_rows = {spec.weights[0].out_features}, block0 = 0;",
             "act_t* __restrict__ y = y0;",
         ]
-    ends, start = [], 0
+    ends, start = [], block
     for w in spec.weights:
         start += spec.blocks(w)
         ends.append(start)
@@ -327,17 +386,17 @@ def _select(spec: GemvSpec, frag: Fragment) -> list[str]:
             expr = f"blockIdx.x < {end} ? {v} : {expr}"
         return expr
 
-    n = len(spec.weights)
+    biased = {j: w for j, w in zip(index, ws, strict=True) if w.bias}
     return [
         "const qir_weight weights[QIR_WEIGHTS] = {"
-        + pick([frag.weight_init(f"w{j}_") for j in range(n)])
+        + pick([frag.weight_init(f"w{j}_") for j in index])
         + "};",
         "const float* biases[QIR_WEIGHTS] = {"
-        + pick([f"(const float*){bias_of(ws, j)}" for j in range(n)])
+        + pick([f"(const float*){f'w{j}_bias' if j in biased else 'nullptr'}" for j in index])
         + "};",
         f"const int n_rows = {pick([str(w.out_features) for w in spec.weights])};",
-        f"const int block0 = {pick(['0', *map(str, ends[:-1])])};",
-        f"act_t* __restrict__ y = {pick([f'y{j}' for j in range(n)])};",
+        f"const int block0 = {pick([str(block), *map(str, ends[:-1])])};",
+        f"act_t* __restrict__ y = {pick([f'y{j}' for j in index])};",
     ]
 
 
@@ -372,16 +431,51 @@ def _header(spec: GemvSpec) -> list[str]:
 
 
 def gemv_kernel(spec: GemvSpec) -> Kernel:
+    params = _params(spec)
+    signature = [f"{p.c_type} {p.name}" for p in params]
+    if not spec.mixed:
+        source = _render(spec, spec.name, signature, _select(spec, spec.fragment))
+    else:
+        # Each format's weights are a part: the one-format kernel's code in a namespace of its
+        # own, entered by the blocks of its range.
+        parts, block = [], 0
+        for i, (index, part) in enumerate(spec.parts):
+            select = _select(part, part.fragment, index, block)
+            block += part.grid_x
+            body = _render(part, spec.name, signature, select, part=f"qir_part{i}")
+            parts.append({"namespace": f"qir_part{i}", "end": block, "source": body})
+        source = render(
+            "qgemv_mixed.cu.j2",
+            name=spec.name,
+            header=_header(spec),
+            parts=parts,
+            signature=signature,
+            args=", ".join(p.name for p in params),
+            threads=32 * WARPS_PER_BLOCK,
+            min_blocks=MIN_BLOCKS_PER_SM,
+            target=spec.target.arch if spec.target else "",
+            fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
+        )
+    return Kernel(
+        spec.name, source, tuple(params), (32 * WARPS_PER_BLOCK, 1, 1), (common_header(),)
+    )
+
+
+def _render(
+    spec: GemvSpec, name: str, signature: list[str], select: list[str], part: str = ""
+) -> str:
+    """qgemv.cu.j2 for a one-format spec: the kernel, or (`part`) its code as a part of a mixed
+    launch (no includes, the kernel a device function `qir_part`)."""
     w0 = spec.weights[0]
-    frag = fragment_for(w0.format, w0.out_features, w0.in_features)
-    params = _params(spec, frag)
-    source = render(
+    frag = spec.fragment
+    return render(
         "qgemv.cu.j2",
-        name=spec.name,
+        name=name,
+        part=part,
         header=_header(spec),
         fragment_template=frag.template,
-        signature=[f"{p.c_type} {p.name}" for p in params],
-        select=_select(spec, frag),
+        signature=signature,
+        select=select,
         act_t=spec.act.c_type,
         K=w0.in_features,
         m_tile=spec.m_tile,
@@ -403,9 +497,6 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
         target=spec.target.arch if spec.target else "",
         fp4_cvt=bool(spec.target and spec.target.fp4_cvt),
         **frag.context,
-    )
-    return Kernel(
-        spec.name, source, tuple(params), (32 * WARPS_PER_BLOCK, 1, 1), (common_header(),)
     )
 
 

@@ -1,6 +1,8 @@
 """Merge parallel qlinears: several plain qlinears reading the same input with weights of one
-format and one in_features (gate/up; q/k/v) become one multi-output qlinear that reads the input
-once; each original value becomes a `get` of it, so users and block outputs are untouched.
+in_features (gate/up; q/k/v) become one multi-output qlinear that reads the input once; each
+original value becomes a `get` of it, so users and block outputs are untouched. Weights of
+different formats merge too (a GGUF's Q4_K q/k and Q6_K v): the GEMV runs each format's
+weights as a part of one launch, the GEMM one launch per format (codegen.gemv.GemvSpec.parts).
 
 Preconditions: a verified graph. Scale-safe by construction: every weight keeps its own
 buffers, so per-tensor scales (NVFP4 global scales, FP8) stay per output segment; nothing is
@@ -8,8 +10,9 @@ merged by max().
 Where a group holds a gate/up pair (`mul(silu(g), u)`, each used only there) beside other
 projections, the pair is merged apart from the rest, so silu_epilogue folds it as usual.
 Does not handle: qlinears that already carry a prologue or epilogue, or already merged ones
-(merging happens first in the pipeline); weights of different formats or widths, or W4A4 weights
-calibrated for different activation scales (not merged: one launch reads one quantized input).
+(merging happens first in the pipeline); weights of different widths; weights that may take
+4-bit activations beside weights of another format, or W4A4 weights calibrated for different
+activation scales (not merged: one launch reads one quantized input).
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ def _groups(graph: Graph, x: str) -> list[list[str]]:
         assert isinstance(w, QWeight)
         # Weights calibrated for different activation scales cannot share one quantized input.
         rule = tuple((k, v) for k, v in weight.attrs if k in ACT_SCALE_ATTRS)
-        by_key.setdefault((w.format, w.in_features, rule), []).append(u)
+        # Formats mix in a launch of 16-bit activations only: one that may take 4-bit ones
+        # (NVFP4, which route_w4a4 may route) keeps to its own.
+        fmt = w.format if w.format.act_quant_scheme() is not None else None
+        by_key.setdefault((fmt, w.in_features, rule), []).append(u)
     return [part for g in by_key.values() for part in _apart(graph, g) if len(part) > 1]
 
 

@@ -40,6 +40,7 @@ GEMM_FROM_M: dict[str, int] = {
     "fp8": 17,
     "fp8_block": 17,
     "dense": 17,
+    "ggml": 17,
 }
 
 

@@ -73,11 +73,17 @@ def test_short_rows_take_groups_of_lanes():
         assert f"constexpr int QIR_LANES = {lanes};" in gemv_kernel(spec).source
 
 
-def test_one_launch_rejects_mixed_formats():
+def test_mixed_formats_are_parts_of_one_launch_unpaired_only():
     a = QWeight(MlxAffine(4, 128, BF16), 512, 256)
     b = QWeight(MlxAffine(8, 128, BF16), 512, 256)
-    with pytest.raises(ValueError, match="one format"):
-        GemvSpec((a, b), F16, 8)
+    spec = GemvSpec((a, b, a), F16, 8)
+    assert [index for index, _ in spec.parts] == [(0, 2), (1,)]
+    assert spec.grid_x == sum(p.grid_x for _, p in spec.parts)
+    assert spec.name == "qgemv_mlx4g128bf16_mlx8g128bf16_f16_n512_512_512_k256_m8"
+    source = gemv_kernel(spec).source
+    assert source.count("namespace qir_part1 {") == 1 and "qir_part1::qir_part(" in source
+    with pytest.raises(ValueError, match="unpaired and 16-bit only"):
+        GemvSpec((a, b), F16, 8, epilogue="silu_mul")
 
 
 def test_templates_reject_missing_variables():

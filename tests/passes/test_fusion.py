@@ -175,7 +175,7 @@ def test_merge_parallel_keeps_a_gate_up_pair_apart_from_other_projections(rng):
 @pytest.mark.parametrize(
     ("second_weight", "why"),
     [
-        (f"{W8}[256, 128]", "different format"),
+        ("qweight<nvfp4<scale_mode=div,act_bits=4>>[256, 128]", "a W4A4 format beside another"),
         (f"{W4}[256, 192]", "different in_features (other input)"),
     ],
 )
@@ -330,11 +330,32 @@ def test_silu_epilogue_under_w4a4_quantizes_the_product_once():
     assert '%h = qlinear %x_q, %w_gate, %w_up {epilogue="silu_mul"' in after
 
 
-def test_silu_prologue_takes_gate_and_up_that_were_not_merged():
+def test_silu_prologue_takes_gate_and_up_that_were_not_paired():
+    """Gate and up of different formats merge (one launch, each format a part of it) but do not
+    pair (a warp would decode both): silu(g) * u is down_proj's prologue."""
     text = MLP.replace(f'%w_up = weight {{key="up"}} : {W4}', f'%w_up = weight {{key="up"}} : {W8}')
-    _, records = run_pipeline(parse(text))
+    g, records = run_pipeline(parse(text))
     fired = {r.name: r.matches for r in records}
-    assert (fired["merge_parallel"], fired["silu_epilogue"], fired["silu_prologue"]) == (0, 0, 1)
+    assert (fired["merge_parallel"], fired["silu_epilogue"], fired["silu_prologue"]) == (1, 0, 1)
+    assert "qlinear %x, %w_gate, %w_up {" in print_graph(g)
+
+
+def test_merge_parallel_merges_weights_of_different_formats(rng):
+    """A GGUF's q/k in one format and v in another: one launch."""
+    text = f"""
+    graph t {{
+      %x = input : f16[M, 128]
+      %wa = weight {{key="a"}} : {W4}[256, 128]
+      %wb = weight {{key="b"}} : {W8}[64, 128]
+      %a = qlinear %x, %wa : f16[M, 256]
+      %b = qlinear %x, %wb : f16[M, 64]
+      output a = %a
+      output b = %b
+    }}
+    """
+    after, fired = run_pass(text, "merge_parallel")
+    assert fired == 1 and "%a_b = qlinear %x, %wa, %wb" in after
+    assert_same_numbers(text, after, rng)
 
 
 def test_default_pipeline_counts_and_ir():

@@ -65,6 +65,8 @@ from qir.formats.ct_int import CtInt
 from qir.formats.dense import Dense
 from qir.formats.fp8 import Fp8
 from qir.formats.fp8_block import Fp8Block
+from qir.formats.ggml import Ggml
+from qir.formats.ggml_blocks import SPECS
 from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4, Mxfp8
@@ -128,7 +130,7 @@ def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16, bias: bool = False) -> G
 def prologue_mlp(
     gate: WeightFormat, up: WeightFormat, down: WeightFormat, s: Shapes, gate_act: str = "silu"
 ) -> Graph:
-    """gate and up in different formats (not merged): silu(g) * u (or gate_act's) is
+    """gate and up in different formats (merged, not paired): silu(g) * u (or gate_act's) is
     down_proj's prologue."""
     b = Builder("prologue")
     x = b.input("x", ("M", s.hidden), F16)
@@ -471,7 +473,49 @@ GPTQ_BITS = (
     Gptq(8, 32, "gptq_v2", 0, BF16),
 )
 
+# GGUF's types (qir.formats.ggml): each its own decode (code widths, high bits, mins, tables),
+# near the register cap; TQ1_0 runs TQ2_0's planes.
+GGML = tuple(Ggml(t) for t in SPECS if t != "TQ1_0")
+
+
+def q4_k_m_qkv(s: Shapes) -> Graph:
+    """A Q4_K_M layer's q/k (Q4_K) and v (Q6_K) behind its RMSNorm: one launch of two parts."""
+    b = Builder("q4km")
+    x = b.input("x", ("M", s.hidden), F16)
+    xn = b.rms_norm(x, b.param("norm", TensorType((s.hidden,), F16), name="w_norm"), 1e-5)
+    for n, o, t in (("q", s.hidden, "Q4_K"), ("k", s.kv, "Q4_K"), ("v", s.kv, "Q6_K")):
+        b.output(n, b.qlinear(xn, b.weight(n, QWeight(Ggml(t), o, s.hidden), name=f"w_{n}")))
+    return b.graph
+
+
 GATE: tuple[Entry, ...] = (
+    # Every GGUF type's GEMVs at Llama-3-8B's MLP on every arch, its 128-row GEMM with the
+    # residual on one (the GEMMs stay far from the register cap), the archs in turn.
+    *(
+        Entry(
+            f"mlp-{fmt.tag()}-llama3-8b",
+            graph(lambda f=fmt: mlp(f, LLAMA3_8B), lambda la: not gemm(la)),
+            ("qgemv_", "_k4096_m8", "_silumul", "_k14336_m8_res"),
+        )
+        for fmt in GGML
+    ),
+    *(
+        Entry(
+            f"mlp-{fmt.tag()}-llama3-8b-gemm",
+            graph(lambda f=fmt: mlp(f, LLAMA3_8B), lambda la: gemm(la) and la.when[1] > 64),
+            ("qgemm_", "_res"),
+            archs=(nvrtc.GATE_ARCHS[i % len(nvrtc.GATE_ARCHS)],),
+        )
+        for i, fmt in enumerate(GGML)
+    ),
+    Entry(
+        "qkv-ggml-q4km-llama3-8b",
+        graph(lambda: q4_k_m_qkv(LLAMA3_8B)),
+        (
+            "qgemv_ggmlq4k_ggmlq6k_f16_n4096_1024_1024_k4096_m8_rmsnorm_wf16",
+            "qgemm_ggmlq6k_f16_n1024_k4096",
+        ),
+    ),
     *(
         Entry(
             f"mlp-{tag}-llama3-8b",
@@ -902,18 +946,25 @@ FAMILIES = {
 }
 
 
+# A GEMV of weights in several formats: each format's part qgemv.cu.j2's code, in a namespace.
+MIXED_GEMV = "qgemv_mixed.cu.j2"
+
+
+def template_of(kernel: Kernel) -> str | None:
+    """The template a kernel is rendered from (None: no family's)."""
+    prefix = next((p for p in FAMILIES if kernel.name.startswith(p)), None)
+    if prefix == "qgemv_" and "namespace qir_part" in kernel.source:
+        return MIXED_GEMV
+    return FAMILIES[prefix] if prefix else None
+
+
 def test_every_template_is_gated() -> None:
     """A kernel template no entry renders would never be built for a GPU: add an entry (and
     its family here) with the template."""
-    assert {p.name for p in TEMPLATES.glob("*.cu.j2")} == set(FAMILIES.values())
-    gated = {
-        prefix
-        for e in GATE
-        for k in _kernels(e.id, e.archs[0])
-        for prefix in FAMILIES
-        if k.name.startswith(prefix)
-    }
-    assert gated == set(FAMILIES)
+    templates = {p.name for p in TEMPLATES.glob("*.cu.j2")}
+    assert templates == {*FAMILIES.values(), MIXED_GEMV}
+    gated = {template_of(k) for e in GATE for k in _kernels(e.id, e.archs[0])}
+    assert gated - {None} == templates
 
 
 def test_gate_entries_are_distinct() -> None:

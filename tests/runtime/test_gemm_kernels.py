@@ -146,8 +146,8 @@ def test_every_fusion_at_every_batch_size(
 def prologue_mlp(
     gate: WeightFormat, up: WeightFormat, down: WeightFormat, gate_act: str = "silu"
 ) -> tuple[Graph, Any]:
-    """gate and up in different formats (so not merged): silu(g) * u (or gate_act's) is
-    down_proj's prologue; with W4A4 weights down_proj quantizes it there (per-row scales)."""
+    """gate and up in different formats (merged, so not paired): silu(g) * u (or gate_act's)
+    is down_proj's prologue; with W4A4 weights down_proj quantizes it there (per-row scales)."""
     rng = np.random.default_rng(3)
     b = Builder("prologue")
     x = b.input("x", ("M", HIDDEN), F16)

@@ -1,0 +1,175 @@
+"""ggml's (GGUF's) types through the generated kernels, on every backend this machine has, against
+the numpy interpreter: every type in the GEMV (M = 1, the staged decode path, and M = 5) and the
+GEMM (M = 33) at a ragged N = 37 and K = 256 (one K-quant block); a Q4_K_M-style layer whose
+q/k (Q4_K) and v (Q6_K) share one launch, gate/up (Q4_K) paired, down (Q6_K) with the residual;
+embedding rows read from quantized tables, the tied table as lm_head; stacked experts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qir
+from qir.builder import Builder
+from qir.dtypes import BF16, F16, F32, I32, DType
+from qir.formats.ggml import Ggml
+from qir.formats.ggml_blocks import SPECS
+from qir.types import TensorType
+from tests.conftest import BACKENDS, max_rel, random_weight, with_bias
+from tests.runtime.test_moe_kernels import close as moe_close
+from tests.runtime.test_moe_kernels import experts_graph, feed
+
+HIDDEN, INTER, RAGGED = 256, 512, 37
+ALL = tuple(Ggml(t) for t in SPECS)
+# One type per decode path (4-bit codes with a min, 5-bit, 6-bit, 2 + 1-bit, bytes, a table):
+# bf16's narrower window takes other shifts, and its bytes go through f16; f32 activations take
+# the float decode, which is the f16 pair decode's codes times the run's scale.
+PATHS = tuple(Ggml(t) for t in ("Q4_K", "Q5_0", "Q6_K", "Q3_K", "Q8_0", "IQ4_XS"))
+TOL = {F16: 3e-3, BF16: 2e-2, F32: 1e-5}
+
+
+def inputs(m: int, act: DType, name: str = "x", seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng((m, seed))
+    return {name: rng.standard_normal((m, HIDDEN), dtype=np.float32).astype(act.np)}
+
+
+def close(ours: dict, ref: dict, tol: float) -> None:
+    for name, want in ref.items():
+        got = np.asarray(ours[name])
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert max_rel(got, want) <= tol, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("act", "formats"), [(F16, ALL), (BF16, PATHS), (F32, PATHS)], ids=["f16", "bf16", "f32"]
+)
+def test_every_type_in_the_gemv_and_the_gemm(backend: str, act: DType, formats) -> None:
+    """One projection of N = 37 per type, the types taking turns over three inputs (the types
+    of one input share one GEMV launch, each a part of it; the GEMM takes them one launch
+    each). Biased where the type has a min, so a part's biases and a bias-free one sit side by
+    side."""
+    rng = np.random.default_rng(1)
+    b = Builder("types")
+    xs = [b.input(f"x{i}", ("M", HIDDEN), act) for i in range(3)]
+    weights = {}
+    for i, fmt in enumerate(formats):
+        qw, weights[fmt.type] = random_weight(rng, RAGGED, HIDDEN, fmt)
+        if fmt.spec.mins:
+            qw, weights[fmt.type] = with_bias(rng, qw, weights[fmt.type])
+        w = b.weight(fmt.type, qw, name=f"w_{fmt.type}")
+        b.output(fmt.type, b.qlinear(xs[i % 3], w))
+    compiled = qir.compile(b.graph, weights, backend=backend)
+    reference = qir.compile(b.graph, weights, backend="reference")
+    assert compiled.launches_for(1) == 3
+    batches = (1, 5) if act == F32 else (1, 5, 33)
+    if act != F32:
+        assert compiled.launches_for(33) == len(formats)
+    for m in batches:
+        x_m = {k: v for i in range(3) for k, v in inputs(m, act, f"x{i}", i).items()}
+        close(compiled(x_m), reference(x_m), TOL[act])
+
+
+def q4_k_m_layer() -> tuple[Builder, dict]:
+    """x -> rms_norm -> q, k (Q4_K), v (Q6_K); x -> gate, up (Q4_K) -> silu(g) * u -> down
+    (Q6_K) + x: llama.cpp's Q4_K_M on a use_more_bits layer."""
+    rng = np.random.default_rng(2)
+    b = Builder("q4km")
+    x = b.input("x", ("M", HIDDEN), F16)
+    nw = b.param("nw", TensorType((HIDDEN,), F16), name="w_norm")
+    weights: dict = {"nw": {"weight": (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(np.float16)}}
+    xn = b.rms_norm(x, nw, 1e-5)
+    shapes = {
+        "q": (Ggml("Q4_K"), 64, HIDDEN),
+        "k": (Ggml("Q4_K"), RAGGED, HIDDEN),
+        "v": (Ggml("Q6_K"), RAGGED + 3, HIDDEN),
+        "gate": (Ggml("Q4_K"), INTER, HIDDEN),
+        "up": (Ggml("Q4_K"), INTER, HIDDEN),
+        "down": (Ggml("Q6_K"), HIDDEN, INTER),
+    }
+    ws = {}
+    for name, (fmt, o, i) in shapes.items():
+        qw, weights[name] = random_weight(rng, o, i, fmt)
+        if name == "k":
+            qw, weights[name] = with_bias(rng, qw, weights[name])
+        ws[name] = b.weight(name, qw, name=f"w_{name}")
+    for name in ("q", "k", "v"):
+        b.output(name, b.qlinear(xn, ws[name]))
+    h = b.mul(b.silu(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
+    b.output("y", b.add(x, b.qlinear(h, ws["down"])))
+    return b, weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_q4_k_m_layer_fuses_across_types(backend: str, monkeypatch) -> None:
+    """q/k/v of two types in one launch with the norm prologue, the pair's epilogue, down's
+    residual: 3 launches a decode step, as for one format; a captured replay gives the same
+    bytes, and on the host so does the reverse schedule."""
+    b, weights = q4_k_m_layer()
+    compiled = qir.compile(b.graph, weights, backend=backend)
+    reference = qir.compile(b.graph, weights, backend="reference")
+    assert compiled.plan is not None
+    names = [la.kernel.name for la in compiled.plan.launches if la.runs_for(1)]
+    assert compiled.launches_for(1) == 3, names
+    assert any(n.startswith("qgemv_ggmlq4k_ggmlq6k_f16_n64_37b_40_k256") for n in names), names
+    assert any(n.endswith("_silumul") for n in names) and any(n.endswith("_res") for n in names)
+    # the GEMM: q/k and v launch apart
+    assert compiled.launches_for(33) == 4
+    for m in (1, 5, 33):
+        x = inputs(m, F16)
+        ours = compiled(x)
+        close(ours, reference(x), TOL[F16])
+        replayed = compiled.capture(m)(x)
+        for name, value in ours.items():
+            got = replayed[name]
+            assert (got.get() if hasattr(got, "get") else np.asarray(got)).tobytes() == (
+                value.tobytes()
+            ), (name, m)
+        if backend == "host":
+            monkeypatch.setenv("QIR_HOST_SCHEDULE", "reverse")
+            backward = compiled(x)
+            monkeypatch.delenv("QIR_HOST_SCHEDULE")
+            for name, value in ours.items():
+                assert value.tobytes() == backward[name].tobytes(), (name, m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_rows_and_tied_lm_head_from_ggml_tables(backend: str) -> None:
+    """token_embd in Q4_K, Q6_K and Q8_0 (vocab 37): the gathered rows equal the
+    interpreter's bytes (the decode is exact); each table is
+    also the lm_head (tied) of its rows."""
+    rng = np.random.default_rng(4)
+    b = Builder("embed")
+    ids = b.input("ids", ("M",), I32)
+    weights = {}
+    for t in ("Q4_K", "Q6_K", "Q8_0"):
+        qw, weights[t] = random_weight(rng, RAGGED, HIDDEN, Ggml(t))
+        table = b.weight(t, qw, name=f"w_{t}")
+        rows = b.embedding(ids, table, F16, name=f"embed_{t}")
+        b.output(f"embed_{t}", rows)
+        b.output(f"logits_{t}", b.qlinear(rows, table))
+    compiled = qir.compile(b.graph, weights, backend=backend)
+    reference = qir.compile(b.graph, weights, backend="reference")
+    for m, seed in ((1, 0), (6, 1)):
+        x = {"ids": np.random.default_rng(seed).integers(0, RAGGED, m).astype(np.int32)}
+        ours, want = compiled(x), reference(x)
+        for name, value in want.items():
+            if name.startswith("embed_"):
+                assert np.asarray(ours[name]).tobytes() == value.tobytes(), name
+            else:
+                assert max_rel(np.asarray(ours[name]), value) <= TOL[F16], name
+
+
+@pytest.mark.parametrize("gemm_from_m", [None, 1], ids=["gemv", "grouped"])
+def test_expert_tensors_in_ggml_types(gemm_from_m: int | None) -> None:
+    """Stacked experts (a GGUF's ffn_*_exps) in Q4_K: the expert GEMVs (decode), and the
+    grouped GEMM, on the host."""
+    graph, weights = experts_graph(Ggml("Q4_K"), 2, k_in=HIDDEN, inter=HIDDEN)
+    compiled = qir.compile(graph, weights, backend="host", gemm_from_m=gemm_from_m)
+    reference = qir.compile(graph, weights, backend="reference")
+    prefix = "moe_qgemm_" if gemm_from_m else "moe_gemv_"
+    assert compiled.plan is not None
+    assert any(la.kernel.name.startswith(prefix) for la in compiled.plan.launches)
+    for m in (1, 9):
+        x = feed(m, 2, k_in=HIDDEN)
+        moe_close(compiled(x), reference(x))
