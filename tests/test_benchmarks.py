@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from qir.runtime import nvrtc
+from tests.requires import have, requires
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -180,18 +180,17 @@ def test_llama_shapes_sweep_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert float(times["GEMM"]) > 0 and float(times["GEMV"]) > 0
 
 
-@pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+@requires("nvrtc")
 def test_static_roofline_on_one_format(capsys: pytest.CaptureFixture[str]) -> None:
     """The o projection (4096 -> 4096) of one format at M = 1 and 8 for sm_90: one kernel,
     the H100 and H200 bounds beside it; with nvdisasm, a cost that grows with M."""
-    from qir.runtime import sass
 
     rows = load("static_roofline").main(["--formats", "awq4g128", "--blocks", "o", "--m", "1", "8"])
     assert [(r.format, r.m, r.block) for r in rows] == [("awq4g128", 1, "o"), ("awq4g128", 8, "o")]
     assert {r.cost.name for r in rows} == {"qgemv_awq4g128_f16_n4096_k4096_m8"}
     out = capsys.readouterr().out
     assert "bound H200" in out and "bound H100" in out and "H200: budget 112" in out
-    if sass.available():
+    if have("nvdisasm"):
         one, eight = (r.cost.instr_per_512 for r in rows)
         assert one is not None and eight is not None and eight > one > 0
         assert out.count("-bound at ") == 4  # two rows, two GPUs
