@@ -15,12 +15,15 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 
 from qir.cli import main
 from qir.models import Model
+from tests.requires import import_or_skip
 from tests.serving.conftest import API_KEY, FIXTURE, MAX_BODY, NAME, Served, serve
+
+openai = import_or_skip("openai", "openai")
+import_or_skip("qir.serving.http", "serve")
 
 GREEDY = {"temperature": 0}
 HI = [{"role": "user", "content": "Hi there"}]
