@@ -139,18 +139,6 @@ def test_cublas_baseline_replays_graphs_or_says_it_ran_eagerly(capture_fails: bo
         assert set(timer.stream.log[3 * copies :]) == {"launch"}
 
 
-def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
-    table = load("runtime").main(["--blocks", "qkv", "--repeat", "3"])
-    labels = [(block, label.split()[0]) for block, label, _ in table]
-    assert labels == [("qkv", "host"), ("qkv", "nvrtc")]
-    assert all(t > 0 for _, _, row in table for t in row)
-    out = capsys.readouterr().out
-    assert (
-        "cold compile ms" in out and "threads ms" in out and "\nqkv    host [3] " in out
-    )  # GEMV, two GEMM tiles
-    assert re.search(r"kernel calls stubbed out.*\nqkv +\d+\.\d\n", out)
-
-
 def test_compile_scale_on_tiny_models(capsys: pytest.CaptureFixture[str]) -> None:
     rows = load("compile_scale").main(["--layers", "1", "2", "--repeat", "1", "--scale", "32"])
     # a layer is 3 qlinear launches (q/k/v, gate/up, down), each a GEMV and two GEMM tile
