@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck install install-test
+.PHONY: demo test lint typecheck install install-test gpu-dry-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,20 @@ demo: install
 	$(BIN)/qir demo
 
 lint: install-test
-	$(BIN)/ruff check qir tests benchmarks
-	$(BIN)/ruff format --check qir tests benchmarks
+	$(BIN)/ruff check qir tests benchmarks scripts
+	$(BIN)/ruff format --check qir tests benchmarks scripts
 
 typecheck: install-test
 	$(BIN)/mypy
 
+# QIR_CI=1: a skip that this machine should not take fails the run (tests/skip_policy.py); -rs
+# lists every skip's reason. `make test QIR_CI=0` lets them pass.
+QIR_CI ?= 1
 test: lint typecheck
-	$(BIN)/python -m pytest -q -n auto
+	QIR_CI=$(QIR_CI) $(BIN)/python -m pytest -q -rfEs -n auto
+
+# Before a GPU lease: every stage of scripts/gpu_check.sh, dry, in a virtualenv of the GPU
+# machine's packages (tests/test_gpu_check.py does the same inside `make test`).
+gpu-dry-run: install-test
+	$(BIN)/python scripts/device_image.py $(VENV)-image
+	PYTHON=$(VENV)-image/bin/python scripts/gpu_check.sh --dry-run

@@ -11,6 +11,7 @@ pointing at the nodes the first one drew.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,6 +24,8 @@ from qir.graph import Graph
 from qir.types import QExperts, QWeight
 
 SUFFIXES = (".dot", ".svg", ".png")
+# networkx writes DOT through pydot: an extra, so that qir imports and runs without it
+INSTALL_PYDOT = "pip install 'qir[draw]'"
 INSTALL = (
     "install Graphviz: apt-get install graphviz (Debian, Ubuntu), brew install graphviz (macOS)"
 )
@@ -88,7 +91,10 @@ def _when(launch: Launch) -> str:
 def to_dot(before: Graph, after: Graph, plan: Plan | None) -> str:
     """DOT text of `before` and `after` side by side, the launches of `plan` (a plan of `after`)
     as clusters named after their kernels."""
-    import pydot
+    try:
+        import pydot
+    except ImportError:
+        raise UsageError(f"drawing a block needs pydot: {INSTALL_PYDOT}") from None
 
     g: nx.DiGraph[str] = nx.DiGraph(name=after.name)
     g.graph["graph"] = {"rankdir": "TB", "fontname": "Helvetica", "newrank": "true"}
@@ -175,7 +181,7 @@ def draw(
 
 
 def svg(before: Graph, after: Graph, plan: Plan | None) -> str | None:
-    """The picture as SVG text, or None without Graphviz."""
-    if not dot_available():
+    """The picture as SVG text, or None without Graphviz or pydot."""
+    if not dot_available() or importlib.util.find_spec("pydot") is None:
         return None
     return render_dot(to_dot(before, after, plan), "svg").decode()

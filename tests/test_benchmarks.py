@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from qir.runtime import nvrtc
+from tests.requires import have, requires
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -139,18 +139,6 @@ def test_cublas_baseline_replays_graphs_or_says_it_ran_eagerly(capture_fails: bo
         assert set(timer.stream.log[3 * copies :]) == {"launch"}
 
 
-def test_runtime_on_host(capsys: pytest.CaptureFixture[str]) -> None:
-    table = load("runtime").main(["--blocks", "qkv", "--repeat", "3"])
-    labels = [(block, label.split()[0]) for block, label, _ in table]
-    assert labels == [("qkv", "host"), ("qkv", "nvrtc")]
-    assert all(t > 0 for _, _, row in table for t in row)
-    out = capsys.readouterr().out
-    assert (
-        "cold compile ms" in out and "threads ms" in out and "\nqkv    host [3] " in out
-    )  # GEMV, two GEMM tiles
-    assert re.search(r"kernel calls stubbed out.*\nqkv +\d+\.\d\n", out)
-
-
 def test_compile_scale_on_tiny_models(capsys: pytest.CaptureFixture[str]) -> None:
     rows = load("compile_scale").main(["--layers", "1", "2", "--repeat", "1", "--scale", "32"])
     # a layer is 3 qlinear launches (q/k/v, gate/up, down), each a GEMV and two GEMM tile
@@ -180,18 +168,17 @@ def test_llama_shapes_sweep_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert float(times["GEMM"]) > 0 and float(times["GEMV"]) > 0
 
 
-@pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+@requires("nvrtc")
 def test_static_roofline_on_one_format(capsys: pytest.CaptureFixture[str]) -> None:
     """The o projection (4096 -> 4096) of one format at M = 1 and 8 for sm_90: one kernel,
     the H100 and H200 bounds beside it; with nvdisasm, a cost that grows with M."""
-    from qir.runtime import sass
 
     rows = load("static_roofline").main(["--formats", "awq4g128", "--blocks", "o", "--m", "1", "8"])
     assert [(r.format, r.m, r.block) for r in rows] == [("awq4g128", 1, "o"), ("awq4g128", 8, "o")]
     assert {r.cost.name for r in rows} == {"qgemv_awq4g128_f16_n4096_k4096_m8"}
     out = capsys.readouterr().out
     assert "bound H200" in out and "bound H100" in out and "H200: budget 112" in out
-    if sass.available():
+    if have("nvdisasm"):
         one, eight = (r.cost.instr_per_512 for r in rows)
         assert one is not None and eight is not None and eight > one > 0
         assert out.count("-bound at ") == 4  # two rows, two GPUs

@@ -15,9 +15,8 @@ import pytest
 from qir.cli import demo, main
 from qir.models import Model
 from qir.models.goldens import embedded_checkpoints
-from qir.runtime.nvrtc import available as nvrtc_available
-from qir.runtime.sass import available as sass_available
 from tests.conftest import BACKENDS, DATA, rel_err
+from tests.requires import have, requires
 
 CKPT = DATA / "mlx_affine4_g64_S"
 
@@ -272,7 +271,7 @@ def test_run_audit_reports_each_w4a4_projection(tmp_path):
         assert 0.01 < w4a4_vs_w4a16 < 0.5 and w4a16_vs_f32 < 0.01 < w4a4_vs_f32
 
 
-@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+@requires("nvrtc")
 def test_compile_resources_prints_the_cost_table(capsys):
     ckpt = DATA / "awq_gemm_g64_S"
     argv = ["compile", str(ckpt), "--block", "qkv", "--m", "1", "--arch", "sm_100a"]
@@ -283,7 +282,7 @@ def test_compile_resources_prints_the_cost_table(capsys):
     )
     assert re.search(r"\b\d+ \((registers|threads|blocks|smem)\)", out)
     assert "B200 (sm_100a): budget " in out
-    if sass_available():
+    if have("nvdisasm"):
         # The SASS columns: a bound, or for this checkpoint's K = 256 (shorter than one pass of
         # a warp over K: no weight loop to read) a note that says so.
         assert re.search(r"(issue|latency)-bound at \d+%", out) or re.search(
@@ -291,7 +290,7 @@ def test_compile_resources_prints_the_cost_table(capsys):
         )
 
 
-@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+@requires("nvrtc")
 def test_compile_resources_costs_gemms_per_mma(capsys):
     """At an M the GEMM serves, each GEMM's main loop in warp instructions per MMA and whether
     the reference GPU's tensor cores or the issue bound it."""
@@ -300,13 +299,13 @@ def test_compile_resources_costs_gemms_per_mma(capsys):
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("qgemm_")]
     assert len(rows) == 2 and all("_128x64x32" in r for r in rows)
-    if sass_available():
+    if have("nvdisasm"):
         assert all(re.search(r" \d+\.\d/MMA ", r) for r in rows)
         assert all(r.endswith(("tensor-bound", "of tensor peak")) for r in rows)
         assert "A100's tensor cores take 8 warp instructions per m16n8k16 MMA" in out
 
 
-@pytest.mark.skipif(not nvrtc_available(), reason="needs qir[compile] (NVRTC)")
+@requires("nvrtc")
 def test_compile_resources_refuses_an_unknown_arch(capsys):
     argv = ["compile", str(CKPT), "--block", "qkv", "--arch", "sm_999", "--resources"]
     assert main(argv) == 2

@@ -5,11 +5,12 @@ Graphviz's dot where it is installed."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
 import numpy as np
-import pydot
 import pytest
 
 import qir
@@ -20,11 +21,10 @@ from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
 from qir.types import QWeight
 from tests.conftest import DATA
+from tests.requires import import_or_skip, requires
 
-NEEDS_DOT = pytest.mark.skipif(
-    not draw.dot_available(),
-    reason="Graphviz's dot is not installed (apt-get install graphviz; CI installs it)",
-)
+pydot = import_or_skip("pydot", "pydot")
+NEEDS_DOT = requires("dot")
 # W4A4: quantize_act launches and 16-bit twins (two launches of one node)
 CKPT = DATA / "ct_nvfp4_w4a4_S"
 
@@ -96,6 +96,19 @@ def test_without_dot_the_dot_file_is_written_and_one_line_says_how_to_install(
     assert len(err) == 1 and "apt-get install graphviz" in err[0] and "g.dot" in err[0]
     assert (tmp_path / "g.dot").read_text().startswith("strict digraph")
     assert not (tmp_path / "g.svg").exists()
+
+
+def test_without_pydot_qir_imports_and_graph_says_how_to_install_it(tmp_path: Path):
+    """pydot is the draw extra (the GPU machine's image lacks it): everything else runs."""
+    code = (
+        "import sys; sys.modules['pydot'] = None\n"  # makes `import pydot` raise ImportError
+        "from qir.cli import main\n"
+        f"sys.exit(main(['graph', {str(CKPT)!r}, '--block', 'qkv', '--out', {str(tmp_path / 'g.dot')!r}]))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == "qir: error: drawing a block needs pydot: pip install 'qir[draw]'\n"
+    assert not (tmp_path / "g.dot").exists()
 
 
 def test_an_unknown_picture_suffix_is_one_line_exit_2(

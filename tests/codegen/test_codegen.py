@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import jinja2
@@ -21,6 +20,7 @@ from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
 from qir.types import QWeight
 from tests.conftest import DATA
+from tests.requires import requires
 
 
 def test_kernel_name_spells_the_specialisation():
@@ -107,7 +107,7 @@ def test_fragment_chunks_tile_rows_exactly(bits, group):
         assert group % run == 0 and run % (2 * c["stride"]) == 0
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@requires("nvcc")
 def test_every_dumped_cu_compiles_on_its_own_with_nvcc(tmp_path):
     ck = load(DATA / "mlx_mixed_3_6_S")
     b = build(ck, "mlp", 0)

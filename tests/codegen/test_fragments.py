@@ -4,8 +4,6 @@ fragments take) to one rounding in the pair's type."""
 
 from __future__ import annotations
 
-import shutil
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -23,13 +21,10 @@ from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.runtime.host import HostBackend
-from qir.runtime.toolkit import cuda_include_dirs
 from tests.conftest import random_weight
+from tests.requires import requires
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(),
-    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
-)
+pytestmark = requires("gxx")
 
 # One thread per (row, chunk): every interface of the fragment, written out side by side.
 _KERNEL = """\

@@ -4,11 +4,9 @@ blocks on the reference and host backends against the goldens, and one qlinear h
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 
 import numpy as np
-import pytest
 
 import qir
 from qir.builder import Builder
@@ -17,19 +15,16 @@ from qir.formats import parse_format
 from qir.formats.base import WeightFormat
 from qir.models import load
 from qir.models.blocks import build
-from qir.runtime.toolkit import cuda_include_dirs
 from qir.types import QWeight
 from tests.conftest import DATA, max_rel, max_rel_dot, rel_err
+from tests.requires import requires
 
 GOLDEN_KEY = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 PROJ = ("q", "k", "v", "o", "gate", "up", "down")
 # The host sums f16 products in pairs over short runs, the interpreter in f32; both round to f16.
 HOST_TOL_F16 = 2e-3
 
-needs_host = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(),
-    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
-)
+needs_host = requires("gxx")
 
 
 def golden(case: str) -> Mapping[str, np.ndarray]:

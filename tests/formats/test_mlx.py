@@ -18,6 +18,7 @@ from qir.formats.base import FormatError
 from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.formats.mlx import BITS, GROUP_SIZES, SCALE_DTYPES, MlxAffine, from_config, matches_config
 from qir.models.checkpoint import LAYER_LINEARS
+from tests.requires import requires
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CASES = ["mlx_affine4_g64_S", "mlx_affine8_g64_S", "mlx_mixed_3_6_S"]
@@ -261,8 +262,10 @@ def test_dequantize_rejects_wrong_buffers() -> None:
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("scale_dtype", [F16, BF16, F32])
+@requires("mlx")
 def test_matches_real_mlx(bits: int, scale_dtype: DType) -> None:
-    mx = pytest.importorskip("mlx.core")
+    import mlx.core as mx
+
     w = np.random.default_rng(bits).standard_normal((8, 128), dtype=np.float32)
     mx_dtype = {F16: mx.float16, BF16: mx.bfloat16, F32: mx.float32}[scale_dtype]
     wq, scales, biases = mx.quantize(mx.array(w).astype(mx_dtype), group_size=64, bits=bits)

@@ -32,15 +32,10 @@ from qir.runtime.cache import KernelCache, key, read_entry
 from qir.runtime.errors import CompileError
 from qir.runtime.executor import compile_jobs, load_kernels
 from qir.runtime.host import HostBackend, HostKernel
-from qir.runtime.toolkit import cuda_include_dirs
+from tests.requires import requires
 
-needs_gxx = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(),
-    reason="needs g++ and the CUDA headers",
-)
-needs_nvrtc = pytest.mark.skipif(
-    not nvrtc_mod.available(), reason="needs cuda-core 1.x (qir[compile])"
-)
+needs_gxx = requires("gxx")
+needs_nvrtc = requires("nvrtc")
 
 
 def run_gemv(k: HostKernel) -> np.ndarray:

@@ -26,9 +26,10 @@ from qir.models import Model, load
 from qir.models.shards import shard_weights
 from qir.passes.tensor_parallel import TensorParallel
 from qir.runtime.executor import replay_steps
-from tests.conftest import DATA, ON_GPU
+from tests.conftest import DATA
 from tests.passes.test_layer_passes import weights_for
 from tests.passes.test_tensor_parallel import MLP
+from tests.requires import requires
 
 
 class Capturable:
@@ -219,7 +220,7 @@ def test_nccl_runner_enqueues_on_the_stream_given_and_allocates_before(monkeypat
 
 
 @pytest.mark.gpu
-@ON_GPU
+@requires("gpu", "nccl")
 def test_nccl_collectives_are_nodes_of_the_cuda_graph():
     """axpy, then NCCL's all_reduce and all_gather (one rank), captured into one CUDA graph:
     a replay on new inputs carries them through both collectives, so both are in the graph."""
@@ -232,12 +233,6 @@ def test_nccl_collectives_are_nodes_of_the_cuda_graph():
     from qir.runtime.collectives import CollectiveRunner, NcclComm
     from qir.runtime.cuda import CudaBackend
 
-    try:
-        from cupy.cuda import nccl
-    except ImportError:
-        nccl = None
-    if nccl is None or not getattr(nccl, "available", True):
-        pytest.skip("CuPy finds no NCCL library here (pip install nvidia-nccl-cu12)")
     be = CudaBackend()
     comm = NcclComm(LocalGroup(1).comm(0))  # the unique id "broadcast" to itself
     assert comm.capturable

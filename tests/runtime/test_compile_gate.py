@@ -81,8 +81,9 @@ from qir.target import Target
 from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import DATA, FORMAT_ZOO
 from tests.moe_common import moe_graph
+from tests.requires import requires
 
-pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+pytestmark = requires("nvrtc")
 
 TEMPLATES = Path(__file__).parents[2] / "qir" / "codegen" / "templates"
 

@@ -17,9 +17,9 @@ from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
 from qir.runtime.cuda import CudaBackend, available
 from qir.runtime.errors import BackendUnavailable, CompileError
-from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin
 from tests.conftest import ON_GPU
+from tests.requires import requires
 
 N = 1000  # not a multiple of any block size, so the bounds checks matter
 
@@ -96,7 +96,7 @@ def test_without_cuda_core_compiles_through_cupy_rawmodule(
     assert seen["header"] == dict(HEADER_AXPY.headers)["ops/axpy.h"]
 
 
-@pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-core 1.x (qir[compile])")
+@requires("nvrtc")
 def test_prepare_compiles_the_cubin_that_load_then_loads(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:

@@ -5,7 +5,6 @@ compiler's message and numbered source lines; one line when the cuda backend can
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +16,11 @@ from qir.models.goldens import embedded_checkpoints
 from qir.runtime import host as host_mod
 from qir.runtime import nvrtc as nvrtc_mod
 from qir.runtime.cache import KernelCache, codegen_hash
-from qir.runtime.cuda import available
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
-from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin
-from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
+from qir.runtime.toolkit import toolkit_fingerprint
+from tests.requires import requires
 
 BAD_LINE = "  y[i] = undeclared_thing * 2.0f;"
 SOURCE = "\n".join(
@@ -53,16 +51,14 @@ def _check(e: CompileError, compiler: str, position: str) -> None:
     assert len(excerpt) <= 5
 
 
-@pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(), reason="needs g++ and CUDA headers"
-)
+@requires("gxx")
 def test_gxx_error_shows_kernel_message_and_numbered_lines(tmp_path: Path) -> None:
     with pytest.raises(CompileError) as info:
         HostBackend(cache_dir=tmp_path).load(TYPO)
     _check(info.value, "g++", r"typo_kernel\.cu:5:\d+: error")
 
 
-@pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-core 1.x (qir[compile])")
+@requires("nvrtc")
 def test_nvrtc_error_shows_kernel_message_and_numbered_lines(tmp_path: Path) -> None:
     with pytest.raises(CompileError) as info:
         compile_cubin(TYPO, "sm_90", KernelCache(tmp_path))
@@ -80,7 +76,7 @@ def test_failed_compile_leaves_no_entry(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "host").iterdir()] == ["k-" + "0" * 32 + ".so.lock"]
 
 
-@pytest.mark.skipif(available(), reason="a GPU is present")
+@requires("no_gpu")
 def test_cuda_backend_without_gpu_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import resource
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,15 +18,13 @@ from qir.errors import UsageError
 from qir.formats.mlx import MlxAffine
 from qir.interpret import BindError
 from qir.runtime.executor import ALIGN, plan_memory
-from qir.runtime.toolkit import cuda_include_dirs
 from tests.conftest import ON_GPU, mlp_graph
+from tests.requires import requires
 
 FMT = MlxAffine(4, 32, F16)
 HIDDEN, INTER = 128, 64
 
-needs_gxx = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(), reason="needs g++ and CUDA headers"
-)
+needs_gxx = requires("gxx")
 
 
 @pytest.fixture(scope="module")
@@ -337,10 +334,10 @@ def test_gpu_device_arrays_in_and_out_without_copy(cuda_block: qir.Compiled) -> 
 
 
 @pytest.mark.gpu
-@ON_GPU
+@requires("gpu", "torch")
 def test_gpu_torch_tensor_in_dlpack_out(cuda_block: qir.Compiled) -> None:
-    torch = pytest.importorskip("torch")
     import cupy
+    import torch
 
     t = torch.from_numpy(x_of(3)).cuda()
     be = cuda_block._exec.backend  # type: ignore[union-attr]

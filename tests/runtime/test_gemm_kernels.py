@@ -13,7 +13,6 @@ tiles on one merged projection at one batch size of the sweep."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from typing import Any
 
@@ -51,6 +50,7 @@ from tests.conftest import (
     random_weight,
     rel_err,
 )
+from tests.requires import requires
 from tests.runtime.test_every_format import HIDDEN, INTER, RAGGED, block, close, inputs, w4a4
 
 SMALL = (1, 7, 16, 33, 64)  # the 64-row tiles (and W4A4)
@@ -363,7 +363,7 @@ def gemm_kernels(graph: Graph, target: Target = DEFAULT) -> list[Kernel]:
     return list({la.kernel: None for la in launches if la.kernel.name.startswith("qgemm")})
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+@requires("nvcc")
 def test_block_scaled_fp4_instruction_is_in_the_sm_120a_build(tmp_path: Any) -> None:
     """nvcc's PTX for sm_120a holds the block-scaled MMA; for sm_90 the kernel builds without it
     (its helper traps there), and ptxas refuses the instruction itself for sm_100a."""

@@ -4,7 +4,6 @@ NumPy."""
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,12 +19,9 @@ from qir.codegen.kernel import Kernel, KernelParam
 from qir.errors import UsageError
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
-from qir.runtime.toolkit import cuda_include_dirs
+from tests.requires import requires
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(),
-    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
-)
+pytestmark = requires("gxx")
 
 PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <stdint.h>\n"
 

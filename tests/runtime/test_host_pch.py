@@ -4,7 +4,6 @@ and never the reason a kernel fails to build."""
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +13,9 @@ from qir.codegen.kernel import Kernel, KernelParam
 from qir.runtime import host as host_mod
 from qir.runtime.cache import PCH
 from qir.runtime.host import HostBackend
-from qir.runtime.toolkit import cuda_include_dirs
+from tests.requires import requires
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(),
-    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
-)
+pytestmark = requires("gxx")
 
 
 def axpy(name: str) -> Kernel:

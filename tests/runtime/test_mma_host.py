@@ -6,7 +6,6 @@ build; on a GPU the PTX gives what the emulation gives on the same inputs."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -17,13 +16,10 @@ from qir.codegen.gemm import mma_header
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.runtime.backend import Backend, get_backend
 from qir.runtime.host import HostBackend
-from qir.runtime.toolkit import cuda_include_dirs
 from tests.conftest import ON_GPU
+from tests.requires import requires
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None or not cuda_include_dirs(),
-    reason="needs g++ and the CUDA headers (toolkit or nvidia-cuda-runtime wheel)",
-)
+pytestmark = requires("gxx")
 
 PRELUDE = (
     '#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <stdint.h>\n#include "qir_mma.cuh"\n'

@@ -35,6 +35,7 @@ from qir.runtime.backend import get_backend
 from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import FMT4, max_rel
 from tests.moe_common import random_experts
+from tests.requires import requires
 
 E, K_IN, N_OUT = 5, 64, 37  # N = 37: no multiple of a block's rows (nor of a warp's, 4)
 FORMATS = (
@@ -293,7 +294,7 @@ def test_an_expert_launch_takes_at_most_32_experts_per_token() -> None:
         ExpertGemvSpec((e,), F16, 8, 33)
 
 
-@pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
+@requires("nvrtc")
 def test_short_rows_get_more_lanes_where_the_combines_shared_memory_needs_them() -> None:
     """K = 128 (4 chunks: one lane a row) with 8 experts a token: the combine's floats per
     (tile row, slot, block row) would take 128 KB for a block's 512 rows; its rows get 4 lanes

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,6 @@ from qir.runtime.errors import CompileError
 from qir.runtime.nvrtc import (
     GATE_ARCHS,
     SpillError,
-    available,
     check_no_spills,
     compile_cubin,
     kernel_include_dir,
@@ -28,10 +26,11 @@ from qir.runtime.nvrtc import (
     ptxas_reports,
 )
 from tests.conftest import mlp_graph
+from tests.requires import requires
 
 # A skip mark rather than importorskip: test_cuda imports this module's kernels on GPU machines
 # that have CuPy but not the `compile` extra.
-pytestmark = pytest.mark.skipif(not available(), reason="needs cuda-core 1.x (qir[compile])")
+pytestmark = requires("nvrtc")
 
 # y[i] = sum of the 8 halves packed in x[i], loaded as one 128-bit uint4.
 HALF_SUM = Kernel(
@@ -227,10 +226,7 @@ def _issue14_down_projection() -> Kernel:
     return next(la.kernel for la in plan.launches if la.kernel.name == name)
 
 
-@pytest.mark.skipif(
-    shutil.which("nvcc") is None,
-    reason="nvcc is not on PATH (CI installs no CUDA toolkit; the NVRTC side runs there)",
-)
+@requires("nvcc")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120a"])
 def test_ptxas_figures_equal_nvccs_on_the_dumped_source(tmp_path: Path, arch: str) -> None:
     """What the gate reads from NVRTC is what `nvcc -cubin -Xptxas -v` prints for the .cu that

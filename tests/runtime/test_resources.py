@@ -32,9 +32,10 @@ from qir.runtime.resources import (
 from qir.target import Target
 from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import mlp_graph
+from tests.requires import requires
 
-needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
-needs_sass = pytest.mark.skipif(not sass.available(), reason="needs nvdisasm (qir[sass])")
+needs_nvrtc = requires("nvrtc")
+needs_sass = requires("nvdisasm")
 
 
 def test_h200_budget_is_the_issue_arithmetic() -> None:

@@ -33,6 +33,7 @@ from qir.runtime.resources import kernel_costs
 from qir.target import DEFAULT, Target
 from tests.conftest import DATA
 from tests.moe_common import moe_graph
+from tests.requires import requires
 from tests.runtime.test_compile_gate import CHECKPOINT, mlp
 from tests.runtime.test_cuda import FakeDevice, fake_cupy
 from tests.runtime.test_every_format import block, close, inputs, w4a4
@@ -40,8 +41,8 @@ from tests.runtime.test_gemm_kernels import projections
 from tests.runtime.test_moe_kernels import close as moe_close
 
 W4A4 = DATA / "ct_nvfp4_w4a4_S"
-needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs qir[compile] (NVRTC)")
-needs_sass = pytest.mark.skipif(not sass.available(), reason="needs nvdisasm (qir[sass])")
+needs_nvrtc = requires("nvrtc")
+needs_sass = requires("nvdisasm")
 
 
 def test_what_each_target_implies() -> None:

@@ -17,18 +17,18 @@ from qir.errors import UsageError
 from qir.models import load as load_checkpoint
 from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
-from qir.runtime import nvrtc
 from qir.runtime.cache import KernelCache
 from qir.runtime.cuda import CudaBackend
 from qir.runtime.executor import load_kernels
 from qir.runtime.nvrtc import check_arch
+from tests.requires import requires
 from tests.runtime.test_cuda import fake_cupy
 from tests.runtime.test_executor import needs_gxx
 
 ROOT = Path(__file__).parent.parent.parent
 CKPT = ROOT / "tests" / "data" / "ct_nvfp4_w4a4_S"  # W4A4: quantize_act kernels and 16-bit twins
 
-needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="needs cuda-core 1.x")
+needs_nvrtc = requires("nvrtc")
 
 # A fresh process: q/k/v on the host backend, and the cubins a CudaBackend on an sm_90 GPU would
 # load for them (it asks compile_cubin for its target's arch).

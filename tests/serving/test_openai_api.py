@@ -15,13 +15,15 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 
 from qir.cli import main
 from qir.models import Model
-from qir.serving.tokenizing import TextWorker
+from tests.requires import import_or_skip
 from tests.serving.conftest import API_KEY, FIXTURE, MAX_BODY, NAME, Served, serve
+
+openai = import_or_skip("openai", "openai")
+import_or_skip("qir.serving.http", "serve")
 
 GREEDY = {"temperature": 0}
 HI = [{"role": "user", "content": "Hi there"}]
@@ -396,6 +398,8 @@ def test_an_engine_failure_is_a_500_not_a_traceback(
     scheduler.step = fail_once  # type: ignore[method-assign]
     with pytest.raises(openai.APIError, match="generation failed: RuntimeError: boom"):
         list(client.completions.create(model=NAME, prompt="Hi", max_tokens=2, stream=True))
+
+    from qir.serving.tokenizing import TextWorker  # the serve extra: imported past its check
 
     async def broken(self: Any, messages: Any) -> tuple[int, ...]:
         raise KeyError("oops")

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from qir.serving.schemas import REFUSED, ChatCompletionRequest, CompletionRequest
+from tests.requires import import_or_skip
+
+schemas = import_or_skip("qir.serving.schemas", "pydantic")
+REFUSED = schemas.REFUSED
+ChatCompletionRequest = schemas.ChatCompletionRequest
+CompletionRequest = schemas.CompletionRequest
 
 
 def test_chat_messages_as_a_template_takes_them() -> None:
