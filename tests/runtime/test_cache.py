@@ -62,7 +62,7 @@ def lock_path(root: Path) -> Path:
 
 # -- the key ---------------------------------------------------------------------------------
 
-HOST_PARTS = ("source", "headers", "runtime_header", "options", "compiler", "toolkit")
+HOST_PARTS = ("source", "headers", "runtime_header", "options", "compiler", "toolkit", "cpu")
 
 
 @needs_gxx
@@ -79,7 +79,7 @@ def test_host_key_covers_every_input() -> None:
 @needs_nvrtc
 def test_nvrtc_key_covers_every_input() -> None:
     parts = nvrtc_mod.key_parts(HALF_SUM, "sm_90")
-    assert set(parts) == {*HOST_PARTS, "arch"} - {"runtime_header"}
+    assert set(parts) == {*HOST_PARTS, "arch"} - {"runtime_header", "cpu"}
     assert parts["compiler"].startswith("nvrtc ")
     assert nvrtc_mod.key_parts(HALF_SUM, "sm_80")["arch"] == "sm_80"
 
