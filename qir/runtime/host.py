@@ -44,12 +44,15 @@ CXX = "g++"
 # FMA (ISO mode's default, said outright): kernels round where their source says, as the
 # interpreter does. -march=native: this CPU's FMA (fmaf inline instead of a libm call), F16C
 # (f16 conversions in one instruction) and vector units; `native_arch` puts what it resolves to
-# in every cache key, so a cache never serves a kernel built for another CPU.
+# in every cache key, so a cache never serves a kernel built for another CPU. -fno-exceptions:
+# nothing in a kernel or qir_host.h throws, and with exceptions on, the fibers' setjmp and the
+# unrolled kernel bodies cost g++ eight times the time (16 s instead of 2 s for one GEMV).
 BASE_FLAGS = (
     "-std=c++17",
     "-fno-strict-aliasing",
     "-ffp-contract=off",
     "-march=native",
+    "-fno-exceptions",
     "-x",
     "c++",
 )
@@ -125,25 +128,31 @@ def native_arch() -> str:
 # CUDA's `#pragma unroll [N]` in GCC's words (which ignores nvcc's): the kernels rely on full
 # unrolling to fold their constant index arithmetic (a pair's bit position, a magic constant),
 # which GCC otherwise computes at run time. A bare pragma asks for at most UNROLL copies, so a
-# loop whose trip count is not a constant grows by a bounded factor.
+# loop whose trip count is not a constant grows by a bounded factor. QIR_HOST_UNROLL=0 drops the
+# pragmas and lets g++ decide: the same results (unrolling moves no rounding), a slower kernel
+# and a build up to eight times faster; the test suite builds so (tests/conftest.py).
 UNROLL = 64
 _PRAGMA_UNROLL = re.compile(r"^([ \t]*)#pragma unroll\b[ \t]*(\d*)", re.MULTILINE)
+UNROLL_MODES = ("0", "1")
 
 
-def for_gcc(text: str) -> str:
-    """CUDA source as g++ compiles it: the same code, its unroll pragmas in GCC's spelling."""
+def for_gcc(text: str, unroll: bool = True) -> str:
+    """CUDA source as g++ compiles it: the same code, its unroll pragmas in GCC's spelling (or,
+    without `unroll`, blanked: line numbers stay the kernel's)."""
+    if not unroll:
+        return _PRAGMA_UNROLL.sub(lambda m: m[1], text)
     return _PRAGMA_UNROLL.sub(lambda m: f"{m[1]}#pragma GCC unroll {m[2] or UNROLL}", text)
 
 
-def host_source(kernel: Kernel) -> str:
+def host_source(kernel: Kernel, unroll: bool = True) -> str:
     """What g++ compiles: the kernel plus one exported, generic trampoline (qir_host.h does the
     argument unpacking). Appended, so line numbers in compiler messages stay the kernel's."""
-    return f"{for_gcc(kernel.source).rstrip()}\n\nQIR_HOST_EXPORT({kernel.name})\n"
+    return f"{for_gcc(kernel.source, unroll).rstrip()}\n\nQIR_HOST_EXPORT({kernel.name})\n"
 
 
-def host_headers(kernel: Kernel) -> tuple[tuple[str, str], ...]:
+def host_headers(kernel: Kernel, unroll: bool = True) -> tuple[tuple[str, str], ...]:
     """The kernel's own headers (qir_common.cuh, its format's), as g++ compiles them."""
-    return tuple((name, for_gcc(text)) for name, text in kernel.headers)
+    return tuple((name, for_gcc(text, unroll)) for name, text in kernel.headers)
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,12 @@ class HostBackend:
         opt = os.environ.get("QIR_HOST_OPT", "3").strip()
         if opt not in OPT_LEVELS:
             raise UsageError(f"QIR_HOST_OPT={opt!r}: expected one of {', '.join(OPT_LEVELS)}")
+        unroll = os.environ.get("QIR_HOST_UNROLL", "1").strip()
+        if unroll not in UNROLL_MODES:
+            raise UsageError(
+                f"QIR_HOST_UNROLL={unroll!r}: expected 1 (as the pragmas say) or 0 (g++ decides)"
+            )
+        self.unroll = unroll == "1"
         mode = os.environ.get("QIR_HOST_MODE", "fast").strip()
         if mode not in MODES:
             raise UsageError(f"QIR_HOST_MODE={mode!r}: expected one of {', '.join(MODES)}")
@@ -214,7 +229,7 @@ class HostBackend:
         flags = (BASE_FLAGS, self._sanitize_flags if self.sanitize else self._so_flags)
         return {
             "source": source,
-            "headers": repr(host_headers(kernel)),
+            "headers": repr(host_headers(kernel, self.unroll)),
             "runtime_header": HEADER.read_text(),
             "options": repr(flags),
             "compiler": compiler_version(),
@@ -227,7 +242,7 @@ class HostBackend:
 
     def _spec(self, kernel: Kernel) -> tuple[object, ...]:
         """The in-memory cache's key: one loaded library per kernel and build mode."""
-        return (self.name, self.sanitize, self._so_flags, self._sanitize_flags, kernel)
+        return (self.name, self.sanitize, self._so_flags, self._sanitize_flags, self.unroll, kernel)
 
     def prepare(self, kernel: Kernel) -> None:
         """Compile `kernel` into the disk cache without loading it; safe on any thread."""
@@ -248,7 +263,7 @@ class HostBackend:
         return HostKernel(kernel, entry.path, lib)
 
     def _entry(self, kernel: Kernel) -> Artifact:
-        source = host_source(kernel)
+        source = host_source(kernel, self.unroll)
         return self.cache.fetch(
             HOST,
             kernel.name,
@@ -262,7 +277,7 @@ class HostBackend:
     def _compile(self, kernel: Kernel, source: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:
             build = Path(tmp)
-            for name, text in host_headers(kernel):
+            for name, text in host_headers(kernel, self.unroll):
                 (build / name).parent.mkdir(parents=True, exist_ok=True)
                 (build / name).write_text(text)
             cu, out = build / f"{kernel.name}.cu", build / "kernel.out"

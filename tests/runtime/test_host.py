@@ -17,6 +17,7 @@ import pytest
 
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.errors import UsageError
+from qir.runtime import host as host_mod
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
 from tests.requires import requires
@@ -456,6 +457,7 @@ import os, sys, threading, time
 import numpy as np
 sys.path.insert(0, {here!r})
 from test_host import GEMV, BLOCK_SUM, run_gemv, run_block_sum
+from qir.runtime import host as host_mod
 from qir.runtime.host import HostBackend
 be = HostBackend(cache_dir={cache!r})
 run_gemv(be, 0)
@@ -551,9 +553,11 @@ def test_unknown_schedule_is_a_clear_error(
 
 
 def test_the_optimisation_level_changes_no_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite builds kernels at -O1 (QIR_HOST_OPT, tests/conftest.py), users get -O2: the
-    same bytes from W4A4's quantize_act, GEMV and GEMM and the 16-bit GEMM on FP4 codes (exact
-    integer sums, f16 pair sums, the MMA emulation, float epilogues). A bad level is refused."""
+    """The suite builds kernels at -O1 without the unroll pragmas (QIR_HOST_OPT, QIR_HOST_UNROLL,
+    tests/conftest.py), users get -O3 with them: the same bytes from W4A4's quantize_act, GEMV
+    and GEMM and the 16-bit GEMM on FP4 codes (exact integer sums, f16 pair sums, the MMA
+    emulation, float epilogues). -O2 stands in for -O3 (the same unrolled code, a faster build).
+    A bad level or unroll mode is refused."""
     from qir.codegen.lower import lower
     from qir.formats.nvfp4 import Nvfp4
     from qir.passes.manager import run_pipeline
@@ -562,17 +566,26 @@ def test_the_optimisation_level_changes_no_result(monkeypatch: pytest.MonkeyPatc
 
     graph, weights = block(Nvfp4("div", 4))
     plan = lower(run_pipeline(graph, "default")[0])
+    builds = {"suite": ("1", "0"), "user": ("2", "1")}
     runs = {}
-    for level in ("1", "2"):
+    for name, (level, unroll) in builds.items():
         monkeypatch.setenv("QIR_HOST_OPT", level)
-        runs[level] = CompiledBlock(plan, HostBackend(), weights)
+        monkeypatch.setenv("QIR_HOST_UNROLL", unroll)
+        be = HostBackend()
+        runs[name] = CompiledBlock(plan, be, weights)
+        source = host_mod.host_source(plan.launches[0].kernel, be.unroll)
+        assert ("#pragma GCC unroll" in source) == (unroll == "1"), name
     for m in (1, 33, 70):
         x = inputs(m)
-        o1, o2 = (runs[level].run(x) for level in ("1", "2"))
-        for name, value in o1.items():
-            assert value.tobytes() == o2[name].tobytes(), (m, name)
+        suite, user = (runs[name].run(x) for name in builds)
+        for name, value in suite.items():
+            assert value.tobytes() == user[name].tobytes(), (m, name)
     monkeypatch.setenv("QIR_HOST_OPT", "-O3")
     with pytest.raises(UsageError, match=r"QIR_HOST_OPT='-O3': expected one of 0, 1, 2, 3"):
+        HostBackend()
+    monkeypatch.setenv("QIR_HOST_OPT", "1")
+    monkeypatch.setenv("QIR_HOST_UNROLL", "yes")
+    with pytest.raises(UsageError, match=r"QIR_HOST_UNROLL='yes': expected 1"):
         HostBackend()
 
 

@@ -410,13 +410,18 @@ class Pool {
 
   Pool() { pthread_atfork(&Pool::prepare, &Pool::parent, &Pool::child); }
 
+  // pthread_create, not std::thread: kernels build without exceptions, and running out of
+  // threads is an error code here (run with fewer), not something to throw.
   bool spawn() {
-    try {
-      std::thread([this] { loop(); }).detach();
-      return true;
-    } catch (...) {  // out of threads: run with fewer
-      return false;
-    }
+    pthread_t t;
+    if (pthread_create(&t, nullptr, &Pool::thread_main, this) != 0) return false;
+    pthread_detach(t);
+    return true;
+  }
+
+  static void* thread_main(void* self) {
+    static_cast<Pool*>(self)->loop();
+    return nullptr;
   }
 
   void loop() {
