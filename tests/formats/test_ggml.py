@@ -5,10 +5,8 @@ random blocks whose fp16 scales sit at the edges (subnormal, largest finite, sig
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
 
 from qir.formats import parse_format
 from qir.formats.base import FormatError
@@ -17,6 +15,10 @@ from qir.formats.ggml_blocks import SPECS, Fields, encode, parse, unparse
 from qir.formats.ggml_types import TYPES, reader
 from qir.formats.mx import Mxfp4
 from tests.conftest import DATA
+from tests.requires import import_or_skip
+
+gguf = import_or_skip("gguf", "gguf")
+GGMLQuantizationType = gguf.GGMLQuantizationType
 
 BLOCKS = np.load(DATA / "ggml_blocks" / "blocks.npz")
 IDS = {t.name: i for i, t in TYPES.items()}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import struct
 
-import gguf
 import numpy as np
 import pytest
 
@@ -15,6 +14,9 @@ from qir.cli import main
 from qir.errors import QirError
 from qir.models.gguf_io import GGUFFile, GGUFModel
 from tests.conftest import DATA
+from tests.requires import import_or_skip
+
+gguf = import_or_skip("gguf", "gguf")
 
 FIXTURES = sorted(DATA.glob("gguf_*/*.gguf"))
 

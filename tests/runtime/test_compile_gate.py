@@ -48,10 +48,12 @@ from qir.codegen.layer_kernels import (
     CacheShape,
     HeadNorm,
     RopeSpec,
+    adjust_logits_kernel,
     attention_combine_kernel,
     attention_prefill_kernel,
     attention_split_kernel,
     kv_append_kernel,
+    logprobs_kernel,
     rms_norm_kernel,
     rope_kernel,
     sample_kernel,
@@ -72,9 +74,10 @@ from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4, Mxfp8
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
+from qir.logits import MAX_BIAS
 from qir.models import load
 from qir.models.blocks import build
-from qir.ops import W4A4_MAX_M
+from qir.ops import MAX_TOP_LOGPROBS, W4A4_MAX_M
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.runtime import nvrtc
 from qir.target import Target
@@ -887,6 +890,20 @@ GATE: tuple[Entry, ...] = (
         lambda arch: [sample_kernel(act, 151936) for act in (F16, BF16, F32)],
         ("sample_f16", "sample_bf16", "sample_f32"),
     ),
+    # The served logits: penalties, bias and allowed ids over a 4096-token context (plus the
+    # bias entries), and the top-20 logprobs a client may ask for.
+    Entry(
+        "serve-logits-qwen-vocab",
+        lambda arch: [
+            kernel
+            for act in (F16, BF16, F32)
+            for kernel in (
+                adjust_logits_kernel(act, 151936, 4096 + MAX_BIAS),
+                logprobs_kernel(act, 151936, MAX_TOP_LOGPROBS),
+            )
+        ],
+        ("adjust_logits_f16", "adjust_logits_f32", "logprobs_bf16_v151936_k20"),
+    ),
 )
 
 
@@ -939,6 +956,8 @@ FAMILIES = {
     "attn_prefill_": "attention_prefill.cu.j2",
     "embedding_": "embedding.cu.j2",
     "sample_": "sample.cu.j2",
+    "adjust_logits_": "adjust_logits.cu.j2",
+    "logprobs_": "logprobs.cu.j2",
     "moe_route_": "moe_route.cu.j2",
     "moe_group_": "moe_group.cu.j2",
     "moe_gemv_": "moe_gemv.cu.j2",

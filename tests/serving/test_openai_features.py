@@ -11,13 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import numpy as np
 import pytest
 
 from qir.cli import main
 from qir.models import Model
+from tests.requires import import_or_skip
 from tests.serving.conftest import FIXTURE, NAME, Served
+
+jsonschema = import_or_skip("jsonschema", "jsonschema")
 
 GREEDY = {"temperature": 0}
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qir.serving.schemas import REFUSED, ChatCompletionRequest, CompletionRequest
+from tests.requires import import_or_skip
+
+schemas = import_or_skip("qir.serving.schemas", "pydantic")
+REFUSED, ChatCompletionRequest = schemas.REFUSED, schemas.ChatCompletionRequest
+CompletionRequest = schemas.CompletionRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving-fields.md"
 SAMPLES = [True, 2, 1.5, "x", ["x"], {"a": 1}, -3]

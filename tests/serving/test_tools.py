@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 from typing import ClassVar
 
-import jsonschema
 import pytest
 
 from qir.serving import tools as tl
+from tests.requires import import_or_skip
+
+jsonschema = import_or_skip("jsonschema", "jsonschema")
 
 ARGS = {"city": "Paris", "days": 2}
 

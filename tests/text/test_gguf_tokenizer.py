@@ -11,11 +11,12 @@ import json
 import pytest
 
 from qir.cli import main
-from qir.cli.demo import smollm2
 from qir.models.gguf_io import GGUFModel
 from qir.text.gguf_tokenizer import build
 from tests.conftest import DATA
+from tests.requires import import_or_skip
 
+smollm2 = import_or_skip("qir.cli.demo", "smollm2").smollm2
 IDS = json.loads((DATA / "gguf_tokenizer_ids.json").read_text(encoding="utf-8"))
 SMOLLM2 = smollm2()
 VOCABS = {
