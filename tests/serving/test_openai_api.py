@@ -401,7 +401,7 @@ def test_an_engine_failure_is_a_500_not_a_traceback(
 
     from qir.serving.tokenizing import TextWorker  # the serve extra: imported past its check
 
-    async def broken(self: Any, messages: Any, **options: Any) -> tuple[int, ...]:
+    async def broken(self: Any, *args: Any, **options: Any) -> tuple[int, ...]:
         raise KeyError("oops")
 
     monkeypatch.setattr(TextWorker, "chat", broken)
