@@ -20,14 +20,19 @@ F32_TOL = 1e-3
 # family -> the files transformers' goldens cover (tests/data/gguf_<family>/transformers.npz)
 # whose ggml types qir reads
 FAMILIES = {
-    "llama": ("F16",),
-    "qwen2": ("F16",),
-    "qwen3": ("F16",),
-    "qwen3moe": ("F16",),
-    "phi3": ("F16",),
-    "gemma3": ("F16",),
+    "llama": ("F16", "Q8_0", "Q4_0", "Q4_K_M"),
+    "qwen2": ("F16", "Q4_K_M"),
+    "qwen3": ("F16", "Q4_K_M"),
+    "qwen3moe": ("F16", "Q4_K_M"),
+    "phi3": ("F16", "Q4_K_M"),
+    "gemma3": ("F16", "Q4_K_M"),
 }
 CASES = [(f, t) for f, types in FAMILIES.items() for t in types]
+# Mean KL against llama.cpp's logits. Its quantized matmuls quantize the activations to 8 bits
+# (Q8_0/Q8_1 blocks, Q8_K for the K-quants), so a quantized file's KL is an order above the
+# float one's: measured up to 2.1e-3 on these fixtures (qwen3's Q4_K_M), bounded at 5e-3.
+KL_BOUND = {"F16": 1e-4}
+KL_QUANTIZED = 5e-3
 
 
 def _kl(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -63,10 +68,15 @@ def test_f32_logits_and_greedy_ids_match_transformers_forward_of_the_gguf(
     assert max_rel(gen["logits"], golden[f"{ftype}.step_logits"]) <= F32_TOL
     # llama.cpp's own logits of the file: the same argmax everywhere, KL as measured
     cpp = np.load(DATA / f"gguf_{family}" / "llamacpp.npz")[f"{ftype}.logits"]
-    top1 = float(np.mean(cpp.argmax(-1) == logits.argmax(-1)))
+    same = cpp.argmax(-1) == logits.argmax(-1)
     kl = _kl(logits, cpp)
-    print(f"{family} {ftype}: top-1 vs llama.cpp {top1:.3f}, mean KL {kl:.2e}")
-    assert top1 == 1.0 and kl < 1e-4
+    print(f"{family} {ftype}: top-1 vs llama.cpp {np.mean(same):.3f}, mean KL {kl:.2e}")
+    # Random weights leave near-ties that llama.cpp's 8-bit activations may break the other
+    # way: the top-1 must agree wherever llama.cpp's own top-2 margin exceeds our difference.
+    top2 = np.sort(cpp, axis=-1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > np.max(np.abs(logits - cpp), axis=-1)
+    assert same[decided].all() and (ftype != "F16" or same.all())
+    assert kl < KL_BOUND.get(ftype, KL_QUANTIZED)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
