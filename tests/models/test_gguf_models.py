@@ -116,3 +116,23 @@ def test_inspect_lists_every_tensor_and_the_metadata_read(capsys):
         assert row.split()[1] == t.tensor_type.name
         assert str(int(t.n_bytes)) in row.split()
     assert "num_experts 4" in out and "pre 'qwen2'" in out
+
+
+def test_smollm2_answers_as_transformers_does_at_f32():
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF (trained weights: wide margins), f32 on the
+    host: the chat prompt's ids are transformers', the 16 greedy ids its answer, and each
+    step's 64 largest logits within 1e-3 of its float32 forward of the same file
+    (tests/data/oracle/smollm2_transformers.py)."""
+    from qir.cli.demo import smollm2
+
+    golden = np.load(DATA / "smollm2_transformers.npz")
+    model = Model.load(smollm2(), backend="host", act=F32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = model.tokenizer.encode(model.chat_prompt(messages), add_special_tokens=False)
+    np.testing.assert_array_equal(ids, golden["tokens"])
+    # Past its <|im_end|> too (the reference's eos did not stop it): 16 steps of the KV cache.
+    gen = model.generate(golden["tokens"], len(golden["greedy"]), do_sample=False, ignore_eos=True)
+    np.testing.assert_array_equal(gen.tokens, golden["greedy"])
+    ours = np.take_along_axis(gen.logits, golden["top_ids"].astype(np.int64), axis=-1)
+    assert max_rel(ours, golden["top_values"]) <= F32_TOL
+    assert model.tokenizer.decode(gen.tokens[:7]) == "The capital of France is Paris."
