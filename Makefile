@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck install install-test
+.PHONY: demo test lint typecheck install install-test gate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,8 @@ typecheck: install-test
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q -n auto
+
+# The compile gate's whole matrix: every kernel entry for every arch (`make test` builds each
+# entry for sm_90 and one other arch; tests/runtime/test_compile_gate.py).
+gate: install-test
+	QIR_GATE=all $(BIN)/python -m pytest -q -n auto tests/runtime/test_compile_gate.py
