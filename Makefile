@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck install install-test gpu-dry-run
+.PHONY: demo test lint typecheck install install-test gpu-dry-run gate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +42,8 @@ test: lint typecheck
 gpu-dry-run: install-test
 	$(BIN)/python scripts/device_image.py $(VENV)-image
 	PYTHON=$(VENV)-image/bin/python scripts/gpu_check.sh --dry-run
+
+# The compile gate's whole matrix: every kernel entry for every arch (`make test` builds each
+# entry for sm_90 and one other arch; tests/runtime/test_compile_gate.py).
+gate: install-test
+	QIR_GATE=all $(BIN)/python -m pytest -q -n auto tests/runtime/test_compile_gate.py

@@ -223,6 +223,10 @@ class HostBackend:
         )
         return [*BASE_FLAGS, *mode, abi, "-include", str(header), *includes]
 
+    def source(self, kernel: Kernel) -> str:
+        """What this backend's g++ compiles for `kernel` (host_source in its unroll mode)."""
+        return host_source(kernel, self.unroll)
+
     def key_parts(self, kernel: Kernel, source: str) -> dict[str, str]:
         """What a compiled kernel depends on, besides qir's codegen (see cache.key)."""
         # The include dirs hold the temporary build dir: hash the flags of the mode instead.
@@ -263,7 +267,7 @@ class HostBackend:
         return HostKernel(kernel, entry.path, lib)
 
     def _entry(self, kernel: Kernel) -> Artifact:
-        source = host_source(kernel, self.unroll)
+        source = self.source(kernel)
         return self.cache.fetch(
             HOST,
             kernel.name,

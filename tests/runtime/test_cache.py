@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,22 @@ needs_gxx = requires("gxx")
 needs_nvrtc = requires("nvrtc")
 
 
+@cache
+def _session_pch() -> Path:
+    """The session cache's precompiled qir_host.h (built by loading a kernel there)."""
+    be = HostBackend()
+    be.load(GEMV)
+    return be.cache.root / cache_mod.PCH
+
+
+def seeded(root: Path) -> Path:
+    """`root`, a fresh cache root, holding the session's precompiled header: these tests are
+    about kernel entries, and the header (its own namespace, tests/runtime/test_host_pch.py)
+    would cost each of them seconds of g++ again."""
+    shutil.copytree(_session_pch(), root / cache_mod.PCH, dirs_exist_ok=True)
+    return root
+
+
 def run_gemv(k: HostKernel) -> np.ndarray:
     y = np.zeros(8, np.float32)
     args = [np.ones((8, 32), np.float32), np.ones(32, np.float32), y, 8, 32]
@@ -51,7 +67,8 @@ def entry(root: Path, name: str) -> Path:
 
 
 def lock_path(root: Path) -> Path:
-    parts = HostBackend().key_parts(GEMV, host_mod.host_source(GEMV))
+    be = HostBackend()
+    parts = be.key_parts(GEMV, be.source(GEMV))
     return root / "host" / f"gemv_warp-{key(parts)[:32]}.so.lock"
 
 
@@ -107,9 +124,9 @@ def test_codegen_hash_covers_sources_and_templates() -> None:
 def test_miss_then_process_hit_then_disk_hit(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    be = HostBackend(cache_dir=seeded(tmp_path))
     # Per-kernel compile lines are debug records (one progress line per batch is info).
     caplog.set_level(logging.DEBUG, logger="qir.runtime")
-    be = HostBackend(cache_dir=tmp_path)
     k = be.load(GEMV)
     assert be.cache.compiles == 1
     assert be.load(GEMV) is k  # in-process
@@ -117,14 +134,14 @@ def test_miss_then_process_hit_then_disk_hit(
     assert sum("compiling gemv_warp (host g++)" in m for m in messages) == 1
     assert any(m.startswith("compiled gemv_warp (host g++) in ") for m in messages)
     be.cache.forget()
-    k2 = HostBackend(cache_dir=tmp_path).load(GEMV)
+    k2 = HostBackend(cache_dir=seeded(tmp_path)).load(GEMV)
     assert k2 is not k and be.cache.compiles == 1  # read back from disk
     np.testing.assert_array_equal(run_gemv(k2), 32)
 
 
 @needs_gxx
 def test_new_compiler_version_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    be = HostBackend(cache_dir=tmp_path)
+    be = HostBackend(cache_dir=seeded(tmp_path))
     be.load(GEMV)
     be.cache.forget()
     monkeypatch.setattr(host_mod, "compiler_version", lambda: "g++ (imaginary) 99.0")
@@ -136,7 +153,7 @@ def test_new_compiler_version_is_a_miss(tmp_path: Path, monkeypatch: pytest.Monk
 @needs_gxx
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "empty", "trailer only"])
 def test_damaged_entry_is_a_miss_and_is_rewritten(tmp_path: Path, damage: str) -> None:
-    be = HostBackend(cache_dir=tmp_path)
+    be = HostBackend(cache_dir=seeded(tmp_path))
     be.load(GEMV)
     path = entry(tmp_path, "gemv_warp")
     data = path.read_bytes()
@@ -156,7 +173,7 @@ def test_damaged_entry_is_a_miss_and_is_rewritten(tmp_path: Path, damage: str) -
     # this process already opened from `path`.
     other = tmp_path / "other"
     shutil.copytree(tmp_path / "host", other / "host")
-    be2 = HostBackend(cache_dir=other)
+    be2 = HostBackend(cache_dir=seeded(other))
     np.testing.assert_array_equal(run_gemv(be2.load(GEMV)), 32)
     assert be2.cache.compiles == 1
     assert read_entry(entry(other, "gemv_warp")) is not None
@@ -209,7 +226,7 @@ def test_unwritable_root_degrades_with_one_warning(
 def test_read_only_root_still_serves_its_entries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    HostBackend(cache_dir=tmp_path).load(GEMV)
+    HostBackend(cache_dir=seeded(tmp_path)).load(GEMV)
     ro = tmp_path / "ro"
     shutil.copytree(tmp_path / "host", ro / "host")
     _readonly(monkeypatch, ro, errno.EROFS)
@@ -240,7 +257,7 @@ print(y.sum())
 @needs_gxx
 def test_four_processes_compile_once(tmp_path: Path) -> None:
     script = CHILD.format(tests=str(Path(__file__).parent), start=time.time() + 3.0)
-    env = {**os.environ, "QIR_CACHE_DIR": str(tmp_path), "QIR_LOG": "debug"}
+    env = {**os.environ, "QIR_CACHE_DIR": str(seeded(tmp_path)), "QIR_LOG": "debug"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -273,7 +290,7 @@ def test_lock_of_a_killed_process_is_not_stale(tmp_path: Path) -> None:
     assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
     holder.kill()
     holder.wait()
-    be = HostBackend(cache_dir=tmp_path)
+    be = HostBackend(cache_dir=seeded(tmp_path))
     be.cache.lock_timeout = 60
     t0 = time.monotonic()
     np.testing.assert_array_equal(run_gemv(be.load(GEMV)), 32)
@@ -284,7 +301,7 @@ def test_lock_of_a_killed_process_is_not_stale(tmp_path: Path) -> None:
 def test_lock_held_past_the_timeout_is_ignored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    be = HostBackend(cache_dir=tmp_path)
+    be = HostBackend(cache_dir=seeded(tmp_path))
     be.cache.lock_timeout = 0.2
     lock = lock_path(tmp_path)
     lock.parent.mkdir(parents=True)
@@ -418,7 +435,7 @@ def test_a_blocks_kernels_compile_on_threads_once_each(
 ) -> None:
     monkeypatch.setenv("QIR_COMPILE_JOBS", "3")
     caplog.set_level(logging.INFO, logger="qir.runtime")
-    be = HostBackend(cache_dir=tmp_path)
+    be = HostBackend(cache_dir=seeded(tmp_path))
     threads: set[str] = set()
     compile_one = be._compile
 
@@ -461,7 +478,7 @@ def test_a_compile_error_on_a_compile_thread_reaches_the_caller(
     broken = Kernel(
         "broken_par", 'extern "C" __global__ void broken_par() { int x = ; }', (), (1, 1, 1)
     )
-    be = HostBackend(cache_dir=tmp_path)
+    be = HostBackend(cache_dir=seeded(tmp_path))
 
     def load(kernel: Kernel) -> None:  # the error must come from the compile threads
         raise AssertionError(f"{kernel.name} reached load")

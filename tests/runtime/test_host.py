@@ -17,7 +17,6 @@ import pytest
 
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.errors import UsageError
-from qir.runtime import host as host_mod
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
 from tests.requires import requires
@@ -573,7 +572,7 @@ def test_the_optimisation_level_changes_no_result(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("QIR_HOST_UNROLL", unroll)
         be = HostBackend()
         runs[name] = CompiledBlock(plan, be, weights)
-        source = host_mod.host_source(plan.launches[0].kernel, be.unroll)
+        source = be.source(plan.launches[0].kernel)
         assert ("#pragma GCC unroll" in source) == (unroll == "1"), name
     for m in (1, 33, 70):
         x = inputs(m)
