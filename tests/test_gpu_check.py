@@ -28,6 +28,7 @@ STAGES = [
 # Test modules that skip on the GPU machine: they need what its image lacks, and hold no gpu test.
 SKIPPED_THERE = {
     "tests/formats/test_ggml.py: needs gguf-py, llama.cpp's GGUF reader (qir[test])",
+    "tests/models/test_gguf_fuzz.py: needs gguf-py, llama.cpp's GGUF reader (qir[test])",
     "tests/models/test_gguf_io.py: needs gguf-py, llama.cpp's GGUF reader (qir[test])",
     "tests/serving/test_lm_eval.py: needs jsonschema (qir[test])",
     "tests/serving/test_openai_api.py: needs the openai client (qir[test])",
