@@ -172,8 +172,8 @@ FMT4 = MlxAffine(4, 64, BF16)
 @pytest.fixture(autouse=True, scope="session")
 def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     """Every test compiles into one per-session cache, never the user's ~/.cache/qir, with host
-    kernels built at -O1 without the unroll pragmas. Under pytest-xdist the workers share it (the cache locks per entry),
-    so a kernel that tests on two workers need is compiled once."""
+    kernels built at -O1 without the unroll pragmas. Under pytest-xdist the workers share it
+    (the cache locks per entry), so a kernel that tests on two workers need is compiled once."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "qir-cache"
     root.mkdir(exist_ok=True)

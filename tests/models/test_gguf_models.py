@@ -66,7 +66,7 @@ def test_f32_logits_and_greedy_ids_match_transformers_forward_of_the_gguf(
     np.testing.assert_array_equal(gen["tokens"], golden[f"{ftype}.greedy"])
     assert printed == [str(t) for t in golden[f"{ftype}.greedy"]]
     assert max_rel(gen["logits"], golden[f"{ftype}.step_logits"]) <= F32_TOL
-    # llama.cpp's own logits of the file: the same argmax everywhere, KL as measured
+    # llama.cpp's own logits of the file: the same argmax where decided, KL as measured
     cpp = np.load(DATA / f"gguf_{family}" / "llamacpp.npz")[f"{ftype}.logits"]
     same = cpp.argmax(-1) == logits.argmax(-1)
     kl = _kl(logits, cpp)

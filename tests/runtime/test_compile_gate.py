@@ -925,7 +925,7 @@ def _earlier(entry_id: str, arch: str) -> set[tuple[str, str]]:
     raise KeyError(entry_id)
 
 
-# NVRTC takes 3 s for a Llama-size GEMV, so the whole matrix is half the suite's time. By
+# NVRTC takes 3 s for a Llama-size GEMV, so the whole matrix was a third of the suite's time. By
 # default every entry builds for sm_90 (the H100/H200 the device leases are) and for one other
 # arch, in turn down the list, so each arch still builds a third of the entries; QIR_GATE=all
 # (`make gate`) builds every entry for every arch. An entry of one or two archs builds them all.

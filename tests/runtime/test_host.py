@@ -456,7 +456,6 @@ import os, sys, threading, time
 import numpy as np
 sys.path.insert(0, {here!r})
 from test_host import GEMV, BLOCK_SUM, run_gemv, run_block_sum
-from qir.runtime import host as host_mod
 from qir.runtime.host import HostBackend
 be = HostBackend(cache_dir={cache!r})
 run_gemv(be, 0)
