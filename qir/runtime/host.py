@@ -56,9 +56,13 @@ BASE_FLAGS = (
     "-x",
     "c++",
 )
-# Hidden visibility keeps each kernel's copy of the runtime private to its .so (no process-wide
-# unique symbols shared between kernels); the entry points are exported explicitly.
+# Hidden visibility keeps each kernel's inline copies private to its .so (no process-wide unique
+# symbols shared between kernels); the entry points are exported explicitly.
 SO_FLAGS = ("-fPIC", "-shared", "-fvisibility=hidden")
+# Kernel libraries leave the worker pool and fiber stacks out (qir_host.h): they use those of
+# the runtime library, built once from the header alone (`_runtime_library`).
+KERNEL_FLAGS = ("-DQIR_HOST_SHARED_RUNTIME=1",)
+RUNTIME = "qir_host_runtime"  # the runtime library's cache entry name
 # g++'s optimisation level: -O3 unless QIR_HOST_OPT says (0-3). A kernel's results do not depend
 # on it (no fast-math: IEEE arithmetic at every level; tests/runtime/test_host.py compares -O1
 # with -O3 bytes), its build and run time do: the test suite builds at -O1, a quarter faster.
@@ -80,8 +84,9 @@ SANITIZE_FLAGS = (
 _INT32 = (-(2**31), 2**31 - 1)
 
 
-# Libraries built from one header can share one runtime (worker pool and fiber stacks): its hash
-# is compiled in as QIR_HOST_ABI, and a library only adopts a runtime of the same hash.
+# Every kernel library built from one header uses one runtime (worker pool and fiber stacks),
+# the runtime library's: the header's hash is compiled in as QIR_HOST_ABI, and a library only
+# adopts a runtime of the same hash.
 _RUNTIMES: dict[int, tuple[int, ctypes.CDLL]] = {}  # ABI -> (the shared Runtime*, its library)
 _RUNTIMES_LOCK = threading.Lock()
 
@@ -91,22 +96,30 @@ def _header_abi() -> str:
     return "0x" + hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16] + "ull"
 
 
-def _share_runtime(lib: ctypes.CDLL) -> None:
-    """Point a freshly loaded kernel library at the process's runtime for its header (the
-    first such library's own), so N loaded kernels do not mean N worker pools and N sets of
-    fiber stacks per thread. Runs before the library's first launch."""
+def _exported(lib: ctypes.CDLL) -> tuple[Any, Any, Any]:
     abi_fn, runtime_fn, share_fn = lib.qir_host_abi, lib.qir_host_runtime, lib.qir_host_share
     abi_fn.restype = ctypes.c_ulonglong
     runtime_fn.restype = ctypes.c_void_p
     share_fn.restype, share_fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    return abi_fn, runtime_fn, share_fn
+
+
+def _share_runtime(lib: ctypes.CDLL, runtime_library: Callable[[], Path]) -> None:
+    """Give a freshly loaded kernel library the process's runtime for its header (loading the
+    runtime library first if this is the first kernel of that header), so N loaded kernels do
+    not mean N worker pools and N sets of fiber stacks per thread. Runs before the library's
+    first launch."""
+    abi_fn, _, share_fn = _exported(lib)
     abi = int(abi_fn())
-    if abi == 0:
-        return
     with _RUNTIMES_LOCK:
-        if abi in _RUNTIMES:
-            share_fn(_RUNTIMES[abi][0])
-        else:
-            _RUNTIMES[abi] = (int(runtime_fn()), lib)
+        if abi not in _RUNTIMES:
+            runtime = ctypes.CDLL(str(runtime_library()))
+            theirs, runtime_fn, _ = _exported(runtime)
+            if int(theirs()) != abi:
+                raise RuntimeError(f"{RUNTIME}: built from another qir_host.h than its kernels")
+            _RUNTIMES[abi] = (int(runtime_fn()), runtime)
+        if share_fn(_RUNTIMES[abi][0]) != 1:
+            raise RuntimeError("a kernel library refused the runtime built from its own header")
 
 
 @cache
@@ -192,7 +205,8 @@ class HostBackend:
         if mode not in MODES:
             raise UsageError(f"QIR_HOST_MODE={mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode
-        self._so_flags = (f"-O{opt}", *SO_FLAGS, *MODES[mode])
+        self._so_flags = (f"-O{opt}", *SO_FLAGS, *KERNEL_FLAGS, *MODES[mode])
+        self._runtime_flags = (f"-O{opt}", *SO_FLAGS, *MODES[mode])
         self._sanitize_flags = (*SANITIZE_FLAGS, *MODES[mode])
         # Entries prepare() fetched (compiled or read and checksummed), for load() to take
         # instead of reading them again.
@@ -261,7 +275,7 @@ class HostBackend:
         try:
             lib = ctypes.CDLL(str(entry.path))
             getattr(lib, f"qir_launch_{kernel.name}")
-            _share_runtime(lib)
+            _share_runtime(lib, self._runtime_library)
         except (OSError, AttributeError) as e:
             # The checksum matched, so this is what g++ produced: not a cache problem.
             raise RuntimeError(f"{kernel.name}: cannot load {entry.path}: {e}") from e
@@ -278,6 +292,33 @@ class HostBackend:
             what="host g++",
             executable=self.sanitize,
         )
+
+    def _runtime_library(self) -> Path:
+        """The worker pool and fiber stacks every kernel library uses: qir_host.h compiled on
+        its own, once per header, flags and compiler (in the kernel cache)."""
+        parts = {
+            "runtime_header": HEADER.read_text(),
+            "options": repr((BASE_FLAGS, self._runtime_flags)),
+            "compiler": compiler_version(),
+            "cpu": native_arch(),
+            "toolkit": toolkit_fingerprint(),
+        }
+
+        def build() -> bytes:
+            with tempfile.TemporaryDirectory(prefix="qir-runtime-") as tmp:
+                cu, out = Path(tmp) / f"{RUNTIME}.cc", Path(tmp) / "runtime.out"
+                cu.write_text("// qir_host.h's runtime: the pool, the fibers, the exports\n")
+                abi = f"-DQIR_HOST_ABI={_header_abi()}"
+                includes = [f"-I{d}" for d in cuda_include_dirs()]
+                cmd = [CXX, *BASE_FLAGS, *self._runtime_flags, abi, "-include", str(HEADER)]
+                proc = subprocess.run(
+                    [*cmd, *includes, str(cu), "-o", str(out)], capture_output=True, text=True
+                )
+                if proc.returncode != 0:
+                    raise CompileError(RUNTIME, "g++", proc.stderr.strip(), "", filename=cu.name)
+                return out.read_bytes()
+
+        return self.cache.fetch(HOST, RUNTIME, key(parts), ".so", build, what="host g++").path
 
     def _compile(self, kernel: Kernel, source: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:

@@ -4,6 +4,7 @@ NumPy."""
 from __future__ import annotations
 
 import ctypes
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import pytest
 
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.errors import UsageError
+from qir.runtime import host as host_module
 from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend
 from tests.requires import requires
@@ -449,6 +451,26 @@ def test_loaded_libraries_share_one_runtime(be: HostBackend) -> None:
     first, second = be.load(GEMV), be.load(BLOCK_SUM)
     assert first.lib is not second.lib
     assert runtime_of(first.lib) == runtime_of(second.lib) is not None
+    # The runtime library's: kernel libraries are built without a pool of their own.
+    assert runtime_of(first.lib) in {ptr for ptr, _ in host_module._RUNTIMES.values()}
+
+
+def test_a_kernel_library_loaded_outside_the_backend_refuses_to_launch(
+    be: HostBackend, tmp_path: Path
+) -> None:
+    """A copy of a kernel library that nobody gave a runtime fails its launch with a message
+    (it has no worker pool of its own) instead of crashing."""
+    copy = tmp_path / "copy.so"
+    shutil.copy(be.load(BLOCK_SUM).path, copy)
+    lib = ctypes.CDLL(str(copy))
+    launch = getattr(lib, f"qir_launch_{BLOCK_SUM.name}")
+    launch.restype = ctypes.c_int
+    dims = (ctypes.c_uint * 3)(1, 1, 1)
+    values = [ctypes.c_uint64(0) for _ in BLOCK_SUM.params]
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    assert launch(dims, (ctypes.c_uint * 3)(32, 1, 1), params, 0) == 1
+    lib.qir_host_error.restype = ctypes.c_char_p
+    assert b"no runtime" in lib.qir_host_error()
 
 
 EXIT_SCRIPT = """
@@ -456,6 +478,7 @@ import os, sys, threading, time
 import numpy as np
 sys.path.insert(0, {here!r})
 from test_host import GEMV, BLOCK_SUM, run_gemv, run_block_sum
+from qir.runtime import host as host_module
 from qir.runtime.host import HostBackend
 be = HostBackend(cache_dir={cache!r})
 run_gemv(be, 0)

@@ -284,7 +284,13 @@ struct Runtime {
   Fibers* (*fibers)(unsigned n);
 };
 
-namespace own {  // this library's Runtime: used unless host.py shares another library's
+// The worker pool and fiber stacks. Kernel libraries that host.py builds define
+// QIR_HOST_SHARED_RUNTIME and leave them out: host.py builds them once, as the runtime library
+// (this header on its own), and shares its Runtime with every kernel library it loads, so each
+// kernel's g++ run does not compile the pool again (a third of a small kernel's build).
+// Sanitizer executables and any other build of the header keep their own.
+#if !defined(QIR_HOST_SHARED_RUNTIME)
+namespace own {
 
 struct FibersHolder {
   Fibers* f = nullptr;
@@ -465,15 +471,21 @@ inline Runtime& runtime() {
 }
 
 }  // namespace own
+#endif
 
 inline std::atomic<Runtime*>& shared_runtime() {
   static std::atomic<Runtime*> r{nullptr};
   return r;
 }
 
-inline Runtime& runtime() {
+// nullptr in a kernel library that was loaded without being given the runtime library's.
+inline Runtime* runtime() {
   Runtime* r = shared_runtime().load(std::memory_order_acquire);
-  return r ? *r : own::runtime();
+#if defined(QIR_HOST_SHARED_RUNTIME)
+  return r;
+#else
+  return r ? r : &own::runtime();
+#endif
 }
 
 // ---- One launch ------------------------------------------------------------------------------
@@ -540,7 +552,7 @@ class Worker {
 
   void run() {
     const unsigned used = launch_.loops ? 1 : n_;  // loops run every thread on fiber 0
-    t_ = runtime().fibers(used);
+    t_ = runtime()->fibers(used);
     if (!t_) {
       fail(launch_, "qir_host: cannot allocate fiber stacks");
       return;
@@ -844,8 +856,10 @@ inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(vo
                 " not supported; expected forward or reverse");
   } else if (threads == 0 || threads > kMaxThreads || blocks == 0) {
     fail(l, "qir_host: block must hold 1..1024 threads and the grid at least one block");
+  } else if (runtime() == nullptr) {
+    fail(l, "qir_host: no runtime: load kernel libraries through qir's host backend");
   } else {
-    runtime().run(worker_count(blocks) - 1, &Worker::run_launch, &l);
+    runtime()->run(worker_count(blocks) - 1, &Worker::run_launch, &l);
   }
   last_error() = l.error;
   return l.failed.load() ? 1 : 0;
@@ -1296,7 +1310,7 @@ extern "C" __attribute__((visibility("default"))) unsigned long long qir_host_ab
   return QIR_HOST_ABI;
 }
 extern "C" __attribute__((visibility("default"))) void* qir_host_runtime() {
-  return &qir_host::runtime();
+  return qir_host::runtime();
 }
 extern "C" __attribute__((visibility("default"))) int qir_host_share(void* other) {
   auto* r = static_cast<qir_host::Runtime*>(other);
