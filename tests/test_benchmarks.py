@@ -293,3 +293,69 @@ def test_host_vs_llamacpp_says_when_llama_cpp_is_missing(
     assert all(v > 0 for v in result.values())
     with pytest.raises(SystemExit):
         bench.main([str(data), "--new-tokens", "1"])  # too few to time a decode
+
+
+def test_gguf_kl_says_when_llama_cpp_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without llama.cpp there is nothing to compare: the KL report says so, before loading
+    any model, and ends well (CI has no llama.cpp)."""
+    bench = load("gguf_kl")
+    monkeypatch.setattr(bench, "llama_cpp_or_none", lambda: None)
+    assert bench.main([]) == {}
+    assert "llama.cpp: not installed" in capsys.readouterr().out
+
+
+def test_gguf_kl_is_llama_perplexitys_kld() -> None:
+    """KL(base || test), the base's probabilities weighing the log ratio: 0 for logits equal
+    up to a shift, and the two-outcome value by hand."""
+    kl = load("gguf_kl").kl
+    base = np.array([[0.0, 0.0], [np.log(3.0), 0.0]])
+    assert kl(base, base + 5.0) == pytest.approx([0.0, 0.0], abs=1e-12)
+    # p = (1/2, 1/2) against q = (3/4, 1/4); p = (3/4, 1/4) against q = (1/2, 1/2)
+    swapped = base[::-1]
+    want = [
+        0.5 * np.log(0.5 / 0.75) + 0.5 * np.log(0.5 / 0.25),
+        0.75 * np.log(1.5) + 0.25 * np.log(0.5),
+    ]
+    np.testing.assert_allclose(kl(base, swapped), want, rtol=1e-12)
+
+
+class FakeLlama:
+    """llama-cpp-python's Llama, as the KL report uses it, computing qir's reference-backend
+    float32 logits of the same file: the comparison's plumbing, with a KL of zero."""
+
+    def __init__(self, model_path: str, logits_all: bool, n_ctx: int, **_: object) -> None:
+        from qir.dtypes import F32
+        from qir.models import Model
+
+        assert logits_all
+        self.model = Model.load(model_path, backend="reference", act=F32)
+        self.scores = np.zeros((n_ctx, self.model.vocab_size), np.float32)
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        return list(self.model.encode(text.decode()))
+
+    def reset(self) -> None: ...
+
+    def eval(self, ids: list[int]) -> None:
+        self.scores[: len(ids)] = self.model.logits(ids)
+
+
+def test_gguf_kl_on_a_tiny_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole report on a tiny GGUF (no chat template: the chat prompts are left out), with
+    llama.cpp standing in for itself as qir's reference backend."""
+    bench = load("gguf_kl")
+    fake = types.SimpleNamespace(Llama=FakeLlama, __version__="fake")
+    gguf = Path(__file__).resolve().parent / "data" / "gguf_llama" / "model-F16.gguf"
+    out = tmp_path / "kl.json"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bench, "llama_cpp_or_none", lambda: fake)
+        summary = bench.main([str(gguf), "--backend", "reference", "--json", str(out)])
+    kinds = [k for k, _ in bench.PROMPTS]
+    assert summary["prompts"] == len(kinds) - kinds.count("chat")
+    assert summary["mean_kl"] == pytest.approx(0.0, abs=1e-9) and summary["top1"] == 1.0
+    assert summary["tokenization_differs"] == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert summary["positions"] == sum(r["ids"] for r in rows)
+    assert "chat prompts left out" in capsys.readouterr().out

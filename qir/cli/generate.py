@@ -94,7 +94,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             messages = [{"role": "user", "content": args.chat}]
             if args.system is not None:
                 messages.insert(0, {"role": "system", "content": args.system})
-            text = model.chat(messages, args.max_new_tokens, template=args.template, **common)
+            text = model.chat(
+                messages,
+                args.max_new_tokens,
+                template=args.template,
+                ignore_eos=args.ignore_eos,
+                **common,
+            )
         _show(text, sys.stdout)
         gen = model.last
     if args.stats:

@@ -285,19 +285,21 @@ class Model:
         stream: bool = False,
         stop: Sequence[str] = (),
         template: str | None = None,
+        ignore_eos: bool = False,
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
         **sampling: Any,
     ) -> Any:
         """The assistant's reply to `messages` ([{role, content}, ...]) through the
-        checkpoint's chat template: text (`stream=True`: an iterator of pieces). The KV rows
+        checkpoint's chat template: text (`stream=True`: an iterator of pieces); ignore_eos
+        runs past the end of the turn to max_new_tokens. The KV rows
         of the conversation stay in the cache: the next call with the same messages plus
         more recomputes only what follows (the longest common prefix of ids is reused)."""
         text = self.chat_prompt(messages, template)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         self.tokens(ids)
         pieces = self._text(
-            ids, max_new_tokens, stop, False, on_token, keep_logits, sampling, reuse=True
+            ids, max_new_tokens, stop, ignore_eos, on_token, keep_logits, sampling, reuse=True
         )
         return pieces if stream else "".join(pieces)
 

@@ -8,6 +8,9 @@ equal the source model's."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -15,6 +18,7 @@ from qir.cli import main
 from qir.dtypes import F32
 from qir.models import Model, load
 from tests.conftest import BACKENDS, DATA, max_rel
+from tests.requires import requires
 
 F32_TOL = 1e-3
 # family -> the files transformers' goldens cover (tests/data/gguf_<family>/transformers.npz)
@@ -118,21 +122,69 @@ def test_inspect_lists_every_tensor_and_the_metadata_read(capsys):
     assert "num_experts 4" in out and "pre 'qwen2'" in out
 
 
-def test_smollm2_answers_as_transformers_does_at_f32():
-    """The real SmolLM2-135M-Instruct Q4_1 GGUF (trained weights: wide margins), f32 on the
-    host: the chat prompt's ids are transformers', the 16 greedy ids its answer, and each
-    step's 64 largest logits within 1e-3 of its float32 forward of the same file
-    (tests/data/oracle/smollm2_transformers.py)."""
+# The prompts tests/data/oracle/smollm2_transformers.py answered (the golden holds each as JSON):
+# a plain completion, a chat turn under the template's default system message, one with ours.
+SMOLLM2_PROMPTS = {
+    "plain": {"prompt": "The three primary colors are"},
+    "chat": {"chat": "What is the capital of France?"},
+    "system": {
+        "system": "You are a Python expert. Answer with code only.",
+        "chat": "Write a function that reverses a string.",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_golden() -> Any:
+    return np.load(DATA / "smollm2_transformers.npz")
+
+
+@pytest.fixture(scope="module")
+def smollm2_model() -> Model:
+    """The prompts' tokenizer and chat template (the generations are the CLI's)."""
     from qir.cli.demo import smollm2
 
-    golden = np.load(DATA / "smollm2_transformers.npz")
-    model = Model.load(smollm2(), backend="host", act=F32)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = model.tokenizer.encode(model.chat_prompt(messages), add_special_tokens=False)
+    return Model.load(smollm2(), backend="host", act=F32)
+
+
+@requires("smollm2")
+@pytest.mark.parametrize("name", list(SMOLLM2_PROMPTS))
+def test_smollm2_generates_as_transformers_does_at_f32(
+    name, smollm2_golden, smollm2_model, tmp_path, capsys
+):
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF (trained weights: wide margins), f32 on the
+    host, through `qir generate` itself: the prompt's ids are transformers' (the text as the
+    tokenizer encodes it, or the chat template's rendering), the 16 greedy ids its answer (past
+    the <|im_end|> of a chat: --ignore-eos), each step's 64 largest logits within 1e-3 of its
+    float32 forward of the same file (tests/data/oracle/smollm2_transformers.py), and the text
+    printed its decode of those ids. One generation a prompt: the ids and logits are --out's."""
+    from qir.cli.demo import smollm2
+
+    prompt = SMOLLM2_PROMPTS[name]
+    keys = ("prompt", "tokens", "greedy", "text", "top_ids", "top_values")
+    golden = {k: smollm2_golden[f"{name}.{k}"] for k in keys}
+    assert json.loads(str(golden["prompt"])) == prompt  # the oracle answered this prompt
+    model = smollm2_model
+    if "prompt" in prompt:
+        ids = model.encode(prompt["prompt"])
+        argv = ["--prompt", prompt["prompt"]]
+    else:
+        messages = [{"role": "user", "content": prompt["chat"]}]
+        argv = ["--chat", prompt["chat"]]
+        if "system" in prompt:
+            messages.insert(0, {"role": "system", "content": prompt["system"]})
+            argv += ["--system", prompt["system"]]
+        ids = model.tokenizer.encode(model.chat_prompt(messages), add_special_tokens=False)
     np.testing.assert_array_equal(ids, golden["tokens"])
-    # Past its <|im_end|> too (the reference's eos did not stop it): 16 steps of the KV cache.
-    gen = model.generate(golden["tokens"], len(golden["greedy"]), do_sample=False, ignore_eos=True)
-    np.testing.assert_array_equal(gen.tokens, golden["greedy"])
-    ours = np.take_along_axis(gen.logits, golden["top_ids"].astype(np.int64), axis=-1)
+    new = len(golden["greedy"])
+    out = tmp_path / "g.npz"
+    options = ["--backend", "host", "--act-dtype", "f32", "--greedy", "--ignore-eos"]
+    argv += [*options, "--max-new-tokens", str(new), "--out", str(out)]
+    assert main(["-q", "generate", str(smollm2()), *argv]) == 0
+    assert capsys.readouterr().out == str(golden["text"]) + "\n"
+    saved = np.load(out)
+    np.testing.assert_array_equal(saved["tokens"], golden["greedy"])
+    ours = np.take_along_axis(saved["logits"], golden["top_ids"].astype(np.int64), axis=-1)
     assert max_rel(ours, golden["top_values"]) <= F32_TOL
-    assert model.tokenizer.decode(gen.tokens[:7]) == "The capital of France is Paris."
+    if name == "chat":  # what the numbers say, in words
+        assert str(golden["text"]).startswith("The capital of France is Paris.")
