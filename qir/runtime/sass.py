@@ -454,10 +454,13 @@ def value(
     slots: Mapping[int, str],
     env: Mapping[str, int],
     live: frozenset[int] | None = None,
+    memo: dict[tuple[int, str], int | None] | None = None,
 ) -> int | None:
     """The 32-bit value of operand `tok` just before instruction `at` (its last definition in
     address order, in `live` code if given), if it follows from constants, M (env["M"]) and
-    blockIdx.y (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1."""
+    blockIdx.y (env["SR_CTAID.Y"]) alone; None otherwise. Predicates evaluate to 0 or 1.
+    `memo` holds definitions already evaluated for these instrs, slots, env and live: without
+    it a definition is evaluated once per path to it (millions of times in a long GEMV)."""
     neg, inverted = tok.startswith("-"), tok.startswith("!")
     tok = tok.lstrip("-!")
     if re.match(r"U?[RP]", tok):
@@ -479,7 +482,12 @@ def value(
     d = _last_def(instrs, tok, 0, at, live)
     if d is None:
         return None
-    got = _define(instrs, d, tok, slots, env, live)
+    if memo is None:
+        got = _define(instrs, d, tok, slots, env, live, memo)
+    elif (d, tok) in memo:
+        got = memo[d, tok]
+    else:
+        got = memo[d, tok] = _define(instrs, d, tok, slots, env, live, memo)
     if got is None:
         return None
     return int(not got) if inverted else -got if neg else got
@@ -495,6 +503,7 @@ def _define(
     slots: Mapping[int, str],
     env: Mapping[str, int],
     live: frozenset[int] | None,
+    memo: dict[tuple[int, str], int | None] | None = None,
 ) -> int | None:
     ins = instrs[d]
     if ins.guard:
@@ -502,7 +511,7 @@ def _define(
     src = ins.sources
 
     def v(k: int) -> int | None:
-        return value(instrs, d, src[k], slots, env, live) if k < len(src) else None
+        return value(instrs, d, src[k], slots, env, live, memo) if k < len(src) else None
 
     op, parts = ins.op, ins.parts
     # The uniform datapath's twins (UIADD3, USEL, UISETP, S2UR, ...) compute the same.
@@ -598,12 +607,13 @@ def decide(
     out: dict[int, bool] = {}
     for _ in range(8):
         out = {}
+        memo: dict[tuple[int, str], int | None] = {}
         for i, ins in enumerate(instrs):
             if ins.target() is None or not ins.guard or "M" not in flow.guard[i]:
                 continue
             if live is not None and i not in live:
                 continue
-            p = value(instrs, i, ins.guard.lstrip("@"), slots, env, live)
+            p = value(instrs, i, ins.guard.lstrip("@"), slots, env, live, memo)
             if p is not None:
                 out[i] = bool(p)
         reached = reachable(instrs, out)
