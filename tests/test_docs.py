@@ -109,7 +109,18 @@ def _argv(command: str) -> list[str]:
 
 def _run_shell_line(b: Block, command: str, tmp: Path) -> None:
     word = command.split()[0]
-    if word == "qir":
+    if word == "qir" and "--tp" in command.split():  # mpiexec reruns the command line
+        argv = _argv(command)
+        run = subprocess.run(
+            [sys.executable, "-m", "qir.cli", "-q", *argv],
+            input="Hello!\n/exit\n",
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, f"{b.where}: {command}\n{run.stderr[-2000:]}"
+        assert run.stdout.strip(), f"{b.where}: {command}"
+    elif word == "qir":
         argv = _argv(command)
         assert main(["-q", *argv]) == 0, f"{b.where}: {command}"
         if "--out" in argv and argv[0] != "dump":
