@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck install install-test gpu-dry-run gate
+.PHONY: demo test lint typecheck install install-test gpu-dry-run gate docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,3 +51,7 @@ gpu-dry-run: install-test
 gate: install-test
 	$(BIN)/python scripts/ptxas_record.py --fresh
 	QIR_GATE=all $(BIN)/python -m pytest -q -n auto tests/runtime/test_compile_gate.py
+
+# The documentation site (docs/, mkdocs.yml) in site/; `make test` builds it too (tests/test_docs.py).
+docs: install-test
+	$(BIN)/python -m mkdocs build --strict -d site

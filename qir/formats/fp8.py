@@ -1,4 +1,4 @@
-"""FP8 E4M3 weights with one float scale per output row or per tensor (formats.md §6).
+"""FP8 E4M3 weights with one float scale per output row or per tensor (docs/formats.md: the FP8 rows).
 
 | buffer | channel     | tensor     | compressed-tensors float-quantized      | ModelOpt quant_algo FP8 |
 |--------|-------------|------------|-----------------------------------------|-------------------------|

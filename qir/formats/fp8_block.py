@@ -1,4 +1,4 @@
-"""FP8 E4M3 weights with one float32 scale per 128 x 128 block (formats.md §6): the layout of
+"""FP8 E4M3 weights with one float32 scale per 128 x 128 block (docs/formats.md: the FP8 rows): the layout of
 the official Qwen3-*-FP8 and DeepSeek-V3 releases and of compressed-tensors' FP8_BLOCK scheme.
 
 | buffer | kernel layout            | HF `quant_method: fp8`                  | compressed-tensors FP8_BLOCK        |

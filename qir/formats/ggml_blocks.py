@@ -1,6 +1,6 @@
 """ggml's quantized blocks in numpy: each linear type's raw blocks parsed into fields and written
 back, the decode, and a round-to-nearest encoder (layouts: llama.cpp's ggml-common.h; facts in
-shared/gguf.md §1).
+docs/gguf.md, Types).
 
 Fields are what every linear type shares:
   q    uint8 [..., K]       one code per element, the whole code (low bits, then the high bits

@@ -1,5 +1,5 @@
 """OCP microscaling (MX v1.0) weights: MXFP4 (E2M1) and MXFP8 (E4M3) elements with one E8M0
-scale per 32 consecutive inputs of a row (formats.md §3, §5).
+scale per 32 consecutive inputs of a row (docs/formats.md: the MLX and MXFP4 rows).
 
 | buffer | mxfp4         | mxfp8          | compressed-tensors mxfp4 | MLX mxfp4 / mxfp8             |
 |--------|---------------|----------------|--------------------------|-------------------------------|

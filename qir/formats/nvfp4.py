@@ -1,6 +1,6 @@
 """NVFP4: E2M1 codes with one E4M3 scale per 16 inputs and one float32 per-tensor scale.
 
-Three producers write it (formats.md §3, §4); one kernel layout holds them all:
+Three producers write it (docs/formats.md: the MLX, ModelOpt and compressed-tensors rows); one kernel layout holds them all:
 
 | buffer              | type          | ModelOpt         | compressed-tensors   | MLX nvfp4            |
 |---------------------|---------------|------------------|----------------------|----------------------|

@@ -315,7 +315,7 @@ class TensorStore:
     `model.safetensors.index.json`. Every file's header is validated when the store is made;
     tensor bytes are mapped only when a tensor is asked for.
 
-    With an index (see README, "Strict checkpoints"): its `weight_map` is an object of tensor
+    With an index (see docs/checkpoints.md): its `weight_map` is an object of tensor
     name -> shard name, each a file inside the directory (qir.models.checkpoint_dir); a shard
     the index names must exist and hold every tensor the index puts in it; a tensor a shard holds
     that the index puts in another shard is refused (two copies, which one is meant?); one the

@@ -31,7 +31,7 @@ from tests.formats.int_common import (
 
 CASES = ("awq_gemm_g64_S", "awq_gemv_g64_S")
 LAYER = "model.layers.0"
-# formats.md §1: logical column c of a GEMM word sits at nibble slot SLOT[c].
+# docs/formats.md (AutoAWQ GEMM): logical column c of a GEMM word sits at nibble slot SLOT[c].
 SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
@@ -196,7 +196,7 @@ def test_zeros_width_matches_autoawq() -> None:
 
 
 def _pseudo_quantize(w: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """formats.md §1 step by step, one group at a time, with the fp16-stored scale."""
+    """docs/formats.md's AutoAWQ decode step by step, one group at a time, with the fp16-stored scale."""
     out_f, in_f = w.shape
     q = np.zeros(w.shape, np.int64)
     z = np.zeros((out_f, in_f // g), np.int64)

@@ -1,5 +1,5 @@
 """GPTQ v1/v2, 2/3/4/8-bit, with and without act-order: checkpoints written by our own packer
-(from formats.md §2, independent of the unpacker), repack, quantizer, refusals, and the kernels
+(from docs/formats.md's GPTQ row, independent of the unpacker), repack, quantizer, refusals, and the kernels
 on the host backend (no fixture exists for GPTQ)."""
 
 from __future__ import annotations

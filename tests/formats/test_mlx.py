@@ -80,7 +80,7 @@ def test_matches_config() -> None:
 
 
 def test_arange_row_gives_negative_scale() -> None:
-    # formats.md §3: the max edge has the larger magnitude, so it becomes the bias (code 0) and
+    # docs/formats.md (MLX's quantizer): the max edge has the larger magnitude, so it becomes the bias (code 0) and
     # the scale is negative: 0..15 -> scale -1, bias 15, code 15 - x.
     row = np.tile(np.arange(16, dtype=np.float32), 2)[None]
     out = MlxAffine(4, 32, F32).quantize(row)
@@ -122,7 +122,7 @@ def test_pack_codes_bit_order(bits: int) -> None:
 
 
 def _reference_codes(w: np.ndarray, bits: int, group: int) -> np.ndarray:
-    """formats.md §3 step by step on float32 scalars, one group at a time."""
+    """docs/formats.md's MLX quantizer step by step on float32 scalars, one group at a time."""
     f32 = np.float32
     n_bins = f32((1 << bits) - 1)
     out = np.zeros(w.shape, np.uint32)

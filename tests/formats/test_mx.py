@@ -22,7 +22,7 @@ from tests.requires import requires
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 PROJ = ["q", "k", "v", "o", "gate", "up", "down"]
-# formats.md §4 E2M1 table, written out independently of qir.formats.fp_codes.
+# docs/formats.md's E2M1 table, written out independently of qir.formats.fp_codes.
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 
@@ -50,7 +50,7 @@ def test_spelling_and_facts() -> None:
 
 @pytest.mark.parametrize(
     ("amax", "fp4_exp", "fp8_exp"),
-    # OCP: floor(log2 amax) - 2 (E2M1) or - 8 (E4M3), biased by 127. formats.md §5: CT gives
+    # OCP: floor(log2 amax) - 2 (E2M1) or - 8 (E4M3), biased by 127. docs/formats.md: CT gives
     # 127 for 3.5 and 128 for 7.9, the OCP rule 126 and 127.
     [(3.5, 126, 120), (7.9, 127, 121), (6.0, 127, 121), (4.0, 127, 121), (1.0, 125, 119)],
 )
@@ -143,7 +143,7 @@ Q = "model.layers.0.self_attn.q_proj"
 
 
 def _mlx_words(codes: np.ndarray, bits: int) -> np.ndarray:
-    """formats.md §3: each row a little-endian stream, element j at bits [j*bits, (j+1)*bits)."""
+    """docs/formats.md (MLX): each row a little-endian stream, element j at bits [j*bits, (j+1)*bits)."""
     per = 32 // bits
     rows, n = codes.shape
     words = np.zeros((rows, n // per), np.uint64)

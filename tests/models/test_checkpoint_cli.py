@@ -2,7 +2,7 @@
 as exit code 2 and one line on stderr, with no traceback, and the checkpoint stays as it was.
 
 One crafted copy of a real fixture per rule (work happens on copies in tmp_path, never on
-tests/data); the table's ids are the rules of the README's "Strict checkpoints"."""
+tests/data); the table's ids are the rules of docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
   shifted or swapped, entries duplicated, dropped or renamed, nesting, truncation, byte flips,
   extra bytes) must be opened by qir exactly when `safetensors.safe_open` opens them, and where
   both do, every tensor's bytes must be the official library's;
-- config.json and model.safetensors.index.json, against qir's own documented rules (README,
-  "Strict checkpoints"), written out again here independently of the code under test.
+- config.json and model.safetensors.index.json, against qir's own documented rules
+  (docs/checkpoints.md), written out again here independently of the code under test.
 Whatever the file, qir may raise its own errors (QirError) and nothing else.
 
 The examples are derandomized with a small budget, so CI runs the same few hundred cases in a
@@ -393,7 +393,7 @@ def _depth_and_strings(value: Any) -> tuple[int, list[str]]:
 
 
 def _strict_parse(raw: bytes) -> Any:
-    """config.json or an index as qir's rules read it (README, "Strict checkpoints"), written
+    """config.json or an index as qir's rules read it (docs/checkpoints.md), written
     with plain json: raises ValueError where qir must refuse the text."""
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -559,7 +559,7 @@ SHARD_NAMES = [
 
 
 def _expected_index(ckpt: Path, raw: bytes, readable: dict[str, set[str]]) -> bool:
-    """qir's index rules, written again: see the README's "Strict checkpoints"."""
+    """qir's index rules, written again: see docs/checkpoints.md."""
     try:
         doc = _strict_parse(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -109,7 +109,7 @@ def compiled(
 
 
 def close(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> None:
-    """The GEMVs sum 16-bit pairs (about 1e-3 of a row's largest output, see the README's
+    """The GEMVs sum 16-bit pairs (about 1e-3 of a row's largest output, see docs/cost-model.md's
     static cost section); silu(g) * u multiplies two such sums."""
     for name, want in ref.items():
         got = np.asarray(ours[name])

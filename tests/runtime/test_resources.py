@@ -638,7 +638,7 @@ def _llama_o(fmt) -> Plan:
 
 # Issue 32's goals at decode (sm_90, M = 1): 80 warp instructions per 512 B for the 4- and 5-bit
 # GGUF types, 60 for Q8_0 and Q6_K. Met by the linear types but Q6_K (64 at this shape: its six
-# bits take two LOP3 a pair to merge the high ones; README, "Static cost"); IQ4_NL and IQ4_XS
+# bits take two LOP3 a pair to merge the high ones; docs/cost-model.md); IQ4_NL and IQ4_XS
 # (two table lookups, a merge and a byte-to-half move a pair) and Q6_K stay within an H200's
 # budget of 112, which they are held to.
 GGML_GOALS = {

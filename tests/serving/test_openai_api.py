@@ -365,9 +365,10 @@ def test_a_full_queue_gets_429() -> None:
         assert all(a.usage.completion_tokens == 12 for a in done)
 
 
-def test_the_readme_client_example_runs(server: Served, capsys: pytest.CaptureFixture[str]) -> None:
-    readme = (FIXTURE.parent.parent.parent / "README.md").read_text()
-    (example,) = re.findall(r"```py\n(.*?)```", readme, flags=re.S)
+def test_the_docs_client_example_runs(server: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/serving.md's client example (tests/test_docs.py leaves it to this test)."""
+    page = (FIXTURE.parent.parent.parent / "docs" / "serving.md").read_text()
+    (example,) = re.findall(r"```python\n(from openai.*?)```", page, flags=re.S)
     for placeholder in ('"http://127.0.0.1:8000/v1"', '"KEY"', '"checkpoint"', "max_tokens=32"):
         assert placeholder in example
     example = example.replace('"http://127.0.0.1:8000/v1"', repr(f"{server.url}/v1"))

@@ -9,7 +9,7 @@
 
 // Blackwell's warp-level block-scaled FP4 MMA (kind::mxf4nvf4) exists on sm_120a and sm_121a;
 // ptxas refuses it for sm_100a, whose block-scaled MMA is tcgen05's (tensor memory, one thread
-// issues; see README, "GPU paths").
+// issues; see docs/gpu-checks.md).
 #if defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL)
 #define QIR_NATIVE_FP4 1
 #else

@@ -1,4 +1,4 @@
-"""HF `quant_method: "mxfp4"` checkpoints (gpt-oss, formats.md section 5): only the routed
+"""HF `quant_method: "mxfp4"` checkpoints (gpt-oss, docs/formats.md): only the routed
 experts are MXFP4, stacked per projection as `<module>_blocks` u8 [E, O, I/32, 16] (E2M1 pairs,
 low nibble first), `<module>_scales` u8 [E, O, I/32] (E8M0) and `<module>_bias` [E, O]; every
 other linear (`modules_to_not_convert`: attention, router, embeddings, lm_head) is stored

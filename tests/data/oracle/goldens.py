@@ -7,7 +7,7 @@ where the tool quantized those); every other tensor (norms, q/k norms, embedding
 biases the tool left as tensors) is read from the checkpoint and widened to float32. The model
 is `AutoModelForCausalLM.from_config(config.json)` with eager attention and those weights
 loaded strictly. Adds to golden.npz the inputs `x.M1/M5/M40` and layer 0's block outputs, and
-writes golden_model.npz (keys as shared/fixtures/README.md describes).
+writes golden_model.npz (keys as tests/data/README.md describes).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Hub's MXFP4 layout, with goldens from transformers' own modelling code. Steps (v
 
   source CASE     the model: random weights (norms, biases, sinks, routers big enough to move
                   the logits), the experts encoded to MXFP4 by the small numpy encoder below (the
-                  layout of formats.md section 5: E2M1 pairs low nibble first, E8M0 scales bias
+                  layout docs/formats.md describes: E2M1 pairs low nibble first, E8M0 scales bias
                   127, one per 32 inputs; gate and up rows interleaved as the Hub stores them),
                   everything else bf16; config.json with `quantization_config: mxfp4`.
   goldens CASE    transformers loads CASE with `Mxfp4Config(dequantize=True)` on CPU, float32,
