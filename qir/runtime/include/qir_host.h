@@ -111,6 +111,7 @@ struct Fiber {
   unsigned lane;
   State state;
   unsigned wait_gen;  // the generation of the barrier it waits at
+  unsigned calls;     // its block_call()s in the current block
 };
 
 struct Warp {
@@ -668,6 +669,13 @@ class Worker {
 
   unsigned lane() const { return fibers_[cur_].lane; }
 
+  // A key for this thread's n-th call in its block, unique on this OS thread across blocks and
+  // launches: where every thread of a block computes the same values (a row's norm, a staged
+  // row), the first to ask computes them into a memo under this key and the others copy them,
+  // with no barrier or warp exchange (each a switch of every fiber of the block). Every thread
+  // makes the same calls in the same order, so the n-th calls of a block share a key.
+  uint64_t block_call() { return serial_ << 8 | (fibers_[cur_].calls++ & 0xFFu); }
+
   // A collective in a kernel launched as loops: there is no other thread to wait for.
   void misused(const char* what) {
     report(std::string("qir_host: the kernel was generated as having no collectives (it runs as a "
@@ -688,9 +696,11 @@ class Worker {
   // Then any thread still alive is deadlocked.
   bool run_block() {
     block_arrived_ = 0;
+    serial_ = ++block_serial();
     for (unsigned i = 0; i < n_; ++i) {
       fibers_[i].state = State::runnable;
       fibers_[i].wait_gen = 0;
+      fibers_[i].calls = 0;
       async_[i].pending.clear();  // copies a thread never waited for do not outlive its block
       async_[i].committed = 0;
     }
@@ -830,6 +840,13 @@ class Worker {
   unsigned live_ = 0;  // threads of the block that have not returned
   unsigned block_arrived_ = 0;
   unsigned block_gen_ = 0;  // completed __syncthreads
+  uint64_t serial_ = 0;     // the current block's block_serial()
+
+  // Blocks this library has run on this OS thread (from 1): a memo's key names its block.
+  static uint64_t& block_serial() {
+    static thread_local uint64_t n = 0;
+    return n;
+  }
 };
 
 inline unsigned worker_count(unsigned long blocks) {
@@ -890,6 +907,9 @@ int launch_kernel(void (*fn)(A...), const unsigned* grid3, const unsigned* block
                   int loops) {
   return launch_kernel(fn, grid3, block3, params, loops, std::index_sequence_for<A...>{});
 }
+
+// See Worker::block_call.
+inline uint64_t block_call() { return worker()->block_call(); }
 
 template <typename T>
 inline uint64_t to_bits(T v) {
@@ -955,12 +975,10 @@ inline bool warp_sum(float& v) {
 // value k + base of every lane of its group of L, added in pairs of lanes that differ in bit
 // L/2 first, then L/4, ... (each add a lane's own value plus its partner's: commutative, so
 // the pair's order is immaterial); base is the offset of the halves lane l kept.
+// Lane `lane`'s values from all 32 lanes' (`all`: V a lane, lane-major).
 template <int V, int W, int L>
-inline bool reduce_scatter(float (&v)[V]) {
-  const uint32_t* bank = worker()->exchange_rows(v, V);
-  if (!bank) return false;
-  const float* all = reinterpret_cast<const float*>(bank);
-  const unsigned lane = worker()->lane(), group = lane / L * L;
+inline void reduce_scatter_lane(const float* all, unsigned lane, float (&v)[V]) {
+  const unsigned group = lane / L * L;
   int n = V, o = L / 2, base = 0;
   for (; n > W && o > 0; n /= 2, o /= 2)
     if (lane & o) base += n / 2;
@@ -971,6 +989,13 @@ inline bool reduce_scatter(float (&v)[V]) {
       for (int i = 0; i < half; ++i) t[i] = t[i] + t[i + half];
     v[k] = t[0];
   }
+}
+
+template <int V, int W, int L>
+inline bool reduce_scatter(float (&v)[V]) {
+  const uint32_t* bank = worker()->exchange_rows(v, V);
+  if (!bank) return false;
+  reduce_scatter_lane<V, W, L>(reinterpret_cast<const float*>(bank), worker()->lane(), v);
   return true;
 }
 
