@@ -43,19 +43,22 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <mutex>
 #include <new>
-#include <string>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+// What only the runtime (the pool) and the sanitizer runner use. A kernel library leaves these
+// out: with them in the precompiled header, g++ spent a third of a second of every kernel's build
+// on their deferred template instantiations, so the code below uses Array and fixed buffers.
+#if !defined(QIR_HOST_SHARED_RUNTIME)
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <vector>
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -81,6 +84,57 @@ static constexpr int warpSize = 32;
 namespace qir_host {
 
 class Worker;
+
+// A growable array of default-constructible T: what the launch and a fiber's copies need of
+// std::vector, without <vector> (see the includes above).
+template <typename T>
+class Array {
+ public:
+  Array() = default;
+  Array(Array&& o) noexcept : p_(o.p_), n_(o.n_), cap_(o.cap_) { o.p_ = nullptr, o.n_ = o.cap_ = 0; }
+  Array(const Array&) = delete;
+  Array& operator=(const Array&) = delete;
+  ~Array() {
+    resize(0);
+    ::operator delete(p_, std::align_val_t(alignof(T)));
+  }
+  void resize(size_t n) {
+    reserve(n);
+    for (size_t i = n_; i < n; ++i) new (p_ + i) T();
+    for (size_t i = n; i < n_; ++i) p_[i].~T();
+    n_ = n;
+  }
+  void push_back(const T& v) {
+    if (n_ == cap_) reserve(cap_ ? 2 * cap_ : 8);
+    new (p_ + n_++) T(v);
+  }
+  void clear() { resize(0); }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  T& operator[](size_t i) { return p_[i]; }
+  const T& operator[](size_t i) const { return p_[i]; }
+  T* data() { return p_; }
+  T* begin() { return p_; }
+  T* end() { return p_ + n_; }
+
+ private:
+  void reserve(size_t n) {
+    if (n <= cap_) return;
+    T* q = static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(alignof(T))));
+    for (size_t i = 0; i < n_; ++i) {
+      new (q + i) T(std::move(p_[i]));
+      p_[i].~T();
+    }
+    ::operator delete(p_, std::align_val_t(alignof(T)));
+    p_ = q;
+    cap_ = n;
+  }
+  T* p_ = nullptr;
+  size_t n_ = 0, cap_ = 0;
+};
+
+// Launch errors are short messages in fixed buffers (no <string>).
+constexpr size_t kErrorBytes = 512;
 
 // The block an OS thread is running, and each fiber's own CUDA thread: what threadIdx, blockIdx,
 // blockDim and gridDim read (macros below).
@@ -134,7 +188,7 @@ struct AsyncCopy {
 };
 
 struct AsyncCopies {
-  std::vector<AsyncCopy> pending;
+  Array<AsyncCopy> pending;
   unsigned committed = 0;
 };
 
@@ -497,8 +551,7 @@ struct Launch {
   void* args;
   std::atomic<unsigned long> next_block{0};
   std::atomic<bool> failed{false};
-  std::mutex error_mutex;
-  std::string error;
+  char error[kErrorBytes] = "";
   // QIR_HOST_SCHEDULE=reverse: blocks, and a block's threads between barriers, run last to first.
   // A fiber runs until it blocks, so a missing barrier lets a thread read a slot it expects
   // another to have written only when the writer happens to run first: a forward run exposes
@@ -512,15 +565,15 @@ struct Launch {
 };
 
 // The calling thread's last launch error: launches from several threads do not share one.
-inline std::string& last_error() {
-  static thread_local std::string s;
+inline char* last_error() {
+  static thread_local char s[kErrorBytes];
   return s;
 }
 
-// First error wins; the others would only describe the same failure from other workers.
-inline void fail(Launch& launch, const std::string& msg) {
-  std::lock_guard<std::mutex> lock(launch.error_mutex);
-  if (!launch.failed.exchange(true)) launch.error = msg;
+// First error wins (the others would only describe the same failure from other workers); the
+// launch reads `error` only after every worker has returned.
+inline void fail(Launch& launch, const char* msg, const char* more = "") {
+  if (!launch.failed.exchange(true)) snprintf(launch.error, kErrorBytes, "%s%s", msg, more);
 }
 
 // One OS thread's share of a launch: takes blocks from the shared counter and runs each block's
@@ -659,12 +712,12 @@ class Worker {
 
   // A misuse the GPU would fault on (a misaligned address): the launch fails with `msg`, and the
   // fiber runs on (its results are not used).
-  void report(const std::string& msg) {
+  void report(const char* msg) {
     char where[96];
     const uint3 t = fibers_[cur_].tid, b = block_.idx;
     snprintf(where, sizeof where, " (thread (%u,%u,%u) of block (%u,%u,%u))", t.x, t.y, t.z, b.x,
              b.y, b.z);
-    fail(launch_, msg + where);
+    fail(launch_, msg, where);
   }
 
   unsigned lane() const { return fibers_[cur_].lane; }
@@ -678,8 +731,12 @@ class Worker {
 
   // A collective in a kernel launched as loops: there is no other thread to wait for.
   void misused(const char* what) {
-    report(std::string("qir_host: the kernel was generated as having no collectives (it runs as a "
-                       "loop over its threads) but reached ") + what);
+    char msg[kErrorBytes / 2];
+    snprintf(msg, sizeof msg,
+             "qir_host: the kernel was generated as having no collectives (it runs as a loop over "
+             "its threads) but reached %s",
+             what);
+    report(msg);
   }
 
   unsigned active_mask() const {
@@ -830,11 +887,11 @@ class Worker {
   Launch& launch_;
   unsigned n_ = 0;
   Fibers* t_ = nullptr;
-  std::vector<Fiber> fibers_;
-  std::vector<Warp> warps_;
-  std::vector<AsyncCopies> async_;
-  std::vector<uint32_t> words_;  // exchange_words' banks: [warp][gen & 1][lane][kWords]
-  std::vector<uint32_t> rows_;   // exchange_rows' banks: [warp][gen & 1][32 * kMaxRow]
+  Array<Fiber> fibers_;
+  Array<Warp> warps_;
+  Array<AsyncCopies> async_;
+  Array<uint32_t> words_;  // exchange_words' banks: [warp][gen & 1][lane][kWords]
+  Array<uint32_t> rows_;   // exchange_rows' banks: [warp][gen & 1][32 * kMaxRow]
   BlockState block_{};
   unsigned cur_ = 0;
   unsigned live_ = 0;  // threads of the block that have not returned
@@ -850,7 +907,8 @@ class Worker {
 };
 
 inline unsigned worker_count(unsigned long blocks) {
-  unsigned n = std::thread::hardware_concurrency();
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  unsigned n = cpus > 0 ? static_cast<unsigned>(cpus) : 1;
   if (const char* env = std::getenv("QIR_HOST_THREADS")) n = static_cast<unsigned>(std::atoi(env));
   if (n == 0) n = 1;
   return static_cast<unsigned>(std::min<unsigned long>(n, blocks));
@@ -869,8 +927,11 @@ inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(vo
   const char* schedule = std::getenv("QIR_HOST_SCHEDULE");
   l.reverse = schedule != nullptr && std::strcmp(schedule, "reverse") == 0;
   if (schedule != nullptr && *schedule && !l.reverse && std::strcmp(schedule, "forward") != 0) {
-    fail(l, std::string("qir_host: QIR_HOST_SCHEDULE=") + schedule +
-                " not supported; expected forward or reverse");
+    char msg[kErrorBytes];
+    snprintf(msg, sizeof msg,
+             "qir_host: QIR_HOST_SCHEDULE=%.64s not supported; expected forward or reverse",
+             schedule);
+    fail(l, msg);
   } else if (threads == 0 || threads > kMaxThreads || blocks == 0) {
     fail(l, "qir_host: block must hold 1..1024 threads and the grid at least one block");
   } else if (runtime() == nullptr) {
@@ -878,7 +939,7 @@ inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(vo
   } else {
     runtime()->run(worker_count(blocks) - 1, &Worker::run_launch, &l);
   }
-  last_error() = l.error;
+  snprintf(last_error(), kErrorBytes, "%s", l.error);
   return l.failed.load() ? 1 : 0;
 }
 
@@ -1325,7 +1386,7 @@ inline void cp_async_wait(unsigned n) {
 
 // The calling thread's last launch error ("" after a launch that succeeded).
 extern "C" __attribute__((visibility("default"))) const char* qir_host_error() {
-  return qir_host::last_error().c_str();
+  return qir_host::last_error();
 }
 
 // Sharing one Runtime between kernel libraries (host.py calls these right after loading one):
