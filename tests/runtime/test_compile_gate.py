@@ -485,10 +485,15 @@ GGML = tuple(Ggml(t) for t in SPECS if t != "TQ1_0")
 
 def q4_k_m_qkv(s: Shapes) -> Graph:
     """A Q4_K_M layer's q/k (Q4_K) and v (Q6_K) behind its RMSNorm: one launch of two parts."""
+    return mixed_qkv(s, ("Q4_K", "Q4_K", "Q6_K"))
+
+
+def mixed_qkv(s: Shapes, types: tuple[str, str, str]) -> Graph:
+    """q, k, v in these ggml types behind an RMSNorm: one launch, each type's fragment in it."""
     b = Builder("q4km")
     x = b.input("x", ("M", s.hidden), F16)
     xn = b.rms_norm(x, b.param("norm", TensorType((s.hidden,), F16), name="w_norm"), 1e-5)
-    for n, o, t in (("q", s.hidden, "Q4_K"), ("k", s.kv, "Q4_K"), ("v", s.kv, "Q6_K")):
+    for n, o, t in zip(("q", "k", "v"), (s.hidden, s.kv, s.kv), types, strict=True):
         b.output(n, b.qlinear(xn, b.weight(n, QWeight(Ggml(t), o, s.hidden), name=f"w_{n}")))
     return b.graph
 
@@ -518,8 +523,15 @@ GATE: tuple[Entry, ...] = (
         graph(lambda: q4_k_m_qkv(LLAMA3_8B)),
         (
             "qgemv_ggmlq4k_ggmlq6k_f16_n4096_1024_1024_k4096_m8_rmsnorm_wf16",
-            "qgemm_ggmlq6k_f16_n1024_k4096",
+            "qgemm_ggmlq4k_ggmlq6k_f16_n4096_1024_1024_k4096",
         ),
+    ),
+    # One GEMM of three fragments whose chunks differ (Q8_0's 16 weights, Q2_K's 64: K steps of
+    # 64, so both buckets' tiles shrink to fit shared memory), behind the norm prologue.
+    Entry(
+        "qkv-ggml-mixed-chunks-llama3-8b-gemm",
+        graph(lambda: mixed_qkv(LLAMA3_8B, ("Q8_0", "Q2_K", "Q6_K")), gemm),
+        ("qgemm_ggmlq80_ggmlq2k_ggmlq6k_f16_n4096_1024_1024_k4096_64x64x64s2w2x4",),
     ),
     *(
         Entry(
