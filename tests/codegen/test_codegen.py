@@ -8,6 +8,7 @@ import jinja2
 import pytest
 
 from qir.codegen.fragments import fragment_for
+from qir.codegen.gemm import GemmSpec, gemm_kernel
 from qir.codegen.gemv import GemvSpec, gemv_kernel, lanes_per_row
 from qir.codegen.lower import lower
 from qir.codegen.render import render
@@ -84,6 +85,13 @@ def test_mixed_formats_are_parts_of_one_launch_unpaired_only():
     assert source.count("namespace qir_part1 {") == 1 and "qir_part1::qir_part(" in source
     with pytest.raises(ValueError, match="unpaired and 16-bit only"):
         GemvSpec((a, b), F16, 8, epilogue="silu_mul")
+    # The GEMM: one launch, each format's fragment in a namespace, chosen by the block's weight
+    gemm = GemmSpec.of(spec, 64)
+    assert gemm.name.startswith("qgemm_mlx4g128bf16_mlx8g128bf16_f16_n512_512_512_k256_")
+    assert gemm.grid_x == 3 * gemm.tiles(a)
+    source = gemm_kernel(gemm).source
+    assert source.count("namespace qir_part1 {") == 1
+    assert "if (seg == 0 || seg == 2) {" in source and "qir_part1::qir_gemm_weight_chunk(" in source
 
 
 def test_templates_reject_missing_variables():
