@@ -396,7 +396,8 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
             b_parts.append(
                 {
                     "ns": f"{ns}::",
-                    "cond": " || ".join(f"seg == {j}" for j in js),
+                    # a pair's parts each decode their own rows of every tile
+                    "cond": "" if f.paired else " || ".join(f"seg == {j}" for j in js),
                     "format": w.format.spell(),
                     "chunk": pf.chunk_elems,
                     "chunks_per_row": pf.chunks_per_row(w0.in_features),
@@ -555,6 +556,11 @@ def _params(spec: GemmSpec, frag: Fragment) -> list[KernelParam]:
     ]
 
 
+def _formats(weights: tuple[QWeight, ...]) -> str:
+    """The weights' formats as a comment spells them: one, or each in turn."""
+    return " and ".join(dict.fromkeys(w.format.spell() for w in weights))
+
+
 def _doc(spec: GemmSpec) -> list[str]:
     """The comment lines at the top of the kernel: what it computes and how it is tiled."""
     f, t = spec, spec.tile
@@ -569,7 +575,7 @@ def _doc(spec: GemmSpec) -> list[str]:
     if f.paired:
         lines.append(
             f"y0 = {f.gate_act}({x} W0^T{b[0]}) * ({x} W1^T{b[1]}); W0, W1 are "
-            f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
+            f"[{w0.out_features}, {w0.in_features}] in {_formats(f.weights)}"
         )
     elif f.cap is not None:
         lines.append(
