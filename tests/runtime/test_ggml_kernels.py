@@ -75,15 +75,24 @@ def test_every_type_in_the_gemv_and_the_gemm(backend: str, act: DType, formats) 
 @pytest.mark.parametrize("act", [F16, F32], ids=["f16", "f32"])
 def test_gate_and_up_of_two_types_pair(backend: str, act: DType) -> None:
     """gate and up of different types paired (one launch, silu(g) * u its epilogue): Q4_K with
-    a biased Q6_K up, and Q8_0 with Q2_K (16- and 64-weight chunks in one GEMM tile), at a
+    a biased Q6_K up behind Gemma's post-norm residual and a norm (h stored once), and Q8_0 with
+    Q2_K (16- and 64-weight chunks in one GEMM tile), at a
     ragged N = 300 through the GEMV (M = 1, 5) and the GEMM (M = 33). A GEMV block's rows are
     the most either type's code takes (f16: 256 and 128, 128 and 512): the other runs as several
     of its blocks in turn, some of them past the last row."""
     rng = np.random.default_rng(4)
     b = Builder("pairs")
-    weights = {}
+    weights: dict = {}
     for i, (tg, tu) in enumerate((("Q4_K", "Q6_K"), ("Q8_0", "Q2_K"))):
         x = b.input(f"x{i}", ("M", HIDDEN), act)
+        if i == 0:
+            # Gemma's post-norm residual into the pair's norm: the gate's part stores h
+            for n in ("pw", "nw"):
+                weights[n] = {"weight": (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(act.np)}
+            pw, nw = (b.param(n, TensorType((HIDDEN,), act), name=f"w_{n}") for n in ("pw", "nw"))
+            h = b.add(b.input("r0", ("M", HIDDEN), act), b.rms_norm(x, pw, 1e-6))
+            b.output("h", h)
+            x = b.rms_norm(h, nw, 1e-6)
         ws = []
         for name, t in ((f"gate{i}", tg), (f"up{i}", tu)):
             qw, weights[name] = random_weight(rng, PAIR_ROWS, HIDDEN, Ggml(t))
@@ -97,9 +106,11 @@ def test_gate_and_up_of_two_types_pair(backend: str, act: DType) -> None:
     names = [la.kernel.name for la in compiled.plan.launches]
     for tags in ("ggmlq4k_ggmlq6k", "ggmlq80_ggmlq2k"):
         assert any(n.startswith(f"qgemv_{tags}_") and n.endswith("_silumul") for n in names)
+    assert any("ggmlq6k_" in n and "_resnormh_" in n for n in names), names
     assert compiled.launches_for(1) == 2
     for m in (1, 5) if act == F32 else (1, 5, 33):
         x_m = {k: v for i in range(2) for k, v in inputs(m, act, f"x{i}", i).items()}
+        x_m.update(inputs(m, act, "r0", 2))
         close(compiled(x_m), reference(x_m), TOL[act])
 
 
