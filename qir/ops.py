@@ -246,17 +246,17 @@ def _infer_projections(
         results.append(TensorType((x.shape[0], w.out_features), x.dtype))
     # 4-bit activations: a quantize_act input, or act_quant in the prologue
     scheme = types[0].scheme if isinstance(types[0], QActType) else attrs.get("act_quant")
-    # Weights of several formats share a launch as parts of it (codegen.gemv.GemvSpec.parts):
-    # unpaired, with 16-bit activations.
+    # Weights of several formats share a launch as parts of it (codegen.gemv.GemvSpec.parts),
+    # with 16-bit activations.
     first = types[ws.start]
     assert isinstance(first, QWeight)
     for i in range(ws.start, ws.stop):
         w = types[i]
         assert isinstance(w, QWeight)
-        if w.format != first.format and (scheme is not None or epilogue == "silu_mul"):
+        if w.format != first.format and scheme is not None:
             raise IRTypeError(
                 f"qlinear: weights of different formats ({_desc(names[ws.start], first)} and "
-                f"{_desc(names[i], w)}) share a launch only unpaired and with 16-bit activations"
+                f"{_desc(names[i], w)}) share a launch only with 16-bit activations"
             )
     if scheme is not None:
         w0 = types[ws.start]

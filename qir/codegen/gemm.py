@@ -9,7 +9,10 @@ by the format's own fragment (`qir_decode`: the k-order pairs of the activation 
 pair path builds on), so a format stays one module. Each thread handles a fixed set of tile
 rows, so the compiler keeps their addresses in registers across the K loop. Several weights
 sharing the input (q/k/v) take consecutive ranges of grid.x, each with its own scales; gate/up
-are interleaved by 8 rows in one tile so silu(g) * u is the epilogue.
+are interleaved by 8 rows in one tile so silu(g) * u is the epilogue. Weights of several
+formats (a GGUF's Q4_K q/k and Q6_K v) share one launch too: each format's fragment sits in a
+namespace of its own, and a block decodes its weight's tiles with its format's (a block serves
+one weight, so the choice is uniform over it).
 
 Numerics: the tensor cores multiply 16-bit operands. A weight's code becomes an exact integer
 (or small float) in the activation type, its scale (and MLX's bias) is rounded to that type,
@@ -206,14 +209,19 @@ class GemmSpec:
         return self.epilogue == "silu_mul"
 
     @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        """Each format's fragment, in the order the formats first appear."""
+        return self.fused.fragments
+
+    @property
     def chunk(self) -> int:
-        w = self.weights[0]
-        return fragment_for(w.format, w.out_features, w.in_features).chunk_elems
+        """The widest fragment chunk: a K step holds whole chunks of every format (chunks are
+        powers of two)."""
+        return max(f.chunk_elems for f in self.fragments)
 
     @property
     def tile(self) -> Tile:
-        w = self.weights[0]
-        gathers = bool(fragment_for(w.format, w.out_features, w.in_features).context.get("gathers"))
+        gathers = any(f.context.get("gathers") for f in self.fragments)
         n = max(w.out_features for w in self.weights)
         return choose_tile(self.m_max, n, self.chunk, self.a4, self.native, gathers)
 
@@ -230,10 +238,9 @@ class GemmSpec:
         if f.native:
             fused += "_nvf4"
         fused = gate_spelled(fused + target_suffix(f.target), f.gate_act)
-        return (
-            f"qgemm_{w0.format.tag()}_{self.act.name}_n{outs}_k{w0.in_features}"
-            f"_{self.tile.spell}{fused}"
-        )
+        # every format, in the order of first appearance (segments say whose rows come where)
+        tags = "_".join(dict.fromkeys(w.format.tag() for w in f.weights))
+        return f"qgemm_{tags}_{self.act.name}_n{outs}_k{w0.in_features}_{self.tile.spell}{fused}"
 
     def tiles(self, w: QWeight) -> int:
         """Blocks along N that serve weight `w` (a pair's blocks serve both)."""
@@ -361,6 +368,43 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
                 expr = f"seg == {seg['j']} ? w{seg['j']}_{s} : {expr}"
             select[s] = expr
         b_args = ", ".join(f"sel_{s}" for s in suffixes)
+    # The weight tile's decode: one fragment, or (weights of several formats) one per format,
+    # each in a namespace of its own and chosen by the block's segment.
+    preamble = [render(frag.template, **frag.context)]
+    mixed = f.fused.mixed
+    b_parts: list[dict[str, object]] = []
+    select_list: list[dict[str, str]] = []
+    if mixed:
+        preamble, b_parts = [], []
+        by_format: dict[object, list[int]] = {}
+        for j, w in enumerate(f.weights):
+            by_format.setdefault(w.format, []).append(j)
+        for i, js in enumerate(by_format.values()):
+            w = f.weights[js[0]]
+            pf = fragment_for(w.format, w.out_features, w.in_features)
+            ns = f"qir_part{i}"
+            part_suffixes = [p.name.removeprefix("w_") for p in pf.params]
+            for p, s in zip(pf.params, part_suffixes, strict=True):
+                expr = f"w{js[-1]}_{s}"
+                for j in reversed(js[:-1]):
+                    expr = f"seg == {j} ? w{j}_{s} : {expr}"
+                select_list.append({"c_type": p.c_type, "suffix": f"{i}_{s}", "expr": expr})
+            decode = render(pf.template, **pf.context) + render(
+                "gemm/b_dequant.cuh.j2", chunk=pf.chunk_elems
+            )
+            preamble.append(f"namespace {ns} {{\n{decode}}}  // namespace {ns}")
+            b_parts.append(
+                {
+                    "ns": f"{ns}::",
+                    # a pair's parts each decode their own rows of every tile
+                    "cond": "" if f.paired else " || ".join(f"seg == {j}" for j in js),
+                    "format": w.format.spell(),
+                    "chunk": pf.chunk_elems,
+                    "chunks_per_row": pf.chunks_per_row(w0.in_features),
+                    "args": ", ".join(f"sel_{i}_{s}" for s in part_suffixes),
+                }
+            )
+        b_parts[-1]["cond"] = ""  # the last format's blocks are the rest
     params = _params(spec, frag)
     # Biases join the float sums before anything rounds: the gate's and the up's in a pair, a
     # multi-weight launch's segment's (chosen per block, null for a segment without).
@@ -392,10 +436,10 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         "paired": f.paired,
         "gate_fn": GATE_ACTS[f.gate_act],
     }
-    preamble = [render(frag.template, **frag.context)]
     if f.a4 and (f.prologue or f.native):
         preamble.append(render("formats/nvfp4_quant.cuh"))
-    preamble.append(render(v["b_adapter"], **parts))
+    if not mixed:
+        preamble.append(render(v["b_adapter"], **parts))
     row_scale = ""
     if f.a4 and f.a4_mode == "dynamic" and (f.prologue or f.native):
         row_scale = render(
@@ -439,18 +483,22 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
         chunk=frag.chunk_elems,
         chunks_per_row=frag.chunks_per_row(w0.in_features),
         segments=segments,
-        select=[
+        select=select_list
+        if mixed
+        else [
             {"c_type": p.c_type, "suffix": s, "expr": select[s]}
             for p, s in zip(frag.params, suffixes, strict=True)
         ],
         multi=len(segments) > 1 and not f.paired,
+        mixed=mixed,
+        b_parts=b_parts,
         b_args=b_args,
         paired=f.paired,
         epilogue=f.epilogue,
         pair_value=pair_value(GATE_ACTS[f.gate_act]),
         cap=c_cap(f.cap),
         target=f.target.arch if f.target else "",
-        fp4_cvt=bool(f.target and f.target.fp4_cvt and frag.e2m1),
+        fp4_cvt=bool(f.target and f.target.fp4_cvt and any(p.e2m1 for p in f.fragments)),
         bias_decl=bias_decl,
         g_value=g_value,
         u_value=u_value,
@@ -508,6 +556,11 @@ def _params(spec: GemmSpec, frag: Fragment) -> list[KernelParam]:
     ]
 
 
+def _formats(weights: tuple[QWeight, ...]) -> str:
+    """The weights' formats as a comment spells them: one, or each in turn."""
+    return " and ".join(dict.fromkeys(w.format.spell() for w in weights))
+
+
 def _doc(spec: GemmSpec) -> list[str]:
     """The comment lines at the top of the kernel: what it computes and how it is tiled."""
     f, t = spec, spec.tile
@@ -522,7 +575,7 @@ def _doc(spec: GemmSpec) -> list[str]:
     if f.paired:
         lines.append(
             f"y0 = {f.gate_act}({x} W0^T{b[0]}) * ({x} W1^T{b[1]}); W0, W1 are "
-            f"[{w0.out_features}, {w0.in_features}] in {w0.format.spell()}"
+            f"[{w0.out_features}, {w0.in_features}] in {_formats(f.weights)}"
         )
     elif f.cap is not None:
         lines.append(
@@ -534,7 +587,7 @@ def _doc(spec: GemmSpec) -> list[str]:
         for j, w in enumerate(f.weights):
             lines.append(
                 f"y{j} = {res}{x} W{j}^T{b[j]}; W{j} is [{w.out_features}, {w.in_features}] in "
-                f"{w0.format.spell()}"
+                f"{w.format.spell()}"
             )
     lines.append(
         f"Tensor-core GEMM: {t.bm} x {t.bn} tiles (of {t.warps_m} x {t.warps_n} warps, each "
@@ -553,7 +606,8 @@ def _doc(spec: GemmSpec) -> list[str]:
         )
     else:
         lines.append(
-            "The weight tile is decoded into shared memory by the format's fragment"
+            "The weight tile is decoded into shared memory by "
+            + ("each weight's format's fragment" if f.fused.mixed else "the format's fragment")
             + ("." if f.prologue or f.norm else "; the activation tile arrives by cp.async.")
         )
     return lines

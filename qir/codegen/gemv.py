@@ -48,7 +48,14 @@ SLOTS = 4
 # how many per kernel.
 MIN_BLOCKS_PER_SM = 3
 # Epilogue -> its kernel-name suffix.
-EPILOGUES = {"": "", "residual": "_res", "silu_mul": "_silumul", "softcap": "_softcap"}
+# "gated": the up part of a pair of two formats (parts), y holding the gate part's g.
+EPILOGUES = {
+    "": "",
+    "residual": "_res",
+    "silu_mul": "_silumul",
+    "softcap": "_softcap",
+    "gated": "_gated",
+}
 # A gate's activation (a qlinear's `act`) -> its device function (qir_common.cuh).
 GATE_ACTS = {"silu": "qir_silu", "gelu_tanh": "qir_gelu_tanh"}
 
@@ -152,18 +159,20 @@ class GemvSpec:
             raise ValueError(f"m_tile must be 1..{32 // SLOTS}, got {self.m_tile}")
         if len({w.in_features for w in self.weights}) != 1:
             raise ValueError(f"one GEMV launch needs one in_features, got {self.weights}")
-        if self.mixed and (self.paired or self.a4):
-            raise ValueError("weights of several formats share a launch unpaired and 16-bit only")
+        if self.mixed and self.a4:
+            raise ValueError("weights of several formats share a launch with 16-bit activations")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {self.epilogue!r}; known: {EPILOGUES}")
         if self.epilogue == "residual" and len(self.weights) != 1:
             raise ValueError("the residual epilogue takes exactly one weight")
         if self.epilogue == "silu_mul" and (
             len(self.weights) != 2
-            or _shape(self.weights[0]) != _shape(self.weights[1])
+            or _shape(self.weights[0])[1:] != _shape(self.weights[1])[1:]
             or self.prologue
         ):
             raise ValueError("the silu_mul epilogue takes two weights of one shape, no prologue")
+        if self.epilogue == "gated" and not (self.part and len(self.weights) == 1):
+            raise ValueError("the gated epilogue is the up part of a pair of two formats")
         if self.a4 and self.weights[0].format.act_quant_scheme() != "nvfp4":
             raise ValueError(f"W4A4 needs NVFP4 weights, got {self.weights[0].format.spell()}")
         if self.a4_mode not in A4_MODES:
@@ -178,7 +187,9 @@ class GemvSpec:
             raise ValueError("the softcap epilogue takes one weight and a cap (and only it does)")
         if self.gate_act not in GATE_ACTS:
             raise ValueError(f"unknown gate activation {self.gate_act!r}; known: {GATE_ACTS}")
-        if self.gate_act != "silu" and not (self.prologue or self.epilogue == "silu_mul"):
+        if self.gate_act != "silu" and not (
+            self.prologue or self.epilogue in ("silu_mul", "gated")
+        ):
             raise ValueError(f"gate activation {self.gate_act}: needs a gate to apply it to")
         if self.target is not None and not (
             self.target.fp4_cvt and any(f.e2m1 for f in self.fragments)
@@ -203,19 +214,38 @@ class GemvSpec:
     def parts(self) -> tuple[tuple[tuple[int, ...], GemvSpec], ...]:
         """The launch by format, in the order the formats first appear: the weights' indices
         and the one-format GEMV of them (a kernel of its own's blocks, at the target where it
-        changes the format's code)."""
+        changes the format's code). A pair of two formats: the gate's GEMV storing g in y0,
+        then the up's (epilogue "gated") over the same rows, reading g back."""
         groups: dict[WeightFormat, list[int]] = {}
         for j, w in enumerate(self.weights):
             groups.setdefault(w.format, []).append(j)
         out = []
-        for fmt, js in groups.items():
+        for i, (fmt, js) in enumerate(groups.items()):
             w = self.weights[js[0]]
             target = self.target and for_target(self.target, fmt, w.out_features, w.in_features)
+            epilogue, gate_act, res_norm = self.epilogue, self.gate_act, self.res_norm
+            if self.paired:
+                # the gate's part stores g and any h (norm_residual); the up's applies the pair
+                epilogue, gate_act = ("gated", gate_act) if i else ("", "silu")
+                if res_norm is not None:
+                    res_norm = (res_norm[0], res_norm[1], res_norm[2] and i == 0)
             sub = replace(
-                self, weights=tuple(self.weights[j] for j in js), target=target, part=True
+                self,
+                weights=tuple(self.weights[j] for j in js),
+                target=target,
+                part=True,
+                epilogue=epilogue,
+                gate_act=gate_act,
+                res_norm=res_norm,
             )
             out.append((tuple(js), sub))
         return tuple(out)
+
+    @property
+    def pair_rows(self) -> int:
+        """A block's rows of a pair of two formats: the most either part's block computes (the
+        other's runs as several of its blocks in a row)."""
+        return max(WARPS_PER_BLOCK * p.warp_rows for _, p in self.parts)
 
     @property
     def name(self) -> str:
@@ -273,6 +303,8 @@ class GemvSpec:
 
     @property
     def grid_x(self) -> int:
+        if self.mixed and self.paired:
+            return -(-self.weights[0].out_features // self.pair_rows)
         if self.mixed:
             return sum(p.grid_x for _, p in self.parts)
         if self.paired:
@@ -358,12 +390,13 @@ def _params(spec: GemvSpec) -> list[KernelParam]:
 
 
 def _select(
-    spec: GemvSpec, frag: Fragment, index: tuple[int, ...] = (), block: int = 0
+    spec: GemvSpec, frag: Fragment, index: tuple[int, ...] = (), block: int = 0, y: str = ""
 ) -> list[str]:
     """C++ statements choosing this block's weight(s), output and row count: a launch of several
     weights gives each a range of blocks; a paired launch reads both weights in every block. A
     part of a mixed launch (GemvSpec.parts) names its weights by their indices in the launch,
-    `index`, and its blocks start at `block`."""
+    `index`, its blocks start at `block` (its `block` argument counts them), and `y` names its
+    output where that is not its weight's (a pair's parts both write y0)."""
     ws = spec.weights
     index = index or tuple(range(len(ws)))
     if spec.paired:
@@ -379,11 +412,13 @@ def _select(
         start += spec.blocks(w)
         ends.append(start)
 
+    at = "block" if spec.part else "blockIdx.x"
+
     def pick(values: list[str]) -> str:
-        # blockIdx.x < end_0 ? v_0 : blockIdx.x < end_1 ? v_1 : ... v_last
+        # block < end_0 ? v_0 : block < end_1 ? v_1 : ... v_last
         expr = values[-1]
         for end, v in reversed(list(zip(ends[:-1], values[:-1], strict=True))):
-            expr = f"blockIdx.x < {end} ? {v} : {expr}"
+            expr = f"{at} < {end} ? {v} : {expr}"
         return expr
 
     biased = {j: w for j, w in zip(index, ws, strict=True) if w.bias}
@@ -396,7 +431,7 @@ def _select(
         + "};",
         f"const int n_rows = {pick([str(w.out_features) for w in spec.weights])};",
         f"const int block0 = {pick([str(block), *map(str, ends[:-1])])};",
-        f"act_t* __restrict__ y = {pick([f'y{j}' for j in index])};",
+        f"act_t* __restrict__ y = {y or pick([f'y{j}' for j in index])};",
     ]
 
 
@@ -413,7 +448,8 @@ def _header(spec: GemvSpec) -> list[str]:
         return [
             f"y0[m, n] = {spec.gate_act}(g) * u with g = sum_k {x} * W0[n, k]{b[0]}, "
             f"u = sum_k {x} * W1[n, k]{b[1]};",
-            f"W0, W1 are [{w0.out_features}, {k}] in {fmt}",
+            f"W0, W1 are [{w0.out_features}, {k}] in "
+            + " and ".join(dict.fromkeys(w.format.spell() for w in spec.weights)),
         ]
     if spec.cap is not None:
         return [
@@ -438,12 +474,17 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
     else:
         # Each format's weights are a part: the one-format kernel's code in a namespace of its
         # own, entered by the blocks of its range.
+        # A pair's parts both compute the block's rows (of y0), each as `blocks` of its own.
         parts, block = [], 0
         for i, (index, part) in enumerate(spec.parts):
-            select = _select(part, part.fragment, index, block)
-            block += part.grid_x
+            select = _select(part, part.fragment, index, block, "y0" if spec.paired else "")
+            if not spec.paired:
+                block += part.grid_x
             body = _render(part, spec.name, signature, select, part=f"qir_part{i}")
-            parts.append({"namespace": f"qir_part{i}", "end": block, "source": body})
+            blocks = spec.pair_rows // (WARPS_PER_BLOCK * part.warp_rows) if spec.paired else 1
+            parts.append(
+                {"namespace": f"qir_part{i}", "end": block, "source": body, "blocks": blocks}
+            )
         source = render(
             "qgemv_mixed.cu.j2",
             name=spec.name,
@@ -451,6 +492,7 @@ def gemv_kernel(spec: GemvSpec) -> Kernel:
             parts=parts,
             signature=signature,
             args=", ".join(p.name for p in params),
+            paired=spec.paired,
             threads=32 * WARPS_PER_BLOCK,
             min_blocks=MIN_BLOCKS_PER_SM,
             target=spec.target.arch if spec.target else "",
@@ -488,7 +530,7 @@ def _render(
         min_blocks=MIN_BLOCKS_PER_SM,
         chunks_per_row=frag.chunks_per_row(w0.in_features),
         path=("packed", "float", "a4").index(spec.path(frag)),
-        epilogue=("", "residual", "silu_mul", "softcap").index(spec.epilogue),
+        epilogue=tuple(EPILOGUES).index(spec.epilogue),
         gate_fn=GATE_ACTS[spec.gate_act],
         cap=c_cap(spec.cap),
         has_bias=any(w.bias for w in spec.weights),

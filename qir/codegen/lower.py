@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from itertools import product
 from typing import Literal
 
 from qir.codegen import elementwise, fragments, gemm, gemv, quantize_act
@@ -201,32 +200,23 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
     first_gemm = node.attr("gemm_from_m")
     gemm_from = first_gemm if isinstance(first_gemm, int) else ALL_M[1] + 1
 
-    def args_of(
-        ins_args: list[Arg], extra: list[Arg], index: tuple[int, ...] | None = None
-    ) -> tuple[Arg, ...]:
-        """The launch's arguments; `index`: those of these weights (and their outputs) only."""
-        js = range(len(weights)) if index is None else index
+    def args_of(ins_args: list[Arg], extra: list[Arg]) -> tuple[Arg, ...]:
+        """The launch's arguments: inputs, every weight's buffers, outputs, extras, M."""
         return (
             *ins_args,
             *(
                 Arg("weight", operands[ws][j], b)
-                for j in js
+                for j in range(len(weights))
                 for b in (
                     *fragment_for(weights[j].format, weights[j].out_features, in_f).buffers,
                     *(("bias",) if weights[j].bias else ()),
                 )
             ),
-            *(Arg("value", o) for o in (outputs if index is None else _part_outputs(index))),
+            *(Arg("value", o) for o in outputs),
             *(Arg("value", v) for v in operands[extras]),
             *extra,
             Arg("M"),
         )
-
-    def _part_outputs(index: tuple[int, ...]) -> tuple[str, ...]:
-        """A part's outputs: its weights', and a norm_residual prologue's h (after the y's) if
-        it is the first part: one launch stores h."""
-        h = outputs[len(weights) :] if 0 in index else ()
-        return (*(outputs[j] for j in index), *h)
 
     def launches(
         spec: GemvSpec, ins_args: list[Arg], extra: list[Arg], when: tuple[int, int]
@@ -240,23 +230,15 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
             out.append(
                 Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, gemv_when)
             )
-        # The GEMM takes one format a launch: a mixed node's parts launch one after another.
-        parts = spec.parts if spec.mixed else (((), spec),)
-        for bucket, (index, part) in product(bucket_ranges(max(lo, gemm_from), hi), parts):
-            if index and 0 not in index and part.res_norm is not None:
-                part = replace(part, res_norm=(*part.res_norm[:2], False))
-            part_args = args_of(ins_args, extra, index or None)
-            part_outputs = _part_outputs(index) if index else outputs
-            g, g_args = GemmSpec.of(part, bucket[1]), part_args
+        for bucket in bucket_ranges(max(lo, gemm_from), hi):
+            g, g_args = GemmSpec.of(spec, bucket[1]), args
             if target.block_scaled_fp4_mma and spec.a4 and pre_quantized:
                 # Blackwell's block-scaled MMA quantizes the 16-bit input itself, as the
                 # quantize_act it replaces would (its mode and calibrated scale).
                 q_attrs = dict(graph.node(inputs[0]).attrs)
                 g = replace(g, native=True, a4_mode=act_quant_mode(q_attrs), target=target)
                 g_args = args_of(x16, _scale_args(q_attrs))
-            out.append(
-                Launch(gemm_kernel(g), g.grid_x, g.tile.bm, g_args, part_outputs, covers, bucket)
-            )
+            out.append(Launch(gemm_kernel(g), g.grid_x, g.tile.bm, g_args, outputs, covers, bucket))
         return out
 
     # The 16-bit path reads what quantize_act would have quantized.

@@ -2,7 +2,8 @@
 in_features (gate/up; q/k/v) become one multi-output qlinear that reads the input once; each
 original value becomes a `get` of it, so users and block outputs are untouched. Weights of
 different formats merge too (a GGUF's Q4_K q/k and Q6_K v): the GEMV runs each format's
-weights as a part of one launch, the GEMM one launch per format (codegen.gemv.GemvSpec.parts).
+weights as a part of one launch (codegen.gemv.GemvSpec.parts), the GEMM decodes each weight's
+tiles by its own format's fragment in one launch.
 
 Preconditions: a verified graph. Scale-safe by construction: every weight keeps its own
 buffers, so per-tensor scales (NVFP4 global scales, FP8) stay per output segment; nothing is

@@ -12,12 +12,14 @@ benchmarks/llama_shapes.py compares both); here it is 14336. Under W4A4
 the prologue would also quantize the product to NVFP4 in every warp; instead route_w4a4 gives
 down_proj one quantize_act launch of the stored product (one more launch, shared work).
 
+Gate and up of two formats (merge_parallel merges them) pair too: the kernel runs the gate's
+format's code over a block's rows, then the up's over the same rows (codegen.gemv.GemvSpec.parts).
+
 Preconditions: a verified graph, after merge_parallel, before silu_prologue (which takes what
-this pass cannot: gate and up that were not merged, e.g. of different formats) and route_w4a4.
+this pass cannot: gate and up that were not merged) and route_w4a4.
 Numerics are unchanged: g and u are rounded to the act dtype, then silu(g) and the product, as
 the separate ops did.
-Does not fire: on merged nodes of other than two weights or of weights of different shapes or
-formats (silu_prologue folds those into down_proj), on
+Does not fire: on merged nodes of other than two weights or of weights of different shapes, on
 a node that already has a prologue or epilogue, or when a get or the silu has other users.
 A gelu_tanh in the silu's place (Gemma's MLP) fuses the same way, the node's `act` naming it.
 """
@@ -30,25 +32,19 @@ from dataclasses import dataclass
 from qir.graph import Graph
 from qir.ops import GATE_ACTS, qlinear_layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
-from qir.types import QWeight, TupleType
+from qir.types import TupleType
 
 
 def _pair(graph: Graph, value: str) -> bool:
     node = graph.node(value)
-    if not (
+    return (
         node.attr("prologue") is None
         and node.attr("epilogue") is None
         and isinstance(node.type, TupleType)
         and len(node.type.elements) == 2
         and node.type.elements[0] == node.type.elements[1]
         and graph.use_count(value) == 2
-    ):
-        return False
-    # A warp computes rows of both weights: one format (a merged pair of two is silu_prologue's).
-    operands = graph.operands(value)
-    _, ws, _ = qlinear_layout(len(operands), dict(node.attrs))
-    formats = {t.format for w in operands[ws] if isinstance(t := graph.node(w).type, QWeight)}
-    return len(formats) == 1
+    )
 
 
 def _fold(rw: Rewriter, m: Match) -> bool:

@@ -5,7 +5,7 @@ computes silu(g[k]) * u[k] while it reads its input, so the product is never wri
 Preconditions: a verified graph, after merge_parallel (g and u are typically `get`s of the
 merged gate/up node) and silu_epilogue, which takes every gate/up pair it can: a prologue
 recomputes silu(g) * u in every warp of the consumer, so this is the fallback for gate and up
-that were not merged (different formats or shapes). Under W4A4 route_w4a4 then has the
+that were not merged (other inputs or shapes; W4A4 weights of different formats). Under W4A4 route_w4a4 then has the
 prologue quantize the product too (`act_quant`). Numerics are unchanged: the prologue rounds
 silu(g) and the product to the act dtype exactly as the separate ops did.
 Does not handle: a silu or mul with other users (the intermediate must exist anyway), a qlinear

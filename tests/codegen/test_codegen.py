@@ -8,13 +8,15 @@ import jinja2
 import pytest
 
 from qir.codegen.fragments import fragment_for
-from qir.codegen.gemv import GemvSpec, gemv_kernel, lanes_per_row
+from qir.codegen.gemm import GemmSpec, gemm_kernel
+from qir.codegen.gemv import WARPS_PER_BLOCK, GemvSpec, gemv_kernel, lanes_per_row
 from qir.codegen.lower import lower
 from qir.codegen.render import render
 from qir.dtypes import BF16, F16
 from qir.dump import dump
 from qir.formats.awq import Awq
 from qir.formats.mlx import MlxAffine
+from qir.formats.nvfp4 import Nvfp4
 from qir.models import load
 from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
@@ -73,7 +75,7 @@ def test_short_rows_take_groups_of_lanes():
         assert f"constexpr int QIR_LANES = {lanes};" in gemv_kernel(spec).source
 
 
-def test_mixed_formats_are_parts_of_one_launch_unpaired_only():
+def test_mixed_formats_are_parts_of_one_launch():
     a = QWeight(MlxAffine(4, 128, BF16), 512, 256)
     b = QWeight(MlxAffine(8, 128, BF16), 512, 256)
     spec = GemvSpec((a, b, a), F16, 8)
@@ -82,8 +84,24 @@ def test_mixed_formats_are_parts_of_one_launch_unpaired_only():
     assert spec.name == "qgemv_mlx4g128bf16_mlx8g128bf16_f16_n512_512_512_k256_m8"
     source = gemv_kernel(spec).source
     assert source.count("namespace qir_part1 {") == 1 and "qir_part1::qir_part(" in source
-    with pytest.raises(ValueError, match="unpaired and 16-bit only"):
-        GemvSpec((a, b), F16, 8, epilogue="silu_mul")
+    # Gate and up of two formats: both parts over each block's rows, the up's reading g back
+    pair = GemvSpec((a, b), F16, 8, epilogue="silu_mul")
+    assert pair.name == "qgemv_mlx4g128bf16_mlx8g128bf16_f16_n512_512_k256_m8_silumul"
+    assert [p.epilogue for _, p in pair.parts] == ["", "gated"]
+    rows = [WARPS_PER_BLOCK * p.warp_rows for _, p in pair.parts]
+    assert pair.grid_x == -(-512 // max(rows))
+    source = gemv_kernel(pair).source
+    assert "qir_part1::qir_part(" in source and "EPILOGUE == QIR_GATED" in source
+    w4a4 = (QWeight(Nvfp4("mul", 4), 512, 256), QWeight(Nvfp4("div", 4), 512, 256))
+    with pytest.raises(ValueError, match="16-bit activations"):
+        GemvSpec(w4a4, F16, 8, a4=True)
+    # The GEMM: one launch, each format's fragment in a namespace, chosen by the block's weight
+    gemm = GemmSpec.of(spec, 64)
+    assert gemm.name.startswith("qgemm_mlx4g128bf16_mlx8g128bf16_f16_n512_512_512_k256_")
+    assert gemm.grid_x == 3 * gemm.tiles(a)
+    source = gemm_kernel(gemm).source
+    assert source.count("namespace qir_part1 {") == 1
+    assert "if (seg == 0 || seg == 2) {" in source and "qir_part1::qir_gemm_weight_chunk(" in source
 
 
 def test_templates_reject_missing_variables():

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 
 from qir.cli import main
-from qir.dtypes import F32
+from qir.codegen.lower import lower
+from qir.dtypes import F16, F32
 from qir.models import Model, load
+from qir.models.blocks import build
+from qir.passes.manager import run_pipeline
 from tests.conftest import BACKENDS, DATA, max_rel
 from tests.requires import requires
 
@@ -59,6 +62,11 @@ def test_f32_logits_and_greedy_ids_match_transformers_forward_of_the_gguf(
     path = DATA / f"gguf_{family}" / f"model-{ftype}.gguf"
     golden = np.load(DATA / f"gguf_{family}" / "transformers.npz")
     model = Model.load(path, backend=backend, act=F32)
+    if ftype == "Q4_K_M" and family != "phi3":  # phi3's q/k/v are one Q6_K tensor
+        # q/k in Q4_K and v in Q6_K: one launch, both types in its name
+        assert model.compiled.plan is not None
+        names = {la.kernel.name for la in model.compiled.plan.launches}
+        assert any(n.startswith("qgemv_ggmlq4k_ggmlq6k_") for n in names), names
     logits = model.logits(golden["tokens"])
     assert max_rel(logits, golden[f"{ftype}.logits"]) <= F32_TOL
     out = tmp_path / "g.npz"
@@ -81,6 +89,20 @@ def test_f32_logits_and_greedy_ids_match_transformers_forward_of_the_gguf(
     decided = top2[:, 1] - top2[:, 0] > np.max(np.abs(logits - cpp), axis=-1)
     assert same[decided].all() and (ftype != "F16" or same.all())
     assert kl < KL_BOUND.get(ftype, KL_QUANTIZED)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3moe"])
+def test_q4_k_m_plans_one_launch_for_q_k_v_of_two_types(family):
+    """At 16-bit activations too (the GEMM's buckets): every q/k (Q4_K) with v (Q6_K) is one
+    launch a bucket, each type's fragment in it, never a launch per type."""
+    ck = load(DATA / f"gguf_{family}" / "model-Q4_K_M.gguf")
+    block = build(ck, "model", 0, F16, 64, None, None)
+    passed, _ = run_pipeline(block.graph)
+    names = [la.kernel.name for la in lower(passed).launches]
+    q, kv = ck.num_heads * ck.head_dim, ck.num_kv_heads * ck.head_dim
+    qkv = [n for n in names if f"_n{q}_{kv}_{kv}_" in n]  # launches of all three
+    assert {n.split("_")[0] for n in qkv} == {"qgemv", "qgemm"}, names
+    assert all(n.startswith(("qgemv_ggmlq4k_ggmlq6k_", "qgemm_ggmlq4k_ggmlq6k_")) for n in qkv)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

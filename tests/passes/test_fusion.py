@@ -330,14 +330,47 @@ def test_silu_epilogue_under_w4a4_quantizes_the_product_once():
     assert '%h = qlinear %x_q, %w_gate, %w_up {epilogue="silu_mul"' in after
 
 
+UP_W8 = (f'%w_up = weight {{key="up"}} : {W4}', f'%w_up = weight {{key="up"}} : {W8}')
+
+
+def test_silu_epilogue_pairs_gate_and_up_of_different_formats(rng):
+    """Gate and up of two formats (a GGUF whose ffn_up is Q6_K beside a Q4_K ffn_gate) merge
+    and pair: one launch, the gate's format's code then the up's over each block's rows."""
+    mixed = MERGED.replace(*UP_W8)
+    after, fired = run_pass(mixed, "silu_epilogue")
+    assert fired == 1
+    assert after.strip() == mixed.strip().replace(
+        """  %gate_up = qlinear %x, %w_gate, %w_up {fused=["gate", "up"]} : (f16[M, 256], f16[M, 256])
+  %gate = get %gate_up {index=0} : f16[M, 256]
+  %up = get %gate_up {index=1} : f16[M, 256]
+  %act = silu %gate : f16[M, 256]
+  %h = mul %act, %up : f16[M, 256]
+""",
+        """  %h = qlinear %x, %w_gate, %w_up {epilogue="silu_mul", """
+        """fused=["gate", "up", "gate_up", "act"]} : f16[M, 256]
+""",
+    )
+    assert_same_numbers(mixed, after, rng)
+    # the whole pipeline: the pair is the epilogue, down_proj takes no prologue
+    _, records = run_pipeline(parse(MLP.replace(*UP_W8)))
+    fired_all = {r.name: r.matches for r in records}
+    assert (fired_all["silu_epilogue"], fired_all["silu_prologue"]) == (1, 0)
+
+
 def test_silu_prologue_takes_gate_and_up_that_were_not_paired():
-    """Gate and up of different formats merge (one launch, each format a part of it) but do not
-    pair (a warp would decode both): silu(g) * u is down_proj's prologue."""
-    text = MLP.replace(f'%w_up = weight {{key="up"}} : {W4}', f'%w_up = weight {{key="up"}} : {W8}')
-    g, records = run_pipeline(parse(text))
+    """Gate and up that cannot pair (two formats of two inputs: not merged) leave silu(g) * u
+    to down_proj's prologue."""
+    text = (
+        MLP.replace(
+            f'%w_up = weight {{key="up"}} : {W4}[256, 128]',
+            f'%w_up = weight {{key="up"}} : {W8}[256, 64]',
+        )
+        .replace("%up = qlinear %x, %w_up", "%up = qlinear %x2, %w_up")
+        .replace("%x = input : f16[M, 128]", "%x = input : f16[M, 128]\n  %x2 = input : f16[M, 64]")
+    )
+    _, records = run_pipeline(parse(text))
     fired = {r.name: r.matches for r in records}
-    assert (fired["merge_parallel"], fired["silu_epilogue"], fired["silu_prologue"]) == (1, 0, 1)
-    assert "qlinear %x, %w_gate, %w_up {" in print_graph(g)
+    assert (fired["merge_parallel"], fired["silu_epilogue"], fired["silu_prologue"]) == (0, 0, 1)
 
 
 def test_merge_parallel_merges_weights_of_different_formats(rng):

@@ -105,13 +105,19 @@ LLAMA3_8B = Shapes(4096, 14336, 1024)
 CHECKPOINT = Shapes(512, 1408, 128)
 
 
-def mlp(fmt: WeightFormat, s: Shapes, act: DType = F16, gate_act: str = "silu") -> Graph:
+def mlp(
+    fmt: WeightFormat,
+    s: Shapes,
+    act: DType = F16,
+    gate_act: str = "silu",
+    up: WeightFormat | None = None,
+) -> Graph:
     """gate/up paired (silu(g) * u epilogue, or gate_act's) at K = hidden, down + residual at
-    K = inter."""
+    K = inter; `up`: the up projection's format where it is not the others'."""
     b = Builder("mlp")
     x = b.input("x", ("M", s.hidden), act)
     ws = {
-        n: b.weight(n, QWeight(fmt, o, i), name=f"w_{n}")
+        n: b.weight(n, QWeight(up if n == "up" and up else fmt, o, i), name=f"w_{n}")
         for n, (o, i) in {
             "gate": (s.inter, s.hidden),
             "up": (s.inter, s.hidden),
@@ -137,12 +143,12 @@ def qkv(fmt: WeightFormat, s: Shapes, act: DType = F16, bias: bool = False) -> G
 def prologue_mlp(
     gate: WeightFormat, up: WeightFormat, down: WeightFormat, s: Shapes, gate_act: str = "silu"
 ) -> Graph:
-    """gate and up in different formats (merged, not paired): silu(g) * u (or gate_act's) is
-    down_proj's prologue."""
+    """gate and up that do not pair (up reads x + x, not the gate's x): silu(g) * u (or
+    gate_act's) is down_proj's prologue."""
     b = Builder("prologue")
     x = b.input("x", ("M", s.hidden), F16)
     g = b.qlinear(x, b.weight("gate", QWeight(gate, s.inter, s.hidden), name="w_gate"))
-    u = b.qlinear(x, b.weight("up", QWeight(up, s.inter, s.hidden), name="w_up"))
+    u = b.qlinear(b.add(x, x), b.weight("up", QWeight(up, s.inter, s.hidden), name="w_up"))
     w = b.weight("down", QWeight(down, s.hidden, s.inter), name="w_down")
     b.output("y", b.qlinear(b.mul(getattr(b, gate_act)(g), u), w))
     return b.graph
@@ -487,10 +493,15 @@ GGML = tuple(Ggml(t) for t in SPECS if t != "TQ1_0")
 
 def q4_k_m_qkv(s: Shapes) -> Graph:
     """A Q4_K_M layer's q/k (Q4_K) and v (Q6_K) behind its RMSNorm: one launch of two parts."""
+    return mixed_qkv(s, ("Q4_K", "Q4_K", "Q6_K"))
+
+
+def mixed_qkv(s: Shapes, types: tuple[str, str, str]) -> Graph:
+    """q, k, v in these ggml types behind an RMSNorm: one launch, each type's fragment in it."""
     b = Builder("q4km")
     x = b.input("x", ("M", s.hidden), F16)
     xn = b.rms_norm(x, b.param("norm", TensorType((s.hidden,), F16), name="w_norm"), 1e-5)
-    for n, o, t in (("q", s.hidden, "Q4_K"), ("k", s.kv, "Q4_K"), ("v", s.kv, "Q6_K")):
+    for n, o, t in zip(("q", "k", "v"), (s.hidden, s.kv, s.kv), types, strict=True):
         b.output(n, b.qlinear(xn, b.weight(n, QWeight(Ggml(t), o, s.hidden), name=f"w_{n}")))
     return b.graph
 
@@ -520,8 +531,29 @@ GATE: tuple[Entry, ...] = (
         graph(lambda: q4_k_m_qkv(LLAMA3_8B)),
         (
             "qgemv_ggmlq4k_ggmlq6k_f16_n4096_1024_1024_k4096_m8_rmsnorm_wf16",
-            "qgemm_ggmlq6k_f16_n1024_k4096",
+            "qgemm_ggmlq4k_ggmlq6k_f16_n4096_1024_1024_k4096",
         ),
+    ),
+    # gate (Q4_K) and up (Q6_K) paired: the GEMV runs each format's code over a block's rows in
+    # turn, the GEMM decodes each weight's rows of the pair's tiles by its own fragment.
+    Entry(
+        "mlp-ggml-q4k-q6k-pair-llama3-8b",
+        graph(
+            lambda: mlp(Ggml("Q4_K"), LLAMA3_8B, up=Ggml("Q6_K")),
+            lambda la: "_ggmlq4k_ggmlq6k_" in la.kernel.name,
+        ),
+        (
+            "qgemv_ggmlq4k_ggmlq6k_f16_n14336_14336_k4096_m8_silumul",
+            "qgemm_ggmlq4k_ggmlq6k_f16_n14336_14336_k4096_64x64x32s3w2x2_silumul",
+            "qgemm_ggmlq4k_ggmlq6k_f16_n14336_14336_k4096_128x128x32s2w2x4_silumul",
+        ),
+    ),
+    # One GEMM of three fragments whose chunks differ (Q8_0's 16 weights, Q2_K's 64: K steps of
+    # 64, so both buckets' tiles shrink to fit shared memory), behind the norm prologue.
+    Entry(
+        "qkv-ggml-mixed-chunks-llama3-8b-gemm",
+        graph(lambda: mixed_qkv(LLAMA3_8B, ("Q8_0", "Q2_K", "Q6_K")), gemm),
+        ("qgemm_ggmlq80_ggmlq2k_ggmlq6k_f16_n4096_1024_1024_k4096_64x64x64s2w2x4",),
     ),
     *(
         Entry(

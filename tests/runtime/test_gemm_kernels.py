@@ -60,10 +60,10 @@ GOLDEN = {"y": "mlp", "q": "q", "k": "k", "v": "v"}
 
 def assert_gemm(c: Compiled, m: int) -> None:
     """Every qlinear (and expert qlinear) launch a run at M=m makes is a GEMM (the grouped one
-    for experts, beside its route, grouping and combine)."""
+    for experts, beside its route, grouping and combine; elementwise ops beside qlinears)."""
     assert c.plan is not None
     active = [la for la in c.plan.launches if la.runs_for(m)]
-    helpers = ("quantize_act", "moe_route", "moe_group", "moe_combine")
+    helpers = ("quantize_act", "moe_route", "moe_group", "moe_combine", "ew_")
     kernels = [la.kernel.name for la in active if not la.kernel.name.startswith(helpers)]
     assert kernels and all(k.startswith(("qgemm_", "moe_qgemm_")) for k in kernels), (m, kernels)
 
@@ -146,8 +146,9 @@ def test_every_fusion_at_every_batch_size(
 def prologue_mlp(
     gate: WeightFormat, up: WeightFormat, down: WeightFormat, gate_act: str = "silu"
 ) -> tuple[Graph, Any]:
-    """gate and up in different formats (merged, so not paired): silu(g) * u (or gate_act's)
-    is down_proj's prologue; with W4A4 weights down_proj quantizes it there (per-row scales)."""
+    """gate and up that do not pair (up reads x + x, another value than the gate's x; W4A4
+    weights of different formats would not merge anyway): silu(g) * u (or gate_act's) is
+    down_proj's prologue; with W4A4 weights down_proj quantizes it there (per-row scales)."""
     rng = np.random.default_rng(3)
     b = Builder("prologue")
     x = b.input("x", ("M", HIDDEN), F16)
@@ -159,7 +160,7 @@ def prologue_mlp(
     ):
         qw, weights[name] = random_weight(rng, o, i, fmt)
         ws[name] = b.weight(name, qw, name=f"w_{name}")
-    h = b.mul(getattr(b, gate_act)(b.qlinear(x, ws["gate"])), b.qlinear(x, ws["up"]))
+    h = b.mul(getattr(b, gate_act)(b.qlinear(x, ws["gate"])), b.qlinear(b.add(x, x), ws["up"]))
     b.output("y", b.qlinear(h, ws["down"]))
     return b.graph, weights
 

@@ -1,8 +1,8 @@
 """ggml's (GGUF's) types through the generated kernels, on every backend this machine has, against
 the numpy interpreter: every type in the GEMV (M = 1, the staged decode path, and M = 5) and the
 GEMM (M = 33) at a ragged N = 37 and K = 256 (one K-quant block); a Q4_K_M-style layer whose
-q/k (Q4_K) and v (Q6_K) share one launch, gate/up (Q4_K) paired, down (Q6_K) with the residual;
-embedding rows read from quantized tables, the tied table as lm_head; stacked experts."""
+q/k (Q4_K) and v (Q6_K) share one launch (GEMV and GEMM), gate/up (Q4_K) paired, down (Q6_K)
+with the residual; gate and up of two types paired; embedding rows read from quantized tables, the tied table as lm_head; stacked experts."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ ALL = tuple(Ggml(t) for t in SPECS)
 # the float decode, which is the f16 pair decode's codes times the run's scale.
 PATHS = tuple(Ggml(t) for t in ("Q4_K", "Q5_0", "Q6_K", "Q3_K", "Q8_0", "IQ4_XS"))
 TOL = {F16: 3e-3, BF16: 2e-2, F32: 1e-5}
+PAIR_ROWS = 300  # past one GEMV block of a pair's rows at f16 for Q4_K, not for Q8_0/Q2_K
 
 
 def inputs(m: int, act: DType, name: str = "x", seed: int = 0) -> dict[str, np.ndarray]:
@@ -46,9 +47,9 @@ def close(ours: dict, ref: dict, tol: float) -> None:
 )
 def test_every_type_in_the_gemv_and_the_gemm(backend: str, act: DType, formats) -> None:
     """One projection of N = 37 per type, the types taking turns over three inputs (the types
-    of one input share one GEMV launch, each a part of it; the GEMM takes them one launch
-    each). Biased where the type has a min, so a part's biases and a bias-free one sit side by
-    side."""
+    of one input share one GEMV launch, each a part of it, and one GEMM launch, each decoded by
+    its own fragment: chunks of 16, 32 and 64 weights in one K step). Biased where the type has
+    a min, so a part's biases and a bias-free one sit side by side."""
     rng = np.random.default_rng(1)
     b = Builder("types")
     xs = [b.input(f"x{i}", ("M", HIDDEN), act) for i in range(3)]
@@ -64,9 +65,52 @@ def test_every_type_in_the_gemv_and_the_gemm(backend: str, act: DType, formats) 
     assert compiled.launches_for(1) == 3
     batches = (1, 5) if act == F32 else (1, 5, 33)
     if act != F32:
-        assert compiled.launches_for(33) == len(formats)
+        assert compiled.launches_for(33) == 3
     for m in batches:
         x_m = {k: v for i in range(3) for k, v in inputs(m, act, f"x{i}", i).items()}
+        close(compiled(x_m), reference(x_m), TOL[act])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", [F16, F32], ids=["f16", "f32"])
+def test_gate_and_up_of_two_types_pair(backend: str, act: DType) -> None:
+    """gate and up of different types paired (one launch, silu(g) * u its epilogue): Q4_K with
+    a biased Q6_K up behind Gemma's post-norm residual and a norm (h stored once), and Q8_0 with
+    Q2_K (16- and 64-weight chunks in one GEMM tile), at a
+    ragged N = 300 through the GEMV (M = 1, 5) and the GEMM (M = 33). A GEMV block's rows are
+    the most either type's code takes (f16: 256 and 128, 128 and 512): the other runs as several
+    of its blocks in turn, some of them past the last row."""
+    rng = np.random.default_rng(4)
+    b = Builder("pairs")
+    weights: dict = {}
+    for i, (tg, tu) in enumerate((("Q4_K", "Q6_K"), ("Q8_0", "Q2_K"))):
+        x = b.input(f"x{i}", ("M", HIDDEN), act)
+        if i == 0:
+            # Gemma's post-norm residual into the pair's norm: the gate's part stores h
+            for n in ("pw", "nw"):
+                weights[n] = {"weight": (1 + 0.2 * rng.standard_normal(HIDDEN)).astype(act.np)}
+            pw, nw = (b.param(n, TensorType((HIDDEN,), act), name=f"w_{n}") for n in ("pw", "nw"))
+            h = b.add(b.input("r0", ("M", HIDDEN), act), b.rms_norm(x, pw, 1e-6))
+            b.output("h", h)
+            x = b.rms_norm(h, nw, 1e-6)
+        ws = []
+        for name, t in ((f"gate{i}", tg), (f"up{i}", tu)):
+            qw, weights[name] = random_weight(rng, PAIR_ROWS, HIDDEN, Ggml(t))
+            if name == "up0":
+                qw, weights[name] = with_bias(rng, qw, weights[name])
+            ws.append(b.weight(name, qw, name=f"w_{name}"))
+        b.output(f"y{i}", b.mul(b.silu(b.qlinear(x, ws[0])), b.qlinear(x, ws[1])))
+    compiled = qir.compile(b.graph, weights, backend=backend)
+    reference = qir.compile(b.graph, weights, backend="reference")
+    assert compiled.plan is not None
+    names = [la.kernel.name for la in compiled.plan.launches]
+    for tags in ("ggmlq4k_ggmlq6k", "ggmlq80_ggmlq2k"):
+        assert any(n.startswith(f"qgemv_{tags}_") and n.endswith("_silumul") for n in names)
+    assert any("ggmlq6k_" in n and "_resnormh_" in n for n in names), names
+    assert compiled.launches_for(1) == 2
+    for m in (1, 5) if act == F32 else (1, 5, 33):
+        x_m = {k: v for i in range(2) for k, v in inputs(m, act, f"x{i}", i).items()}
+        x_m.update(inputs(m, act, "r0", 2))
         close(compiled(x_m), reference(x_m), TOL[act])
 
 
@@ -103,8 +147,8 @@ def q4_k_m_layer() -> tuple[Builder, dict]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_q4_k_m_layer_fuses_across_types(backend: str, monkeypatch) -> None:
     """q/k/v of two types in one launch with the norm prologue, the pair's epilogue, down's
-    residual: 3 launches a decode step, as for one format; a captured replay gives the same
-    bytes, and on the host so does the reverse schedule."""
+    residual: 3 launches a decode step and a prefill chunk, as for one format; a captured
+    replay gives the same bytes, and on the host so does the reverse schedule."""
     b, weights = q4_k_m_layer()
     compiled = qir.compile(b.graph, weights, backend=backend)
     reference = qir.compile(b.graph, weights, backend="reference")
@@ -113,8 +157,10 @@ def test_a_q4_k_m_layer_fuses_across_types(backend: str, monkeypatch) -> None:
     assert compiled.launches_for(1) == 3, names
     assert any(n.startswith("qgemv_ggmlq4k_ggmlq6k_f16_n64_37b_40_k256") for n in names), names
     assert any(n.endswith("_silumul") for n in names) and any(n.endswith("_res") for n in names)
-    # the GEMM: q/k and v launch apart
-    assert compiled.launches_for(33) == 4
+    # the GEMM too: one launch, Q4_K's and Q6_K's fragments each in it
+    assert compiled.launches_for(33) == 3
+    gemms = [la.kernel.name for la in compiled.plan.launches if la.runs_for(33)]
+    assert any(n.startswith("qgemm_ggmlq4k_ggmlq6k_f16_n64_37b_40_k256") for n in gemms), gemms
     for m in (1, 5, 33):
         x = inputs(m, F16)
         ours = compiled(x)
