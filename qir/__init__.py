@@ -7,6 +7,8 @@ without numpy, the compiler or the serving stack (tests/test_startup.py).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from qir import logs
@@ -47,3 +49,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
+
+
+class _Package(types.ModuleType):
+    """qir.interpret is both a function and a submodule: importing the submodule sets the
+    package's attribute to the module, which would hide the function from `from qir import
+    interpret` once anything imported qir.interpret first. The function keeps the name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -104,3 +104,12 @@ def test_the_public_names_resolve_on_use() -> None:
         assert getattr(qir, name) is not None and name in dir(qir)
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         _ = qir.nonesuch  # type: ignore[attr-defined]
+
+
+def test_the_interpret_function_is_not_hidden_by_its_submodule() -> None:
+    """`qir.interpret` names the function even where the submodule qir.interpret was imported
+    before anyone asked the package for it."""
+    _, out = modules_after(
+        "import qir.interpret\nfrom qir import interpret\nprint(callable(interpret), type(interpret).__name__)"
+    )
+    assert out.split() == ["True", "function"]
