@@ -21,6 +21,7 @@ from typing import Any
 
 import networkx as nx
 
+from qir.errors import QirError
 from qir.types import ValueType
 
 AttrValue = int | float | str | bool | tuple[Any, ...]
@@ -58,8 +59,8 @@ def make_attrs(**kw: AttrValue) -> tuple[tuple[str, AttrValue], ...]:
     return tuple(sorted(kw.items()))
 
 
-class CycleError(ValueError):
-    pass
+class CycleError(QirError, ValueError):
+    """A graph whose values depend on themselves (a parsed or rewritten block)."""
 
 
 class _Outputs(list[tuple[str, str]]):

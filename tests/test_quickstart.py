@@ -6,11 +6,11 @@ from __future__ import annotations
 import io
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
 
 from qir.cli import main
 from tests.conftest import DATA

@@ -36,7 +36,7 @@ def _read_input(path: Path, block: Block) -> np.ndarray:
     x_type = block.graph.node("x").type
     try:
         x = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
         raise UsageError(f"--input {path}: cannot read a .npy array ({e})") from None
     hidden = block.graph.node("x").type.shape[1]  # type: ignore[union-attr]
     if x.ndim != 2 or x.shape[1] != hidden:

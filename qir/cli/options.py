@@ -52,7 +52,7 @@ def token_ids(spec: str) -> np.ndarray:
     if spec.endswith(".npy") or path.is_file():
         try:
             ids = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
             raise UsageError(f"--tokens {spec}: cannot read a .npy array ({e})") from None
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise UsageError(

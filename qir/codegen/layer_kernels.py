@@ -21,6 +21,7 @@ from qir.codegen.gemv import cap_suffix
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import TEMPLATES, common_header, render
 from qir.dtypes import DType
+from qir.errors import Unsupported
 from qir.types import QWeight
 
 LAYER_HEADER = "qir_layer.cuh"
@@ -255,9 +256,10 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         if self.cache.head_dim not in HEAD_DIMS:
-            raise NotImplementedError(
-                f"attention kernels take head_dim {', '.join(map(str, HEAD_DIMS))}, "
-                f"not {self.cache.head_dim}"
+            *some, last = map(str, HEAD_DIMS)
+            raise Unsupported(
+                f"head_dim {self.cache.head_dim} has no attention kernel: they take head_dim "
+                f"{', '.join(some)} or {last} (--backend reference runs any)"
             )
 
     @property

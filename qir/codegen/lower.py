@@ -24,7 +24,7 @@ from qir.codegen.gemm import GemmSpec, bucket_ranges
 from qir.codegen.gemv import GemvSpec, for_target
 from qir.codegen.kernel import Kernel
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
-from qir.errors import UsageError
+from qir.errors import Unsupported, UsageError
 from qir.graph import AttrValue, Graph
 from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, expert_layout, qlinear_layout, spec
 from qir.target import DEFAULT, Target
@@ -174,9 +174,7 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         if node.attr("prologue") == "norm_residual" and n - 1 not in by_index:
             n -= 1
         if sorted(by_index) != list(range(n)):
-            raise NotImplementedError(
-                f"%{name}: every result of a multi-output qlinear needs a get"
-            )
+            raise Unsupported(f"%{name}: every result of a multi-output qlinear needs a get")
         outputs = tuple(by_index[i] for i in range(n))
         act = node.type.elements[0].dtype
     else:
@@ -360,7 +358,7 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
             kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
             launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
         else:
-            raise NotImplementedError(f"no kernel for %{name} = {node.op}")
+            raise Unsupported(f"no kernel for %{name} = {node.op}")
     return Plan(graph, _quantize_when_read(launches), temps, target)
 
 

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from qir.codegen.kernel import Kernel
-from qir.errors import UsageError
+from qir.errors import QirError, UsageError
 from qir.runtime.cache import CUBIN, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
@@ -115,7 +115,7 @@ class CubinResult:
         return sum(r.spill_stores + r.spill_loads for r in ptxas_reports(self.log).values())
 
 
-class SpillError(RuntimeError):
+class SpillError(QirError, RuntimeError):
     """A kernel spills registers to local memory on some arch: almost always a codegen bug (tile
     too large for the register file) and a large slowdown, so it fails the build."""
 

@@ -20,6 +20,7 @@ values) are UsageErrors raised by `submit`; a full queue is QueueFull; both befo
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -41,6 +42,8 @@ from qir.serving.lockstep import Leader, follow
 from qir.serving.pages import PagePool
 from qir.serving.rules import Rules, SeqRules
 from qir.serving.scheduler import Scheduler, Seq, TokenScore
+
+LOG = logging.getLogger("qir.serving")
 
 # vLLM's sampling defaults (its servers' _DEFAULT_SAMPLING_PARAMS), under generation_config.json.
 VLLM_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -474,7 +477,10 @@ class Engine:
                 continue
             try:
                 sched.step()
-            except Exception as e:  # a bug must not take the server down: the clients hear it
+            except Exception as e:  # a bug must not take the server down: the clients hear it,
+                # and the operator's log gets the traceback (a client's message has none)
+                n = len(sched.waiting) + len(sched.running)
+                LOG.exception("engine step failed; ending its %d request(s)", n)
                 self._end_all(f"{type(e).__name__}: {e}")
 
     def _end_all(self, message: str) -> None:

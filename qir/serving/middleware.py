@@ -76,7 +76,7 @@ class Guard:
                 if size > self.max_body:
                     await too_large.send(scope, receive, send)
                     return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             message = f"the request body did not come whole within {self.body_timeout:g} s"
             slow = ApiError(408, message, None, "request_timeout", headers={"Connection": "close"})
             await slow.send(scope, receive, send)

@@ -16,6 +16,7 @@ from qir.errors import UsageError
 from qir.models import Model
 from qir.sampling import Sampling
 from qir.serving import Engine, EngineClosed, QueueFull, Request
+from qir.serving.engine import Delta
 from tests.conftest import DATA
 
 CKPT = DATA / "mlx_affine4_g64_S"
@@ -233,3 +234,35 @@ def test_a_sliding_window_model_serves_sequences_from_rings_of_pages() -> None:
     assert full.block.table_pages == 4
     assert got == [alone(full, r) for r in reqs]
     assert engine.scheduler.pool.free == engine.scheduler.pool.pages
+
+
+def test_a_failed_step_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """The clients hear a step's failure as an error delta; the operator's log gets the
+    exception with its traceback (no client message carries one)."""
+    engine = Engine.load(CKPT, act=F32, max_seq=64)
+    scheduler = engine.scheduler
+    step = scheduler.step
+
+    def fail_once() -> None:
+        scheduler.step = step  # type: ignore[method-assign]
+        raise RuntimeError("boom")
+
+    scheduler.step = fail_once  # type: ignore[method-assign]
+    with caplog.at_level("ERROR", logger="qir.serving"):
+        deltas = serve_deltas(engine, Request((1, 2, 3), 4, Sampling(), ignore_eos=True))
+    assert deltas[-1].finish_reason == "error" and deltas[-1].error == "RuntimeError: boom"
+    (record,) = [r for r in caplog.records if r.name == "qir.serving"]
+    assert record.getMessage() == "engine step failed; ending its 1 request(s)"
+    assert record.exc_info is not None and record.exc_info[1] is not None
+    assert str(record.exc_info[1]) == "boom" and "fail_once" in caplog.text  # the traceback
+
+
+def serve_deltas(engine: Engine, request: Request) -> list[Delta]:
+    async def main() -> list[Delta]:
+        engine.start()
+        try:
+            return [d async for d in engine.submit(request)]
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qir.codegen.kernel import KernelParam
+from qir.errors import Unsupported
 from qir.formats.base import WeightFormat
 
 
@@ -216,7 +217,7 @@ def fragment_for(fmt: WeightFormat, out_features: int, in_features: int) -> Frag
     try:
         make = FRAGMENTS[fmt.fragment]
     except KeyError:
-        raise NotImplementedError(f"no device dequant fragment for {fmt.spell()} yet") from None
+        raise Unsupported(f"no device dequant fragment for {fmt.spell()} yet") from None
     return make(fmt, out_features, in_features)
 
 
