@@ -16,12 +16,12 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from qir.cli import main
 from tests.conftest import DATA
