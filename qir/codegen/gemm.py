@@ -341,6 +341,55 @@ def _variant(f: GemmSpec) -> dict[str, str]:
     }
 
 
+def _b_tile(ctx: dict[str, Any], ns: str, args: str, half: int | None) -> str:
+    """One weight's part of load_b: its chunks of the tile's rows (of a pair's tile: the gate's
+    rows 16i..16i+7 when half is 0, the up's 16i+8..16i+15 when 1; all rows when None)."""
+    if half is None:
+        n = "(row >> 4) * 8 + (row & 7)" if ctx["paired"] else "row"
+        rows = [
+            "      const int row = i / CPT, c = i % CPT;",
+            f"      const int n = n0 + {n}, chunk = kt * CPT + c;",
+        ]
+    else:
+        rows = [
+            f"      // this weight's rows of the pair's tile: {'up' if half else 'gate'} rows "
+            f"16i + {8 * half}..16i + {8 * half + 7}",
+            f"      const int h = i / CPT, c = i % CPT, row = (h >> 3) * 16 + {8 * half} + (h & 7);",
+            "      const int n = n0 + h, chunk = kt * CPT + c;",
+        ]
+    return render(
+        "gemm/b_tile.cuh.j2",
+        slots="BN * CPT" if half is None else "BN / 2 * CPT",
+        rows="\n".join(rows),
+        ns=ns,
+        args=args,
+        b_tile=ctx["b_tile"],
+        b_scales=ctx["b_scales"],
+    )
+
+
+def _b_loader(ctx: dict[str, Any]) -> str:
+    """load_b's body: the weight tile's decode by one fragment, or (weights of several formats)
+    each format's part by its own, chosen by the block's segment (a pair: both, one after the
+    other)."""
+    if not ctx["mixed"]:
+        return _b_tile(ctx, "", ctx["b_args"], None).rstrip("\n")
+    which = "gate's rows, then up's" if ctx["paired"] else "a block serves one weight"
+    lines = [f"    // Each format's weights decoded by its own fragment ({which})."]
+    for i, p in enumerate(ctx["b_parts"]):
+        lines.append(f"    {'if (' + p['cond'] + ') ' if p['cond'] else ''}{{  // {p['format']}")
+        lines.append(
+            f"      constexpr int CHUNK = {p['chunk']}, CPT = BK / CHUNK, "
+            f"CHUNKS = {p['chunks_per_row']};"
+        )
+        tile = _b_tile(ctx, p["ns"], p["args"], i if ctx["paired"] else None)
+        lines += [f"  {line}" if line else line for line in tile.rstrip("\n").split("\n")]
+        if p["cond"]:
+            lines.append("      return;")
+        lines.append("    }")
+    return "\n".join(lines)
+
+
 def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
     """The kernel of `spec`; `grouped`: rendered as a grouped GEMM instead (qir.codegen.moe_gemm:
     its template extends this one, with its own name, parameters and variables)."""
@@ -505,6 +554,7 @@ def gemm_kernel(spec: GemmSpec, grouped: GroupedGemm | None = None) -> Kernel:
     )
     if grouped is not None:
         context.update(grouped.context)
+    context["b_loader"] = _b_loader(context)
     source = render(template, **context)
     return Kernel(
         name,

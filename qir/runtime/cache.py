@@ -186,9 +186,11 @@ class KernelCache:
         build: Callable[[], bytes],
         what: str,
         executable: bool = False,
+        counted: bool = True,
     ) -> Artifact:
         """The disk level: the entry for `key`, built by `build()` on a miss. `what` names the
-        compiler in the log lines ("host g++", "nvrtc sm_90")."""
+        compiler in the log lines ("host g++", "nvrtc sm_90"); `counted`: the build is a
+        kernel's (`compiles`, which the compile summaries report)."""
         path = self.root / namespace / f"{name}-{key[:32]}{ext}"
         payload = read_entry(path)
         if payload is not None:
@@ -203,12 +205,14 @@ class KernelCache:
                 if payload is not None:
                     return Artifact(self._fallback / namespace / path.name, payload)
             # Debug: a block's batch of compiles is one info line (executor.load_kernels).
-            log.debug("compiling %s (%s) ...", name, what)
+            # Uncounted builds (the host's runtime library) say "building": not a kernel.
+            verb = ("compiling", "compiled") if counted else ("building", "built")
+            log.debug("%s %s (%s) ...", verb[0], name, what)
             t0 = time.perf_counter()
             payload = build()
             with self._mutex:  # builds run on several threads
-                self.compiles += 1
-            log.debug("compiled %s (%s) in %.2f s", name, what, time.perf_counter() - t0)
+                self.compiles += counted
+            log.debug("%s %s (%s) in %.2f s", verb[1], name, what, time.perf_counter() - t0)
             return Artifact(self._store(namespace, path, payload, executable), payload)
 
     def _store(self, namespace: str, path: Path, payload: bytes, executable: bool) -> Path:

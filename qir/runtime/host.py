@@ -211,6 +211,8 @@ class HostBackend:
         # Entries prepare() fetched (compiled or read and checksummed), for load() to take
         # instead of reading them again.
         self._prepared: dict[Kernel, Artifact] = {}
+        self._runtime_path: Path | None = None
+        self._runtime_lock = threading.Lock()
         self._pch = PrecompiledHeader(
             self.cache,
             HEADER,
@@ -264,9 +266,12 @@ class HostBackend:
         return (self.name, self.sanitize, self._so_flags, self._sanitize_flags, self.unroll, kernel)
 
     def prepare(self, kernel: Kernel) -> None:
-        """Compile `kernel` into the disk cache without loading it; safe on any thread."""
+        """Compile `kernel` into the disk cache without loading it (and the runtime library its
+        load needs: a warmed cache holds it too); safe on any thread."""
         if not self.cache.holds(self._spec(kernel)):
             self._prepared[kernel] = self._entry(kernel)
+            if not self.sanitize:
+                self._runtime_library()
 
     def _load(self, kernel: Kernel) -> HostKernel:
         entry = self._prepared.pop(kernel, None) or self._entry(kernel)
@@ -318,7 +323,13 @@ class HostBackend:
                     raise CompileError(RUNTIME, "g++", proc.stderr.strip(), "", filename=cu.name)
                 return out.read_bytes()
 
-        return self.cache.fetch(HOST, RUNTIME, key(parts), ".so", build, what="host g++").path
+        with self._runtime_lock:
+            if self._runtime_path is None or not self._runtime_path.is_file():
+                entry = self.cache.fetch(
+                    HOST, RUNTIME, key(parts), ".so", build, what="host g++", counted=False
+                )
+                self._runtime_path = entry.path
+            return self._runtime_path
 
     def _compile(self, kernel: Kernel, source: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:
