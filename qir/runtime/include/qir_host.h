@@ -342,7 +342,8 @@ struct Runtime {
 // The worker pool and fiber stacks. Kernel libraries that host.py builds define
 // QIR_HOST_SHARED_RUNTIME and leave them out: host.py builds them once, as the runtime library
 // (this header on its own), and shares its Runtime with every kernel library it loads, so each
-// kernel's g++ run does not compile the pool again (a third of a small kernel's build).
+// kernel's g++ run does not compile the pool again (measured: 0.4 s, half of an empty kernel's
+// build).
 // Sanitizer executables and any other build of the header keep their own.
 #if !defined(QIR_HOST_SHARED_RUNTIME)
 namespace own {
