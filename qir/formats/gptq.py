@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+import qir.types as ir
 from qir.dtypes import BF16, F16, F32, I32, U8, U32, DType
-from qir.formats import register
 from qir.formats.base import (
     Allowed,
     FormatError,
@@ -45,6 +45,7 @@ from qir.formats.base import (
     dtype_among,
 )
 from qir.formats.bitstream import pack_codes, unpack_codes
+from qir.formats.registry import register
 from qir.types import TensorType
 
 BITS = (2, 3, 4, 8)
@@ -195,7 +196,7 @@ class Gptq(WeightFormat):
         return out
 
     def recast(
-        self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
+        self, fmt: ir.WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
     ) -> dict[str, np.ndarray] | None:
         """A part of an act-order weight whose inputs keep their groups in order reads as a
         plain one: as act-order, its g_idx is the trivial map. A part of a weight of one group
