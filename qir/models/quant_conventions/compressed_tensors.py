@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qir.models.families.common import quant_config, regex_match
+from qir.models.quant_conventions.common import quant_config, regex_match
 
 
 def ct_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
