@@ -6,6 +6,7 @@ lazy import holds open is still a circle in the design."""
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import networkx as nx
@@ -159,6 +160,12 @@ def spell(cycle: list[str]) -> str:
 def test_no_import_cycles() -> None:
     found = cycles(import_graph())
     failing = [c for c in found if not set(c) <= PENDING_CODEGEN]
+    pending = [c for c in found if set(c) <= PENDING_CODEGEN]
+    if pending:
+        warnings.warn(
+            "import cycles pending (PENDING_CODEGEN): " + "; ".join(map(spell, pending)),
+            stacklevel=1,
+        )
     assert not failing, f"{len(failing)} import cycles:\n" + "\n".join(map(spell, failing))
 
 
