@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models import Checkpoint, load
 from qir.models.experts import Moe, gate_act, moe_of, stack, stacked_experts
 from qir.models.gguf_checkpoint import GgufCheckpoint

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.checkpoint_view import CheckpointView
 
 # A decoder layer's linears: short name -> module path below model.layers.<i> (Llama's names,

@@ -30,8 +30,7 @@ import numpy as np
 
 from qir.builder import Builder, Value
 from qir.dtypes import ACTIVATION, F32, I32, DType
-from qir.errors import UsageError
-from qir.formats.base import FormatError
+from qir.errors import FormatError, UsageError
 from qir.graph import Graph
 from qir.logits import ALL_ALLOWED, MAX_BIAS, NO_PENALTIES, SKIP, allow_words
 from qir.models.architectures import FEATURES, Features

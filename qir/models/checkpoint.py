@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
-from qir.formats.base import FormatError, check_tensor
+from qir.errors import FormatError
+from qir.formats.base import check_tensor
 from qir.models.architectures import (
     LLAMA_LINEARS,
     Features,

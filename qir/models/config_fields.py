@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 
 _KINDS: dict[type, str] = {
     int: "an integer",

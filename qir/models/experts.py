@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.quant_conventions.hf_mxfp4 import stacked_experts as hub_stacked_experts
 from qir.types import QExperts
 

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.ggml_types import GgmlType, reader
 from qir.models.architectures import Architecture
 from qir.models.checkpoint import Checkpoint

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.architectures import ARCHITECTURES, Architecture
 from qir.models.experts import MOE_ARCHITECTURES
 from qir.models.gguf_io import ARRAY, SCALARS, STRING, GGUFModel

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from qir.dtypes import DType
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.experts import stack, stacked_experts

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.checkpoint_view import CheckpointView
 
 

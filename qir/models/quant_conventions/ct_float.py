@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention

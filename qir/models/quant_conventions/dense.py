@@ -13,7 +13,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.dense import DTYPES, Dense
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import QuantConvention, register_convention

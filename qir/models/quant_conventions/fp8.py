@@ -13,7 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError, WeightFormat
+from qir.errors import FormatError
+from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention

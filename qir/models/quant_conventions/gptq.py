@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import gptq
-from qir.formats.base import FormatError
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import (
     OUT_IN,

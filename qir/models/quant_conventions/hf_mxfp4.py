@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import QuantConvention, register_convention

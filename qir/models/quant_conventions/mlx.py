@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import mlx
-from qir.formats.base import FormatError, dtype_among
+from qir.formats.base import dtype_among
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
 from qir.models.quant_conventions.common import tensor

@@ -9,8 +9,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import mlx
-from qir.formats.base import FormatError
 from qir.formats.nvfp4 import GROUP_SIZE, MLX_GLOBAL_DIVISOR, Nvfp4
 from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
