@@ -176,6 +176,60 @@ def test_pending_codegen_names_only_modules_on_a_cycle() -> None:
     assert on_cycles >= PENDING_CODEGEN, sorted(PENDING_CODEGEN - on_cycles)
 
 
+# qir/models/ in layers, each importing only its own and those before it (docs/architecture.md).
+MODELS_LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    (
+        "io",
+        frozenset(
+            {
+                "strict_json",
+                "checkpoint_dir",
+                "safetensors_io",
+                "gguf_io",
+                "config_fields",
+                "multimodal",
+                "goldens",
+                "checkpoint_view",
+            }
+        ),
+    ),
+    ("quantization conventions", frozenset({"quant_conventions"})),
+    (
+        "checkpoint, architectures, MoE weights",
+        frozenset(
+            {"architectures", "checkpoint", "experts", "gguf_config", "gguf_checkpoint", "loader"}
+        ),
+    ),
+    ("block builders", frozenset({"blocks"})),
+    ("sharding", frozenset({"shards", "shard_read"})),
+    ("model", frozenset({"model"})),
+)
+
+
+def models_layer(module: str) -> int:
+    """The index in MODELS_LAYERS of a module under qir.models (a package's submodules are in
+    the package's layer); the package itself re-exports, so it sits above them all."""
+    if module == "qir.models":
+        return len(MODELS_LAYERS)
+    top = module.removeprefix("qir.models.").split(".")[0]
+    index = next((i for i, (_, names) in enumerate(MODELS_LAYERS) if top in names), None)
+    assert index is not None, f"{module}: not in MODELS_LAYERS; place it in its layer"
+    return index
+
+
+def test_models_import_only_their_own_layer_and_those_before() -> None:
+    graph = import_graph()
+    upward = [
+        f"{u} ({MODELS_LAYERS[models_layer(u)][0]}) imports {v} "
+        f"({MODELS_LAYERS[models_layer(v)][0]})"
+        for u, v in sorted(graph.edges)
+        if u.startswith("qir.models")
+        and v.startswith("qir.models.")
+        and models_layer(v) > models_layer(u)
+    ]
+    assert not upward, "\n".join(upward)
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
