@@ -46,7 +46,7 @@ _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 # Short names (as in golden.npz keys) of the HF Llama-style linears of one decoder layer.
 LAYER_LINEARS = LLAMA_LINEARS
-# The tensor that holds a quantized linear's codes, per family (the inspect command's list).
+# The tensor that holds a quantized linear's codes, per convention (the inspect command's list).
 _WEIGHT_TENSORS = ("weight", "qweight", "weight_packed")
 _LAYER_MODULE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
@@ -330,7 +330,7 @@ class Checkpoint:
 
     def linear(self, module: str) -> Linear:
         """The linear at `module`, in its format's kernel layout; with its `bias` tensor, if the
-        checkpoint has one (zeros included), widened to float32. A layer linear the family
+        checkpoint has one (zeros included), widened to float32. A layer linear the architecture
         stores fused (Phi-3's q/k/v in qkv_proj, gate/up in gate_up_proj) is its rows of the
         fused one, views of its buffers (no copy)."""
         segment = self._segment(module)

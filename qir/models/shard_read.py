@@ -3,13 +3,13 @@
 1. Types: the model block is built from a copy of the checkpoint whose 2-D+ tensors read as
    zeros of their header's shape and dtype (no file bytes; small tensors, such as norms, biases
    and per-tensor scales, are read), and tensor_parallel rewrites it into the rank's graph: which
-   weight each rank holds, and which rows or inputs of it. The families' readers still run on
+   weight each rank holds, and which rows or inputs of it. The conventions' readers still run on
    those zeros (AWQ GEMM's repack, for one), which costs CPU time and transient memory of the
-   whole model, though no I/O; a header-only type reader per family would remove it.
-2. Bytes: each sharded linear is read through its family's table of tensor axes
+   whole model, though no I/O; a header-only type reader per convention would remove it.
+2. Bytes: each sharded linear is read through its convention's table of tensor axes
    (qir.models.quant_conventions.Axes): a tensor's rows or columns of the shard are sliced from the
-   memory-mapped file before they are copied, so only they are read; the family's reader then
-   repacks the part as a weight of the part's shape. Where the axes cannot say it, the family
+   memory-mapped file before they are copied, so only they are read; the convention's reader then
+   repacks the part as a weight of the part's shape. Where the axes cannot say it, the convention
    cuts its tensors itself (QuantConvention.parts): GPTQ reads its slice of g_idx and the zeros and
    scales of only the groups that slice names; AWQ GEMV the qzeros words and scales of its
    groups, laid out in the part's own padded width. A fused projection's segment (Phi-3's
@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 class ShardReader:
     """A checkpoint's tensors, with one module at a time read as its shard's part
-    (`read_part`): its tensors are cut before they are read, by the family's axes or its own
+    (`read_part`): its tensors are cut before they are read, by the convention's axes or its own
     `parts`. Every other tensor is read whole."""
 
     def __init__(
@@ -130,7 +130,7 @@ class ShardReader:
     def read_part(
         self, module: str, cut: Cut, read: Callable[[], T], expert: int | None = None
     ) -> T:
-        """`read()` (a family's reader of `module`) on the part `cut` = (axis, start, stop,
+        """`read()` (a convention's reader of `module`) on the part `cut` = (axis, start, stop,
         whole) of `module`'s tensors (of expert `expert` of stacked ones): part_tensors."""
         return self.serving(self.part_tensors(module, cut, expert), read)
 
@@ -138,7 +138,7 @@ class ShardReader:
         self, module: str, cut: Cut, expert: int | None = None
     ) -> dict[str, np.ndarray]:
         """`module`'s tensors (of expert `expert` of stacked ones) for the part `cut`, in the
-        checkpoint's layout, cut before any byte is read: by the family's own `parts`, else in
+        checkpoint's layout, cut before any byte is read: by the convention's own `parts`, else in
         proportion along its axes. Raises Unsliceable where neither can cut them."""
         tensors = None
         if self.parts is not None and expert is None:
@@ -157,7 +157,7 @@ class ShardReader:
             self._part = {}
 
     def proportional(self, name: str, cut: Cut) -> np.ndarray:
-        """Tensor `name`'s part for `cut` by its family's axes, read (Unsliceable if none)."""
+        """Tensor `name`'s part for `cut` by its convention's axes, read (Unsliceable if none)."""
         return self._take(name, self._index(name, cut, None), cut)
 
     def _take(self, name: str, index: tuple[Any, ...] | None, cut: Cut) -> np.ndarray:
@@ -170,7 +170,7 @@ class ShardReader:
         return shape
 
     def _index(self, name: str, cut: Cut, expert: int | None) -> tuple[Any, ...] | None:
-        """The index of `name`'s part for `cut`, by its family's axes (None: all of it)."""
+        """The index of `name`'s part for `cut`, by its convention's axes (None: all of it)."""
         axis, start, stop, whole = cut
         shape = tuple(self.store.shape(name))
         lead: tuple[Any, ...] = ()

@@ -35,6 +35,6 @@ __all__ = [
 
 
 def load_all() -> None:
-    """Imports every family module (each registers itself); idempotent."""
+    """Imports every convention module (each registers itself); idempotent."""
     for mod in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{mod.name}")

@@ -34,7 +34,7 @@ def matches_config(config: Mapping[str, Any]) -> bool:
 
 def _awq_linear(ck: CheckpointView, module: str) -> Linear:
     q = quant_config(ck.config, "awq")
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     # transformers 5 calls the packing `format`; AutoAWQ and transformers 4 wrote `version`.
     version = str(q.get("version") or q.get("format") or "gemm").lower()
     if version not in ("gemm", "gemv"):

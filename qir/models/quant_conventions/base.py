@@ -52,7 +52,7 @@ class TensorReader(Protocol):
 
 
 class Unsliceable(Exception):
-    """A linear's tensor that cannot be cut to a shard before reading (by the family's axes or
+    """A linear's tensor that cannot be cut to a shard before reading (by the convention's axes or
     its own `parts`): qir.models.shard_read reads the linear whole and cuts it after."""
 
 
@@ -74,9 +74,9 @@ class QuantConvention:
     # The producer's own name of a single-file checkpoint, tried after model.safetensors.
     files: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_files
     axes: Callable[[Mapping[str, Any]], Axes] = _dense_axes
-    # The family's own cut of a linear's tensors where its axes cannot say it (GPTQ's groups
+    # The convention's own cut of a linear's tensors where its axes cannot say it (GPTQ's groups
     # gathered by g_idx, AWQ GEMV's padded groups): the module's tensors for `cut`, read through
-    # reader.read (only the bytes indexed), as the family's `linear` reads them; None for the
+    # reader.read (only the bytes indexed), as the convention's `linear` reads them; None for the
     # axes' proportional cut. It raises shard_read.Unsliceable where it cannot cut exactly.
     parts: Callable[[TensorReader, Mapping[str, Any], str, Cut], dict[str, np.ndarray] | None] = (
         _proportional
@@ -87,6 +87,6 @@ class QuantConvention:
 CONVENTIONS: list[QuantConvention] = []
 
 
-def register_convention(family: QuantConvention) -> QuantConvention:
-    CONVENTIONS.append(family)
-    return family
+def register_convention(convention: QuantConvention) -> QuantConvention:
+    CONVENTIONS.append(convention)
+    return convention

@@ -1,6 +1,6 @@
-"""What several families share when reading a checkpoint: the `quantization_config` of a
+"""What several conventions share when reading a checkpoint: the `quantization_config` of a
 `quant_method` (and ModelOpt's), its integer keys and `modules_to_not_convert`, and the
-checkpoint tensors a linear needs. Registers no family."""
+checkpoint tensors a linear needs. Registers no convention."""
 
 from __future__ import annotations
 

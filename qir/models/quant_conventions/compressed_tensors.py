@@ -1,6 +1,6 @@
-"""compressed-tensors config parsing shared by its families (ct_int, ct_float, nvfp4): the
+"""compressed-tensors config parsing shared by its conventions (ct_int, ct_float, nvfp4): the
 config, its `config_groups`, a group's format and which group targets a module. Registers no
-family."""
+convention."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 per 128 x 128 block: FP8_BLOCK, `weight_scale` [ceil(O/128), ceil(I/128)]).
 
 The matcher claims a config only when every config group has one of these formats (the other
-compressed-tensors formats have their own families). Schemes of these formats that qir cannot
+compressed-tensors formats have their own conventions). Schemes of these formats that qir cannot
 run are refused when the checkpoint is opened, with "not supported: ..." naming the key.
 Activation quantization in a scheme (FP8_DYNAMIC, FP8, MXFP4) is not applied: qir runs these
 weights with 16-bit activations (see qir.formats.fp8 / qir.formats.mx).
@@ -106,7 +106,7 @@ def _mxfp4(ck: CheckpointView, module: str) -> Linear:
 
 def _linear(ck: CheckpointView, module: str) -> Linear:
     q = ct_config(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     if f"{module}.weight" not in ck.store and f"{module}.weight_packed" not in ck.store:
         raise FormatError(
             f"{module}: no such linear in {ck.path} (no {module}.weight or .weight_packed)"

@@ -1,7 +1,7 @@
 """compressed-tensors `pack-quantized` int checkpoints (W4A16/W8A16): `<module>.weight_packed`,
 `.weight_scale`, `.weight_shape`, read as stored (see qir.formats.ct_int).
 
-Other compressed-tensors formats (nvfp4/mxfp4/float) have their own families; this matcher only
+Other compressed-tensors formats (nvfp4/mxfp4/float) have their own conventions; this matcher only
 claims configs whose every config group is `pack-quantized` with int weights.
 """
 
@@ -62,7 +62,7 @@ def _group_of(q: Mapping[str, Any], module: str) -> tuple[Mapping[str, Any], str
 
 def _ct_linear(ck: CheckpointView, module: str) -> Linear:
     q = ct_config(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     found = _group_of(q, module)
     # Ignored and untargeted modules are stored unquantized, and so are 16/32-bit `.weight`s the
     # "Linear" target seems to cover but that are not Linears (embeddings).

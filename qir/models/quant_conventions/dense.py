@@ -1,10 +1,10 @@
 """Unquantized linears: `<module>.weight` as stored in f16/bf16/f32.
 
-Quantized families call `read_dense` for the modules their checkpoint leaves unquantized
+Quantized conventions call `read_dense` for the modules their checkpoint leaves unquantized
 (compressed-tensors `ignore`, HF `modules_to_not_convert`, ModelOpt `exclude_modules`, mlx-lm's
 per-module `false`); `is_excluded` matches those lists, and `stored_dense` recognises the modules
 a tool leaves unquantized without listing them. A checkpoint with no quantization config
-at all is a family of its own, read entirely as dense.
+at all is a convention of its own, read entirely as dense.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def is_excluded(module: str, patterns: Iterable[Any] | None) -> bool:
 
 def stored_dense(ck: CheckpointView, module: str, quantized: str) -> bool:
     """Whether `module` is stored unquantized although no exclusion list names it: no
-    `<module>.<quantized>` (a tensor every quantized linear of the family has) and a 16/32-bit
+    `<module>.<quantized>` (a tensor every quantized linear of the convention has) and a 16/32-bit
     `.weight`. Tools leave modules they never quantize off their lists (AutoAWQ and GPTQ skip
     lm_head; compressed-tensors' "Linear" target does not cover embeddings)."""
     name = f"{module}.weight"

@@ -1,5 +1,5 @@
 """FP8 E4M3 linears (`<module>.weight` e4m3 + `.weight_scale`), shared by compressed-tensors
-`float-quantized` (see ct_float) and ModelOpt `quant_algo: FP8`, whose family is here.
+`float-quantized` (see ct_float) and ModelOpt `quant_algo: FP8`, whose convention is here.
 
 ModelOpt's FP8 is per-tensor: `weight_scale` and `input_scale` are float32 scalars (amax/448).
 The input scale is not read: qir runs FP8 weight-only (see qir.formats.fp8).
@@ -74,7 +74,7 @@ def modelopt_matches(config: Mapping[str, Any]) -> bool:
 
 def _modelopt_linear(ck: CheckpointView, module: str) -> Linear:
     q = modelopt_quant(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     if is_excluded(module, q.get("ignore", q.get("exclude_modules"))):
         return read_dense(ck, module)
     return read_fp8(ck, module, "tensor")

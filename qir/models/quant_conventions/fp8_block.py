@@ -1,5 +1,5 @@
 """Block-wise FP8 linears (qir.formats.fp8_block): HF `quant_method: "fp8"` checkpoints (the
-Qwen3-*-FP8 and DeepSeek-V3 releases, transformers' FineGrainedFP8), whose family is here, and
+Qwen3-*-FP8 and DeepSeek-V3 releases, transformers' FineGrainedFP8), whose convention is here, and
 compressed-tensors FP8_BLOCK (`strategy: "block"`, read by ct_float through `read_fp8_block`).
 
 HF: `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128,
@@ -85,7 +85,7 @@ def matches_config(config: Mapping[str, Any]) -> bool:
 
 def _linear(ck: CheckpointView, module: str) -> Linear:
     q = quant_config(ck.config, "fp8")
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     if (
         not_converted(q, module)
         or is_excluded(module, q.get("modules_to_not_convert"))

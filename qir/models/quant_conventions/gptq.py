@@ -33,7 +33,7 @@ def matches_config(config: Mapping[str, Any]) -> bool:
 
 def _gptq_linear(ck: CheckpointView, module: str) -> Linear:
     q = quant_config(ck.config, "gptq")
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     # HF writes `checkpoint_format`; GPTQModel's quantize_config.json calls it `format`.
     checkpoint_format = q.get("checkpoint_format", q.get("format", "gptq"))
     if checkpoint_format not in gptq.ZERO_OFFSET:

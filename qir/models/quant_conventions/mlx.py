@@ -19,7 +19,7 @@ from qir.types import QWeight
 
 def _mlx_linear(ck: CheckpointView, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
+    assert qcfg is not None  # the convention matched on it
     if qcfg.get(module) is False:  # mlx-lm left this module unquantized
         return read_dense(ck, module)
     scales = f"{module}.scales"

@@ -50,7 +50,7 @@ def _params(qcfg: Mapping[str, Any], module: str) -> tuple[Mxfp4 | Mxfp8, int] |
 
 def _linear(ck: CheckpointView, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
+    assert qcfg is not None  # the convention matched on it
     resolved = _params(qcfg, module)
     if resolved is None:
         return read_dense(ck, module)

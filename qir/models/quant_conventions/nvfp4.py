@@ -107,7 +107,7 @@ def _modelopt_matches(config: Mapping[str, Any]) -> bool:
 
 def _modelopt_linear(ck: CheckpointView, module: str) -> Linear:
     q = modelopt_quant(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     # ModelOpt lists paths and globs ("lm_head", "model.layers.*.self_attn*"); an unlisted
     # module with a 16/32-bit `.weight` and no block scales is unquantized all the same.
     if is_excluded(module, q.get("ignore", q.get("exclude_modules"))) or stored_dense(
@@ -140,7 +140,7 @@ def _ct_matches(config: Mapping[str, Any]) -> bool:
 
 def _ct_linear(ck: CheckpointView, module: str) -> Linear:
     found = _ct_group(ck.config)
-    assert found is not None  # the family matched on it
+    assert found is not None  # the convention matched on it
     name, group = found
     q = ct_config(ck.config)
     assert q is not None
@@ -170,7 +170,7 @@ def _mlx_matches(config: Mapping[str, Any]) -> bool:
 
 def _mlx_linear(ck: CheckpointView, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
+    assert qcfg is not None  # the convention matched on it
     found = mlx.module_quantization(qcfg, module)
     if found is None:  # mlx-lm left this module unquantized
         return read_dense(ck, module)
