@@ -38,7 +38,7 @@ from qir.formats.base import WeightFormat
 from qir.models import Model
 from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family
+from qir.models.quant_conventions import QuantConvention
 from qir.runtime.backend import best_backend
 from qir.sampling import Sampling
 from qir.types import TensorType
@@ -78,9 +78,9 @@ class SyntheticCheckpoint(Checkpoint):
             cfg[key] = max(128, round(cfg[key] * scale / 128) * 128)
         for key in ("num_attention_heads", "num_key_value_heads"):
             cfg[key] = max(1, round(cfg[key] * scale))
-        family = Family("synthetic", lambda c: True, lambda ck, m: self.linear(m))
+        convention = QuantConvention("synthetic", lambda c: True, lambda ck, m: self.linear(m))
         self.path = Path(f"<synthetic {fmt.tag()}>")
-        self.config, self.family, self.fmt = cfg, family, fmt
+        self.config, self.convention, self.fmt = cfg, convention, fmt
         self.store: Any = {}  # no tensors: attention_problem finds no biases
         self._buffers: dict[tuple[int, int], Linear] = {}
 

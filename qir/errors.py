@@ -5,6 +5,10 @@ class QirError(Exception):
     pass
 
 
+class FormatError(QirError, ValueError):
+    """Bad checkpoint or weight data; the message names the tensor and what is wrong."""
+
+
 class UsageError(QirError, ValueError):
     """An option or argument that names something that does not exist or is out of range."""
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qir.dtypes import F32, DType
 
 if TYPE_CHECKING:
-    from qir.formats.base import WeightFormat
+    import numpy as np
 
 # A dimension is a concrete size or a symbol (the batch dim "M").
 Dim = int | str
@@ -37,6 +38,77 @@ class TensorType:
             else:
                 out.append(d)
         return tuple(out)
+
+
+class WeightFormat(Protocol):
+    """A weight format as the compiler asks it: its spelling and kernel-layout buffers, the
+    checks and the reference maths, its device fragment and what activations it takes, and the
+    cuts tensor parallelism makes. The IR owns this interface so that it need not import a
+    format: qir.formats.base.WeightFormat, the base class of every format, implements it."""
+
+    def __hash__(self) -> int: ...
+
+    def spell(self) -> str: ...
+
+    def tag(self) -> str: ...
+
+    def buffers(self, out_features: int, in_features: int) -> dict[str, TensorType]: ...
+
+    def check_shape(self, out_features: int, in_features: int) -> None: ...
+
+    def check_read_shape(self, out_features: int, in_features: int, tensor: str) -> None: ...
+
+    def check_buffers(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int, where: str
+    ) -> None: ...
+
+    def dequantize(
+        self, bufs: Mapping[str, np.ndarray], out_features: int, in_features: int
+    ) -> np.ndarray: ...
+
+    def bytes_per_weight(self) -> float: ...
+
+    @property
+    def fragment(self) -> str: ...
+
+    def act_quant_scheme(self) -> str | None: ...
+
+    def declared_act_bits(self) -> int: ...
+
+    def act_quant_rule(self, bufs: Mapping[str, np.ndarray]) -> dict[str, float]: ...
+
+    def act_scale_attr(self) -> str | None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def rows(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+    ) -> dict[str, np.ndarray]: ...
+
+    def row_unit(self) -> int: ...
+
+    def column_unit(self, in_features: int) -> int: ...
+
+    def column_part(self, in_features: int, start: int, stop: int) -> WeightFormat: ...
+
+    def recast(
+        self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
+    ) -> dict[str, np.ndarray] | None: ...
+
+    def columns(
+        self,
+        bufs: Mapping[str, np.ndarray],
+        out_features: int,
+        in_features: int,
+        start: int,
+        stop: int,
+        where: str,
+    ) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(frozen=True)

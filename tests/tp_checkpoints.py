@@ -60,7 +60,7 @@ def trimmed(out: Path, fixture: str, features: int) -> Path:
     shutil.copytree(DATA / fixture, out)
     ck = load(out)
     whole = ck.config["intermediate_size"]
-    reader = ShardReader(ck.store, ck.family.axes(ck.config), ck.family.parts, ck.config)
+    reader = ShardReader(ck.store, ck.convention.axes(ck.config), ck.convention.parts, ck.config)
     edit: dict[str, np.ndarray] = {}
     for layer in range(ck.config["num_hidden_layers"]):
         for proj in MLP:

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models import Checkpoint, load
 from qir.models.experts import Moe, gate_act, moe_of, stack, stacked_experts
 from qir.models.gguf_checkpoint import GgufCheckpoint
 from qir.types import QWeight
 
-# gpt-oss's stacked MXFP4 experts are <module>_blocks (qir.models.families.hf_mxfp4)
+# gpt-oss's stacked MXFP4 experts are <module>_blocks (qir.models.quant_conventions.hf_mxfp4)
 _WEIGHT_SUFFIXES = (".weight", ".qweight", ".weight_packed", "_blocks")
 
 
@@ -127,8 +127,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     moe = moe_of(ck)
     if moe is not None:
         shared = (
-            f", and a shared expert of {moe.shared} ({moe.family.shared_key}) scaled by "
-            f"sigmoid({moe.family.shared_gate})"
+            f", and a shared expert of {moe.shared} ({moe.architecture.shared_key}) scaled by "
+            f"sigmoid({moe.architecture.shared_gate})"
             if moe.shared
             else ""
         )
@@ -189,7 +189,7 @@ def _read(ck: Checkpoint, module: str) -> tuple[QWeight, dict[str, np.ndarray], 
         return qe.expert, bufs, qe.count
     blocks = f"{module}_blocks"
     if blocks in ck.store and f"{module}.weight" not in ck.store:
-        from qir.models.families.hf_mxfp4 import stacked_experts as hub_experts
+        from qir.models.quant_conventions.hf_mxfp4 import stacked_experts as hub_experts
 
         qe, bufs = hub_experts(ck, module, ck.store.shape(blocks)[0])
         return qe.expert, bufs, qe.count

@@ -15,7 +15,8 @@ from qir import dtypes
 from qir.errors import UsageError
 from qir.graph import Graph
 from qir.models import Model, load
-from qir.models.blocks import BLOCKS, MAX_SEQ_CAP, Block, build
+from qir.models.blocks import BLOCKS, Block, build
+from qir.models.checkpoint import MAX_SEQ_CAP
 from qir.passes.manager import PASSES, PIPELINES, PassOptions, PassRecord, run_pipeline
 from qir.passes.route_w4a4 import TIERS
 from qir.printer import print_graph

@@ -32,9 +32,8 @@ from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import common_header, render
 from qir.dtypes import F32, DType
-from qir.formats.base import WeightFormat
 from qir.target import Target
-from qir.types import QWeight
+from qir.types import QWeight, WeightFormat
 
 WARPS_PER_BLOCK = 4
 # (row, weight) slots per warp: four 16-byte loads in flight per lane for 4-bit codes, and the

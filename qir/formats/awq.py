@@ -25,9 +25,9 @@ from typing import ClassVar
 import numpy as np
 
 from qir.dtypes import F16, U32
-from qir.formats import register
 from qir.formats.base import Allowed, FormatError, ParamTable, WeightFormat, check_tensor
 from qir.formats.bitstream import pack_codes, unpack_codes
+from qir.formats.registry import register
 from qir.types import TensorType
 
 GROUP_SIZES = (32, 64, 128)

@@ -2,7 +2,8 @@
 
 A format is data and maths only: it knows its checkpoint tensors, its kernel-layout buffers,
 how to repack one into the other, how to dequantize in numpy, how to quantize a float weight,
-and which device dequant fragment codegen uses for it. It imports only the IR's dtypes/types.
+and which device dequant fragment codegen uses for it. It imports only the IR's dtypes/types, and
+the base class here implements the interface the IR asks a format through (qir.types.WeightFormat).
 
 What every format shares lives here: parameter validation from a declarative `allowed` table
 (checked at construction), the weight-shape check (`input_multiple`), the checks of a float weight
@@ -20,13 +21,10 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import DTypeLike
 
+import qir.types as ir
 from qir.dtypes import DType
-from qir.errors import QirError
+from qir.errors import FormatError
 from qir.types import TensorType
-
-
-class FormatError(QirError, ValueError):
-    """Bad checkpoint or weight data; the message names the tensor and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +210,7 @@ class WeightFormat(ABC):
         return self
 
     def recast(
-        self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
+        self, fmt: ir.WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
     ) -> dict[str, np.ndarray] | None:
         """`bufs` of a weight in `fmt` as this format's buffers of the same weight, where that
         needs no requantizing (a shard read on its own may come out in a simpler variant of

@@ -24,9 +24,9 @@ import ml_dtypes
 import numpy as np
 
 from qir.dtypes import E4M3, F32
-from qir.formats import register
 from qir.formats.base import Allowed, FormatError, ParamTable, WeightFormat
 from qir.formats.fp_codes import E4M3_MAX, e4m3_decode, e4m3_encode
+from qir.formats.registry import register
 from qir.types import TensorType
 
 BLOCK = 128

@@ -43,7 +43,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from qir.dtypes import U8, U32
-from qir.formats import register
 from qir.formats.base import (
     Allowed,
     FormatError,
@@ -55,6 +54,7 @@ from qir.formats.base import (
 from qir.formats.ggml_blocks import SPECS, Fields, Spec, decode, encode, parse
 from qir.formats.ggml_types import TYPES, GgmlReader, register_ggml
 from qir.formats.mx import E8M0_NAN, Mxfp4
+from qir.formats.registry import register
 from qir.types import TensorType
 
 

@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+import qir.types as ir
 from qir.dtypes import BF16, F16, F32, I32, U8, U32, DType
-from qir.formats import register
 from qir.formats.base import (
     Allowed,
     FormatError,
@@ -45,6 +45,7 @@ from qir.formats.base import (
     dtype_among,
 )
 from qir.formats.bitstream import pack_codes, unpack_codes
+from qir.formats.registry import register
 from qir.types import TensorType
 
 BITS = (2, 3, 4, 8)
@@ -164,7 +165,7 @@ class Gptq(WeightFormat):
         codes and of the groups start..stop covers (the cut on group boundaries). With
         act-order the part's inputs may sit in any of the whole's groups, so it keeps all of
         them, g_idx as it is: the columns of the groups its inputs use, zeros elsewhere
-        (what a rank reading its own part gets, qir.models.families.gptq)."""
+        (what a rank reading its own part gets, qir.models.quant_conventions.gptq)."""
         g, unit = self.group_size, self.column_unit(in_features)
         if start % unit or (stop % unit and stop != in_features) or not 0 <= start < stop:
             what = (
@@ -195,7 +196,7 @@ class Gptq(WeightFormat):
         return out
 
     def recast(
-        self, fmt: WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
+        self, fmt: ir.WeightFormat, bufs: Mapping[str, np.ndarray], in_features: int
     ) -> dict[str, np.ndarray] | None:
         """A part of an act-order weight whose inputs keep their groups in order reads as a
         plain one: as act-order, its g_idx is the trivial map. A part of a weight of one group
@@ -311,7 +312,7 @@ def repack(
     scale_dtype = dtype_among(scales.dtype, SCALE_DTYPES, f"{where}.scales")
     fmt = Gptq(bits, g, checkpoint_format, act_order, scale_dtype)
     if g_idx is not None and scales.ndim == 2 and scales.shape[0] > fmt.group_count(in_features):
-        # a K part of an act-order weight keeps the whole's groups (qir.models.families.gptq)
+        # a K part of an act-order weight keeps the whole's groups (qir.models.quant_conventions.gptq)
         act_order = 1
         fmt = replace(fmt, act_order=1).holding(scales.shape[0], in_features)
     fmt.check_read_shape(out_features, in_features, f"{where}.qweight")

@@ -26,7 +26,6 @@ import ml_dtypes
 import numpy as np
 
 from qir.dtypes import E4M3, U8
-from qir.formats import register
 from qir.formats.base import WeightFormat, refuse_codes
 from qir.formats.fp_codes import (
     e2m1_decode,
@@ -36,6 +35,7 @@ from qir.formats.fp_codes import (
     pack_fp4,
     unpack_fp4,
 )
+from qir.formats.registry import register
 from qir.types import TensorType
 
 GROUP_SIZE = 32

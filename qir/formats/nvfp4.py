@@ -34,7 +34,6 @@ from typing import ClassVar
 import numpy as np
 
 from qir.dtypes import F32, U8
-from qir.formats import register, register_act_quantizer
 from qir.formats.base import FormatError, ParamTable, WeightFormat, refuse_codes
 from qir.formats.fp_codes import (
     E2M1_MAX,
@@ -47,6 +46,7 @@ from qir.formats.fp_codes import (
     pack_fp4,
     unpack_fp4,
 )
+from qir.formats.registry import register, register_act_quantizer
 from qir.types import TensorType
 
 GROUP_SIZE = 16

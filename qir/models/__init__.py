@@ -1,7 +1,8 @@
 """Checkpoint loading (config.json detection, lazy safetensors), block builders and whole
 models (qir.models.model)."""
 
-from qir.models.checkpoint import Checkpoint, Linear, layer_module, load
+from qir.models.checkpoint import Checkpoint, Linear, layer_module
+from qir.models.loader import load
 from qir.models.model import Generation, Model
 
 __all__ = ["Checkpoint", "Generation", "Linear", "Model", "layer_module", "load"]

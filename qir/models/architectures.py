@@ -17,15 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qir.formats.base import FormatError
-
-if TYPE_CHECKING:
-    from qir.models.checkpoint import Checkpoint
+from qir.errors import FormatError
+from qir.models.checkpoint_view import CheckpointView
 
 # A decoder layer's linears: short name -> module path below model.layers.<i> (Llama's names,
-# which most families share).
+# which most architectures share).
 LLAMA_LINEARS: Mapping[str, str] = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -77,7 +75,7 @@ class Architecture:
     # qkv_proj = q, k, v; gate_up_proj = gate, up): path -> the short names it holds, in order.
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Routed experts in place of the MLP: where they live is a row of qir.models.experts'
-    # MOE_FAMILIES; without it, a config that counts experts is refused.
+    # MOE_ARCHITECTURES; without it, a config that counts experts is refused.
     experts: bool = False
     sinks: bool = False  # gpt-oss: a learned logit per head (self_attn.sinks) in attention
     # GGUF files (llama.cpp; qir.models.gguf_config): the general.architecture names of the
@@ -275,7 +273,7 @@ class Features:
         return lines
 
 
-def segment_rows(ck: Checkpoint, short: str) -> int:
+def segment_rows(ck: CheckpointView, short: str) -> int:
     """Rows of a layer linear (q, k, v, gate, up) within a fused one."""
     sizes = {
         "q": ck.num_heads * ck.head_dim,
@@ -309,7 +307,7 @@ def architecture_of(config: Mapping[str, Any], where: str) -> Architecture:
     raise FormatError(f"{where}: names no model_type or architectures (the model's family)")
 
 
-def family_field(arch: Architecture, ck: Checkpoint, key: str) -> Any:
+def architecture_field(arch: Architecture, ck: CheckpointView, key: str) -> Any:
     """config.json's `key`; where it has no such key, the family's default (Architecture.defaults)
     or else config_fields' (an explicit null stays null)."""
     if key in ck.config or key not in arch.defaults:
@@ -317,9 +315,9 @@ def family_field(arch: Architecture, ck: Checkpoint, key: str) -> Any:
     return arch.defaults[key]
 
 
-def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]:
+def _windows(arch: Architecture, ck: CheckpointView) -> tuple[list[int | None], str]:
     """The sliding window of each layer and the config field it comes from."""
-    n, window = ck.num_layers, family_field(arch, ck, "sliding_window")
+    n, window = ck.num_layers, architecture_field(arch, ck, "sliding_window")
     none: list[int | None] = [None] * n
     if arch.sliding == "none" or not window:  # None, or transformers 5's 0 for none
         return none, ""
@@ -340,12 +338,12 @@ def _windows(arch: Architecture, ck: Checkpoint) -> tuple[list[int | None], str]
     elif types is None and arch.sliding == "types":  # gpt-oss: every other layer
         return [None if i % 2 else window for i in range(n)], "sliding_window"
     elif types is None:  # Gemma: every pattern-th layer is a full one
-        pattern = family_field(arch, ck, "sliding_window_pattern")
+        pattern = architecture_field(arch, ck, "sliding_window_pattern")
         return [window if (i + 1) % pattern else None for i in range(n)], "sliding_window_pattern"
     return [window if t == "sliding_attention" else None for t in types], "layer_types"
 
 
-def features(ck: Checkpoint) -> Features:
+def features(ck: CheckpointView) -> Features:
     """The features of `ck`'s decoder layers; refuses (naming the field) what the table cannot
     describe: an unknown or refused family, mixture-of-experts layers, an unknown layer type."""
     where = f"{ck.path}/config.json"
@@ -398,7 +396,7 @@ def features(ck: Checkpoint) -> Features:
     if arch.sinks:
         uses.append(Use("sinks", "model.layers.0.self_attn.sinks", f"[{ck.num_heads}]"))
     scale = float(ck.head_dim) ** -0.5
-    scalar = family_field(arch, ck, "query_pre_attn_scalar")
+    scalar = architecture_field(arch, ck, "query_pre_attn_scalar")
     if scalar is not None and arch.attn_scalar:
         scale = float(scalar) ** -0.5
         uses.append(Use("attention_scale", "query_pre_attn_scalar", scalar))
@@ -406,7 +404,7 @@ def features(ck: Checkpoint) -> Features:
         ("attn_logit_softcapping", "attn_softcap" if arch.attn_softcap else "attn_softcap_unused"),
         ("final_logit_softcapping", "final_softcap"),
     ):
-        cap = family_field(arch, ck, key)
+        cap = architecture_field(arch, ck, key)
         if cap is not None:
             uses.append(Use(feature, key, float(cap)))
     windows, window_key = _windows(arch, ck)
@@ -420,7 +418,7 @@ def features(ck: Checkpoint) -> Features:
             Use(
                 "sliding_window",
                 "sliding_window" if window_key == "sliding_window" else window_key,
-                f"{family_field(arch, ck, 'sliding_window')} on {sliding} of {len(windows)} layers",
+                f"{architecture_field(arch, ck, 'sliding_window')} on {sliding} of {len(windows)} layers",
             )
         )
         per_type = ck.field("rope_parameters")
@@ -434,7 +432,7 @@ def features(ck: Checkpoint) -> Features:
     return Features(arch, activation, tuple(biases), tuple(windows), scale, tuple(uses))
 
 
-def _fused_holds(arch: Architecture, short: str, ck: Checkpoint) -> bool:
+def _fused_holds(arch: Architecture, short: str, ck: CheckpointView) -> bool:
     """Whether a fused checkpoint linear that holds `short` carries a bias."""
     return any(
         short in parts and f"model.layers.0.{path}.bias" in ck.store

@@ -30,18 +30,24 @@ import numpy as np
 
 from qir.builder import Builder, Value
 from qir.dtypes import ACTIVATION, F32, I32, DType
-from qir.errors import UsageError
-from qir.formats.base import FormatError
+from qir.errors import FormatError, UsageError
 from qir.graph import Graph
 from qir.logits import ALL_ALLOWED, MAX_BIAS, NO_PENALTIES, SKIP, allow_words
 from qir.models.architectures import FEATURES, Features
-from qir.models.checkpoint import Checkpoint
+from qir.models.checkpoint import Checkpoint, Linear, default_max_seq
+from qir.models.experts import (
+    PROJECTIONS,
+    Moe,
+    gate_act,
+    is_moe_layer,
+    moe_of,
+    read_experts,
+    router,
+    stack,
+)
 from qir.ops import MAX_TOP_LOGPROBS, PENALTY_PARAMS, SAMPLING_PARAMS
 from qir.types import QWeight, TensorType
 
-# The KV cache's default length: the config's max_position_embeddings, at most this (a 128k
-# context would preallocate gigabytes of cache nobody asked for).
-MAX_SEQ_CAP = 4096
 # Rows per page of a paged KV cache (vLLM's default block size).
 PAGE_SIZE = 16
 # A sliding layer's KV cache is a ring of its window plus this many positions less one (where
@@ -236,10 +242,8 @@ class _Builder:
         return q, k, v
 
     def mlp(self, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
-        from qir.models.experts import is_moe_layer, moe_mlp
-
         if is_moe_layer(self.ck, layer):  # routed experts (qir.models.experts)
-            return moe_mlp(self, x, residual, layer, prefix)
+            return _moe_mlp(self, x, residual, layer, prefix)
 
         f = checked(self.ck, ("activation", "fused_linears", "post_norms"))
         b = self.b
@@ -332,6 +336,79 @@ class _Builder:
 
     def x(self) -> Value:
         return self.b.input("x", ("M", self.ck.hidden_size), self.act)
+
+
+def _shaped(lin: Linear, want: tuple[int, int], fields: str) -> Linear:
+    got = (lin.weight.out_features, lin.weight.in_features)
+    if got != want:
+        raise FormatError(
+            f"{lin.module}.weight: holds a {list(got)} linear, but config.json implies "
+            f"{list(want)} ({fields})"
+        )
+    return lin
+
+
+def _shared_expert(
+    bb: _Builder, moe: Moe, x: Value, residual: Value, layer: int, prefix: str
+) -> Value:
+    """residual + sigmoid(x g^T) * the shared expert's MLP of x (qir.models.experts' docstring)."""
+    ck, b, fam = bb.ck, bb.b, moe.architecture
+    base = f"model.layers.{layer}"
+    hidden, size = ck.hidden_size, moe.shared
+    fields = f"hidden_size, {fam.shared_key}"
+    gate_lin = _shaped(ck.linear(f"{base}.{fam.shared_gate}"), (1, hidden), "1, hidden_size")
+    bb.weights[gate_lin.module] = gate_lin.buffers
+    w_gate = b.weight(gate_lin.module, gate_lin.weight, name=f"{prefix}w_shared_expert_gate")
+    logit = b.qlinear(x, w_gate, name=f"{prefix}shared_expert_gate")
+    ids, weight = b.route(logit, 1, "sigmoid_topk", name=f"{prefix}shared_route")
+    mlp = f"{base}.{fam.shared}"
+    proj = {}
+    for name in ("gate", "up"):
+        lin = _shaped(
+            ck.linear(f"{mlp}.{name}_proj"), (size, hidden), f"{fam.shared_key}, hidden_size"
+        )
+        bb.weights[lin.module] = lin.buffers
+        proj[name] = b.qlinear(
+            x,
+            b.weight(lin.module, lin.weight, name=f"{prefix}w_shared_{name}"),
+            name=f"{prefix}shared_{name}",
+        )
+    act = ACTIVATION_OPS[checked(ck, ("activation",)).activation.value]
+    h = b.mul(
+        getattr(b, act)(proj["gate"], name=f"{prefix}shared_act"),
+        proj["up"],
+        name=f"{prefix}shared_h",
+    )
+    down = _shaped(ck.linear(f"{mlp}.down_proj"), (hidden, size), fields)
+    if down.weight.bias:  # it runs on the expert kernels, which add none
+        raise FormatError(f"{down.module}.bias: a shared expert's down_proj bias is not supported")
+    qe, bufs = stack([down])
+    bb.weights[down.module] = bufs
+    w_down = b.weight(down.module, qe, name=f"{prefix}w_shared_down")
+    return b.expert_qlinear(h, w_down, ids, weight, residual, name=f"{prefix}shared_y")
+
+
+def _moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
+    """residual + the layer's MoE MLP of x (qir.models.experts' docstring)."""
+    ck, b = bb.ck, bb.b
+    moe = moe_of(ck)
+    assert moe is not None
+    lin = router(ck, moe, layer)
+    bb.weights[lin.module] = lin.buffers
+    w_router = b.weight(lin.module, lin.weight, name=f"{prefix}w_router")
+    logits = b.qlinear(x, w_router, name=f"{prefix}router")
+    ids, weights = b.route(logits, moe.top_k, moe.rule, name=f"{prefix}route")
+    ws = {}
+    for proj in PROJECTIONS:
+        key, qe, bufs = read_experts(ck, moe, layer, proj)
+        bb.weights[key] = bufs
+        ws[proj] = b.weight(key, qe, name=f"{prefix}w_experts_{proj}")
+    if moe.shared:  # the routed experts' combine adds it with the residual
+        residual = _shared_expert(bb, moe, x, residual, layer, prefix)
+    h = b.expert_qlinear(
+        x, (ws["gate"], ws["up"]), ids, name=f"{prefix}experts_h", act=gate_act(ck, moe)
+    )
+    return b.expert_qlinear(h, ws["down"], ids, weights, residual, name=f"{prefix}y")
 
 
 def _param_dtype(w: np.ndarray, key: str) -> DType:
@@ -478,11 +555,6 @@ BLOCKS: dict[str, BlockFn] = {
 }
 # Blocks with attention: they take positions and keep a KV cache of max_seq rows per layer.
 CACHED = ("layer", "model")
-
-
-def default_max_seq(ck: Checkpoint) -> int:
-    """The config's max_position_embeddings, capped at MAX_SEQ_CAP."""
-    return min(ck.max_position_embeddings or MAX_SEQ_CAP, MAX_SEQ_CAP)
 
 
 def check_max_seq(ck: Checkpoint, max_seq: int | None) -> int:

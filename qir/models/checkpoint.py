@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,24 +19,25 @@ from typing import Any
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, DType
-from qir.formats.base import FormatError, check_tensor
-from qir.models import strict_json
+from qir.errors import FormatError
+from qir.formats.base import check_tensor
 from qir.models.architectures import (
     LLAMA_LINEARS,
     Features,
+    architecture_field,
     architecture_of,
-    family_field,
     features,
     segment_rows,
 )
-from qir.models.checkpoint_dir import find, read_bytes
-from qir.models.config_fields import BY_KEY, check_config
-from qir.models.families import FAMILIES, Family, load_all
-from qir.models.gguf_io import is_gguf
-from qir.models.multimodal import text_model
+from qir.models.checkpoint_view import Linear
+from qir.models.config_fields import BY_KEY
+from qir.models.quant_conventions import QuantConvention
 from qir.models.safetensors_io import TensorStore
 from qir.rope import REQUIRED, rope_problem, yarn_attention_factor
-from qir.types import QWeight
+
+# The KV cache's default length: the config's max_position_embeddings, at most this (a 128k
+# context would preallocate gigabytes of cache nobody asked for).
+MAX_SEQ_CAP = 4096
 
 # Gemma 3's sliding layers' RoPE base where its config names none (transformers' default).
 GEMMA3_LOCAL_BASE = 10000.0
@@ -45,7 +46,7 @@ _ACT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 # Short names (as in golden.npz keys) of the HF Llama-style linears of one decoder layer.
 LAYER_LINEARS = LLAMA_LINEARS
-# The tensor that holds a quantized linear's codes, per family (the inspect command's list).
+# The tensor that holds a quantized linear's codes, per convention (the inspect command's list).
 _WEIGHT_TENSORS = ("weight", "qweight", "weight_packed")
 _LAYER_MODULE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
@@ -66,15 +67,6 @@ def layer_module(layer: int, name: str, num_layers: int | None = None) -> str:
     return f"model.layers.{layer}.{LAYER_LINEARS[short]}"
 
 
-@dataclass(frozen=True)
-class Linear:
-    """One quantized linear: its IR weight type and kernel-layout buffers (read-only views)."""
-
-    module: str
-    weight: QWeight
-    buffers: dict[str, np.ndarray]
-
-
 class Checkpoint:
     """An opened checkpoint: config.json facts plus per-module access to its quantized linears."""
 
@@ -82,7 +74,7 @@ class Checkpoint:
         self,
         path: Path,
         config: dict[str, Any],
-        family: Family,
+        convention: QuantConvention,
         text_of: tuple[Callable[[str], str | None], str] | None = None,
         store: TensorStore | None = None,
     ) -> None:
@@ -91,10 +83,10 @@ class Checkpoint:
         directory's safetensors (a GGUF model's)."""
         self.path = path
         self.config = config
-        self.family = family
+        self.convention = convention
         self.text_of = text_of[1] if text_of else None
         if store is None:
-            store = TensorStore(path, family.files(config), text_of[0] if text_of else None)
+            store = TensorStore(path, convention.files(config), text_of[0] if text_of else None)
         self.store: TensorStore = store
         self._fused: Linear | None = None  # the fused linear a block reads segments of
 
@@ -188,7 +180,7 @@ class Checkpoint:
         `rope_parameters` (one dict, or one per layer type as it writes Gemma 3's), or the
         older top-level `rope_theta` with `rope_scaling` (Gemma 3: its sliding layers rotate by
         `rope_local_base_freq` without scaling). `positions`: the positions a sequence may
-        reach (the KV cache's max_seq; default: blocks.default_max_seq), which picks
+        reach (the KV cache's max_seq; default: default_max_seq), which picks
         longrope's factors (_longrope)."""
         kind_key = "sliding_attention" if sliding else "full_attention"
         params = self.field("rope_parameters")
@@ -233,8 +225,6 @@ class Checkpoint:
         }
         if kind == "longrope":
             if positions is None:
-                from qir.models.blocks import default_max_seq
-
                 positions = default_max_seq(self)
             attrs.update(self._longrope(params, where, positions))
         if kind == "yarn":  # the defaults transformers fills in (standardize_rope_params and
@@ -290,7 +280,7 @@ class Checkpoint:
             spec[key] = tuple(float(f) for f in v)
         longest = self.max_position_embeddings
         original = (
-            family_field(self.features.arch, self, "original_max_position_embeddings")
+            architecture_field(self.features.arch, self, "original_max_position_embeddings")
             or params.get("original_max_position_embeddings")
             or longest
         )
@@ -340,7 +330,7 @@ class Checkpoint:
 
     def linear(self, module: str) -> Linear:
         """The linear at `module`, in its format's kernel layout; with its `bias` tensor, if the
-        checkpoint has one (zeros included), widened to float32. A layer linear the family
+        checkpoint has one (zeros included), widened to float32. A layer linear the architecture
         stores fused (Phi-3's q/k/v in qkv_proj, gate/up in gate_up_proj) is its rows of the
         fused one, views of its buffers (no copy)."""
         segment = self._segment(module)
@@ -408,7 +398,7 @@ class Checkpoint:
         return sum(segment_rows(self, s) for s in self._fused_parts(module))
 
     def _read_linear(self, module: str) -> Linear:
-        lin = self.family.linear(self, module)
+        lin = self.convention.linear(self, module)
         name = f"{module}.bias"
         if name not in self.store:
             return lin
@@ -418,66 +408,6 @@ class Checkpoint:
         return Linear(module, replace(lin.weight, bias=True), bufs)
 
 
-def _unsupported(config: Mapping[str, Any]) -> str:
-    for key in ("quantization_config", "quantization"):
-        q = config.get(key)
-        if isinstance(q, Mapping):
-            if q.get("quant_method") == "compressed-tensors":
-                groups = q.get("config_groups")
-                formats = {
-                    str(g.get("format") or q.get("format"))
-                    for g in (groups.values() if isinstance(groups, Mapping) else ())
-                    if isinstance(g, Mapping)
-                } or {str(q.get("format"))}
-                return (
-                    f"not supported: compressed-tensors format {', '.join(sorted(formats))} ({key})"
-                )
-            if "quant_method" in q:
-                return f"not supported: quantization {q['quant_method']} ({key}.quant_method)"
-            if "mode" in q:
-                return f"not supported: MLX mode {q['mode']} ({key}.mode)"
-            return f"not supported: quantization {dict(q)!r} ({key})"
-    return "not supported: quantization none (config.json has no quantization_config)"
-
-
-def load(path: str | Path) -> Checkpoint:
-    """Open a checkpoint directory: read and check config.json, detect its format, validate every
-    safetensors header (tensors stay lazy). A GGUF model (a .gguf file, a directory holding
-    one and no config.json, or the first shard of a split one) is read from its metadata
-    (qir.models.gguf_checkpoint)."""
-    path = Path(path)
-    if is_gguf(path):
-        from qir.models.gguf_checkpoint import GgufCheckpoint
-
-        load_all()
-        ck = GgufCheckpoint(path)
-        check_config(ck.config, str(ck.path))
-        return ck
-    try:
-        is_dir, exists = path.is_dir(), path.exists()
-    except OSError as e:  # a name too long, say
-        raise FormatError(f"{path}: cannot open ({e.strerror})") from None
-    if not is_dir:
-        raise FormatError(
-            f"{path}: checkpoint {'is not a directory' if exists else 'does not exist'}"
-        )
-    cfg_path = find(path, "config.json", "config.json")
-    if cfg_path is None:
-        raise FormatError(
-            f"{path / 'config.json'}: missing (a checkpoint directory needs config.json)"
-        )
-    config = strict_json.loads(read_bytes(cfg_path), str(cfg_path))
-    if not isinstance(config, dict):
-        raise FormatError(f"{cfg_path}: not a JSON object")
-    # ModelOpt exports describe the quantization in hf_quant_config.json beside config.json
-    # (older ones only there); matchers see it as config["hf_quant_config"].
-    hf_quant = find(path, "hf_quant_config.json", "hf_quant_config.json")
-    if hf_quant is not None:
-        config.setdefault("hf_quant_config", strict_json.loads(read_bytes(hf_quant), str(hf_quant)))
-    config, rename, line = text_model(config, str(cfg_path))
-    check_config(config, str(cfg_path))
-    load_all()
-    for family in FAMILIES:
-        if family.matches(config):
-            return Checkpoint(path, config, family, (rename, line) if rename and line else None)
-    raise FormatError(f"{cfg_path}: {_unsupported(config)}")
+def default_max_seq(ck: Checkpoint) -> int:
+    """The config's max_position_embeddings, capped at MAX_SEQ_CAP."""
+    return min(ck.max_position_embeddings or MAX_SEQ_CAP, MAX_SEQ_CAP)

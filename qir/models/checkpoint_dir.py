@@ -14,7 +14,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path, PurePosixPath
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 
 
 def check_name(name: str, what: str) -> None:

@@ -9,10 +9,10 @@ per-module overrides). An entry applies wherever its parent object exists: a pat
 missing or non-object value is skipped (the parent's own entry, if any, checks its type).
 `null` means absent everywhere, as Hugging Face configs write it.
 
-The quantization entries check what the family matchers and readers look at (types and plain
-ranges); whether qir supports a value (AWQ 3-bit, an MLX mode) stays with the family, which
-refuses it as "not supported: ...". ModelOpt's hf_quant_config.json is checked as the
-`hf_quant_config` object it is folded into.
+The quantization entries check what the quantization conventions' matchers and readers look at
+(types and plain ranges); whether qir supports a value (AWQ 3-bit, an MLX mode) stays with the
+convention, which refuses it as "not supported: ...". ModelOpt's hf_quant_config.json is checked
+as the `hf_quant_config` object it is folded into.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 
 _KINDS: dict[type, str] = {
     int: "an integer",
@@ -190,7 +190,7 @@ FIELDS: tuple[Field, ...] = (
     # gpt-oss's clamped SwiGLU in its experts
     Field("swiglu_limit", float, above=0),
     Field("swiglu_alpha", float, above=0),
-    # where each producer writes its quantization (the families' matchers look at these)
+    # where each producer writes its quantization (the conventions' matchers look at these)
     Field("quantization_config", dict),
     Field("quantization", dict),  # mlx-lm
     Field("hf_quant_config", dict),  # ModelOpt's hf_quant_config.json

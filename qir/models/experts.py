@@ -1,14 +1,14 @@
 """Mixture-of-experts layers of a checkpoint: which decoder layers route to experts, by which
 rule (k of E), and where the router and the experts are stored; the block builder's MoE MLP.
 
-A row of MOE_FAMILIES says where a family keeps them: the router (a linear [E, hidden]) and
+A row of MOE_ARCHITECTURES says where an architecture keeps them: the router (a linear [E, hidden]) and
 each expert's gate/up/down linears as the Hub stores them (one module per expert, in any format
 qir reads), or stacked as mlx-lm's convert writes them (`switch_mlp.{gate,up,down}_proj`, every
 tensor with a leading expert dim). Either way the experts become one stacked weight per
-projection (qir.types.QExperts), each expert read by the checkpoint's own format family, so every
+projection (qir.types.QExperts), each expert read by the checkpoint's own quantization convention, so every
 format that reads a linear reads experts.
 
-The MoE MLP: logits = router(x); ids, weights = route(logits) by the family's rule; h = act(x
+The MoE MLP: logits = router(x); ids, weights = route(logits) by the architecture's rule; h = act(x
 G_e^T) * (x U_e^T) per chosen expert (silu; gpt-oss's clamped SwiGLU, with expert biases); y =
 residual + sum_j weights_j * (h_j D_e^T).
 
@@ -30,20 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
+from qir.models.quant_conventions.hf_mxfp4 import stacked_experts as hub_stacked_experts
 from qir.types import QExperts
 
 if TYPE_CHECKING:
-    from qir.builder import Value
-    from qir.models.blocks import _Builder
     from qir.models.checkpoint import Checkpoint, Linear
 
 PROJECTIONS = ("gate", "up", "down")
 
 
 @dataclass(frozen=True)
-class MoeFamily:
-    """Where one family keeps its experts (paths below model.layers.<i>)."""
+class MoeArchitecture:
+    """Where one MoE architecture keeps its experts (paths below model.layers.<i>)."""
 
     count_keys: tuple[str, ...]  # config.json's number of experts (the first present)
     router: str
@@ -62,7 +61,7 @@ class MoeFamily:
     shared: str = ""
     shared_gate: str = ""
     shared_key: str = "shared_expert_intermediate_size"
-    # gpt-oss: the Hub's stacked MXFP4 experts (qir.models.families.hf_mxfp4), gate and up
+    # gpt-oss: the Hub's stacked MXFP4 experts (qir.models.quant_conventions.hf_mxfp4), gate and up
     # interleaved by rows in one module ({w}: gate_up_proj, down_proj), each with a bias; and
     # its clamped SwiGLU (qir.moe.swiglu_gate / swiglu_up) with config.json's swiglu_limit and
     # swiglu_alpha.
@@ -70,8 +69,8 @@ class MoeFamily:
     act: str = "silu"
 
 
-MOE_FAMILIES: dict[str, MoeFamily] = {
-    "mixtral": MoeFamily(
+MOE_ARCHITECTURES: dict[str, MoeArchitecture] = {
+    "mixtral": MoeArchitecture(
         ("num_local_experts",),
         "block_sparse_moe.gate",
         "block_sparse_moe.experts.{e}.{w}",
@@ -82,7 +81,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
     ),
     # transformers' Qwen3MoeTopKRouter: softmax over all, top k, renormalised if norm_topk_prob
     # (its default false); mlx-lm keeps the router at 8 bits.
-    "qwen3_moe": MoeFamily(
+    "qwen3_moe": MoeArchitecture(
         ("num_experts", "num_local_experts"),  # the Hub's key; transformers 5 writes the other
         "mlp.gate",
         "mlp.experts.{e}.{w}",
@@ -96,7 +95,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
     # transformers' Qwen2MoeSparseMoeBlock: Qwen3-MoE's routing (norm_topk_prob default false)
     # plus the shared expert; mlx-lm's convert stacks the routed experts as switch_mlp and
     # keeps the shared ones' names.
-    "qwen2_moe": MoeFamily(
+    "qwen2_moe": MoeArchitecture(
         ("num_experts", "num_local_experts"),
         "mlp.gate",
         "mlp.experts.{e}.{w}",
@@ -111,7 +110,7 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
     ),
     # transformers' GptOssTopKRouter: top k of the logits (a linear with bias), softmax over
     # the k
-    "gpt_oss": MoeFamily(
+    "gpt_oss": MoeArchitecture(
         ("num_local_experts",),
         "mlp.router",
         "mlp.experts.{e}.{w}",
@@ -130,7 +129,7 @@ SWIGLU_DEFAULTS = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 class Moe:
     """A checkpoint's experts: E, k, the rule, their intermediate size and where they are."""
 
-    family: MoeFamily
+    architecture: MoeArchitecture
     experts: int
     top_k: int
     intermediate: int
@@ -142,7 +141,7 @@ class Moe:
 def moe_of(ck: Checkpoint) -> Moe | None:
     """The checkpoint's MoE layers, or None for a dense model; refuses, naming the field, a
     top-k above the experts."""
-    fam = MOE_FAMILIES.get(str(ck.config.get("model_type")))
+    fam = MOE_ARCHITECTURES.get(str(ck.config.get("model_type")))
     if fam is None:
         return None
     where = f"{ck.path}/config.json"
@@ -167,11 +166,11 @@ def moe_of(ck: Checkpoint) -> Moe | None:
 
 
 def is_moe_layer(ck: Checkpoint, layer: int) -> bool:
-    """Whether decoder layer `layer` routes to experts (see MoeFamily.sparse_step)."""
+    """Whether decoder layer `layer` routes to experts (see MoeArchitecture.sparse_step)."""
     moe = moe_of(ck)
     if moe is None:
         return False
-    if not moe.family.sparse_step:
+    if not moe.architecture.sparse_step:
         return True
     dense = ck.field("mlp_only_layers") or []
     return layer not in dense and (layer + 1) % ck.field("decoder_sparse_step") == 0
@@ -202,10 +201,10 @@ class _ExpertSlice:
 
 
 def _stacked_linear(ck: Checkpoint, module: str, expert: int) -> Linear:
-    """Expert `expert` of a stacked module, read by the checkpoint's own family."""
+    """Expert `expert` of a stacked module, read by the checkpoint's own quantization convention."""
     view = copy.copy(ck)
     view.store = _ExpertSlice(ck.store, f"{module}.", expert)  # type: ignore[assignment]
-    return ck.family.linear(view, module)
+    return ck.convention.linear(view, module)
 
 
 def stacked_experts(ck: Checkpoint, module: str, count: int | None = None) -> list[Linear]:
@@ -236,7 +235,7 @@ def read_experts(
     """The stacked experts of one projection ("gate", "up" or "down") of `layer`: their weight
     key, type and buffers [E, ...]. Every expert must have the first one's format and shape, and
     the shape config.json implies."""
-    fam = moe.family
+    fam = moe.architecture
     base = f"model.layers.{layer}"
     if fam.hub_mxfp4:
         return _hub_mxfp4(ck, moe, layer, proj)
@@ -272,12 +271,10 @@ def _hub_mxfp4(
 ) -> tuple[str, QExperts, dict[str, np.ndarray]]:
     """gpt-oss's stacked MXFP4 experts: gate rows 0::2 and up rows 1::2 of gate_up_proj (as
     transformers' GptOssExperts splits them), down_proj whole."""
-    from qir.models.families.hf_mxfp4 import stacked_experts
-
     fused = "down_proj" if proj == "down" else "gate_up_proj"
-    key = f"model.layers.{layer}.{moe.family.hub_mxfp4.format(w=fused)}"
+    key = f"model.layers.{layer}.{moe.architecture.hub_mxfp4.format(w=fused)}"
     rows = slice(None) if proj == "down" else slice(PROJECTIONS.index(proj), None, 2)
-    qe, bufs = stacked_experts(ck, key, moe.experts, rows)
+    qe, bufs = hub_stacked_experts(ck, key, moe.experts, rows)
     hidden = ck.hidden_size
     want = (hidden, moe.intermediate) if proj == "down" else (moe.intermediate, hidden)
     got = (qe.out_features, qe.in_features)
@@ -285,14 +282,14 @@ def _hub_mxfp4(
         rows_of = "" if proj == "down" else f" ({proj} rows of the interleaved gate/up)"
         raise FormatError(
             f"{key}_blocks: holds {list(got)} experts{rows_of}, but config.json implies "
-            f"{list(want)} (hidden_size, {moe.family.intermediate_key})"
+            f"{list(want)} (hidden_size, {moe.architecture.intermediate_key})"
         )
     return f"{key}.{proj}" if proj != "down" else key, qe, bufs
 
 
 def gate_act(ck: Checkpoint, moe: Moe) -> dict[str, Any]:
     """The expert gate/up pair's act attributes (qir.moe.GATE_ACTS)."""
-    if moe.family.act != "swiglu_clamp":
+    if moe.architecture.act != "swiglu_clamp":
         return {}
     limit, alpha = (
         float(ck.field(k) if ck.field(k) is not None else d) for k, d in SWIGLU_DEFAULTS.items()
@@ -302,7 +299,7 @@ def gate_act(ck: Checkpoint, moe: Moe) -> dict[str, Any]:
 
 def router(ck: Checkpoint, moe: Moe, layer: int) -> Linear:
     """The layer's router [E, hidden], checked against the expert count."""
-    lin = ck.linear(f"model.layers.{layer}.{moe.family.router}")
+    lin = ck.linear(f"model.layers.{layer}.{moe.architecture.router}")
     got = (lin.weight.out_features, lin.weight.in_features)
     if got != (moe.experts, ck.hidden_size):
         raise FormatError(
@@ -310,78 +307,3 @@ def router(ck: Checkpoint, moe: Moe, layer: int) -> Linear:
             f"[{moe.experts}, {ck.hidden_size}] ({moe.count_key}, hidden_size)"
         )
     return lin
-
-
-def _shaped(lin: Linear, want: tuple[int, int], fields: str) -> Linear:
-    got = (lin.weight.out_features, lin.weight.in_features)
-    if got != want:
-        raise FormatError(
-            f"{lin.module}.weight: holds a {list(got)} linear, but config.json implies "
-            f"{list(want)} ({fields})"
-        )
-    return lin
-
-
-def shared_expert(
-    bb: _Builder, moe: Moe, x: Value, residual: Value, layer: int, prefix: str
-) -> Value:
-    """residual + sigmoid(x g^T) * the shared expert's MLP of x (the module docstring)."""
-    from qir.models.blocks import ACTIVATION_OPS, checked
-
-    ck, b, fam = bb.ck, bb.b, moe.family
-    base = f"model.layers.{layer}"
-    hidden, size = ck.hidden_size, moe.shared
-    fields = f"hidden_size, {fam.shared_key}"
-    gate_lin = _shaped(ck.linear(f"{base}.{fam.shared_gate}"), (1, hidden), "1, hidden_size")
-    bb.weights[gate_lin.module] = gate_lin.buffers
-    w_gate = b.weight(gate_lin.module, gate_lin.weight, name=f"{prefix}w_shared_expert_gate")
-    logit = b.qlinear(x, w_gate, name=f"{prefix}shared_expert_gate")
-    ids, weight = b.route(logit, 1, "sigmoid_topk", name=f"{prefix}shared_route")
-    mlp = f"{base}.{fam.shared}"
-    proj = {}
-    for name in ("gate", "up"):
-        lin = _shaped(
-            ck.linear(f"{mlp}.{name}_proj"), (size, hidden), f"{fam.shared_key}, hidden_size"
-        )
-        bb.weights[lin.module] = lin.buffers
-        proj[name] = b.qlinear(
-            x,
-            b.weight(lin.module, lin.weight, name=f"{prefix}w_shared_{name}"),
-            name=f"{prefix}shared_{name}",
-        )
-    act = ACTIVATION_OPS[checked(ck, ("activation",)).activation.value]
-    h = b.mul(
-        getattr(b, act)(proj["gate"], name=f"{prefix}shared_act"),
-        proj["up"],
-        name=f"{prefix}shared_h",
-    )
-    down = _shaped(ck.linear(f"{mlp}.down_proj"), (hidden, size), fields)
-    if down.weight.bias:  # it runs on the expert kernels, which add none
-        raise FormatError(f"{down.module}.bias: a shared expert's down_proj bias is not supported")
-    qe, bufs = stack([down])
-    bb.weights[down.module] = bufs
-    w_down = b.weight(down.module, qe, name=f"{prefix}w_shared_down")
-    return b.expert_qlinear(h, w_down, ids, weight, residual, name=f"{prefix}shared_y")
-
-
-def moe_mlp(bb: _Builder, x: Value, residual: Value, layer: int, prefix: str = "") -> Value:
-    """residual + the layer's MoE MLP of x (the module docstring)."""
-    ck, b = bb.ck, bb.b
-    moe = moe_of(ck)
-    assert moe is not None
-    lin = router(ck, moe, layer)
-    bb.weights[lin.module] = lin.buffers
-    w_router = b.weight(lin.module, lin.weight, name=f"{prefix}w_router")
-    logits = b.qlinear(x, w_router, name=f"{prefix}router")
-    ids, weights = b.route(logits, moe.top_k, moe.rule, name=f"{prefix}route")
-    ws = {}
-    for proj in PROJECTIONS:
-        key, qe, bufs = read_experts(ck, moe, layer, proj)
-        bb.weights[key] = bufs
-        ws[proj] = b.weight(key, qe, name=f"{prefix}w_experts_{proj}")
-    if moe.shared:  # the routed experts' combine adds it with the residual
-        residual = shared_expert(bb, moe, x, residual, layer, prefix)
-    h = b.expert_qlinear(
-        x, (ws["gate"], ws["up"]), ids, name=f"{prefix}experts_h", act=gate_act(ck, moe)
-    )
-    return b.expert_qlinear(h, ws["down"], ids, weights, residual, name=f"{prefix}y")

@@ -22,14 +22,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.ggml_types import GgmlType, reader
 from qir.models.architectures import Architecture
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family
+from qir.models.checkpoint import Checkpoint
+from qir.models.checkpoint_view import CheckpointView, Linear
 from qir.models.gguf_config import config as gguf_config
 from qir.models.gguf_config import hf_name, module_names
 from qir.models.gguf_io import GGUFModel
+from qir.models.quant_conventions import QuantConvention
 from qir.models.safetensors_io import TensorStore
 from qir.types import QWeight
 
@@ -104,7 +105,7 @@ class GgufStore:
         return a
 
 
-def read_linear(ck: Checkpoint, module: str) -> Linear:
+def read_linear(ck: CheckpointView, module: str) -> Linear:
     """The linear `module` of a GGUF model, read by its ggml type's registered reader."""
     name = f"{module}.weight"
     if name not in ck.store:
@@ -131,7 +132,7 @@ def _no_match(config: Mapping[str, Any]) -> bool:
 
 
 # Not registered: load() makes GGUF checkpoints itself, never by matching a config.json.
-FAMILY = Family("gguf", _no_match, read_linear)
+CONVENTION = QuantConvention("gguf", _no_match, read_linear)
 
 
 class GgufCheckpoint(Checkpoint):
@@ -142,7 +143,7 @@ class GgufCheckpoint(Checkpoint):
         config, arch = gguf_config(model)
         self.gguf_store = GgufStore(model, arch, config)
         # GgufStore has TensorStore's interface (keys, shape, dtype, get)
-        super().__init__(model.path, config, FAMILY, store=cast(TensorStore, self.gguf_store))
+        super().__init__(model.path, config, CONVENTION, store=cast(TensorStore, self.gguf_store))
 
     @property
     def model(self) -> GGUFModel:

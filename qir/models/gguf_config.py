@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.architectures import ARCHITECTURES, Architecture
-from qir.models.experts import MOE_FAMILIES
+from qir.models.experts import MOE_ARCHITECTURES
 from qir.models.gguf_io import ARRAY, SCALARS, STRING, GGUFModel
 
 _INTS = tuple(t for t, (name, _, _) in SCALARS.items() if name[0] in "ui")
@@ -87,7 +87,7 @@ def module_names(arch: Architecture) -> dict[str, str]:
         names["ffn_norm"] = "pre_feedforward_layernorm"
     if "mlp.gate_up_proj" in arch.fused:  # Phi-3: ffn_up holds gate then up
         names["ffn_up"] = "mlp.gate_up_proj"
-    moe = MOE_FAMILIES.get(arch.model_types[0])
+    moe = MOE_ARCHITECTURES.get(arch.model_types[0])
     if moe is not None:
         names["ffn_gate_inp"] = moe.router
         for proj in ("gate", "up", "down"):

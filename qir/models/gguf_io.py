@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.ggml_types import TYPES, GgmlType
 
 MAGIC = b"GGUF"

@@ -35,7 +35,8 @@ from qir.collectives import Comm
 from qir.dtypes import DType
 from qir.errors import UsageError
 from qir.models.blocks import build
-from qir.models.checkpoint import Checkpoint, load
+from qir.models.checkpoint import Checkpoint
+from qir.models.loader import load
 from qir.models.shard_read import ShardReader, load_rank
 from qir.sampling import Sampling, fresh_seed, seed_row
 from qir.types import TensorType

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 
 # Top-level keys of a multimodal config.json that describe its text model's weights too.
 SHARED_KEYS = ("quantization_config", "quantization", "hf_quant_config", "tie_word_embeddings")

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models import strict_json
 from qir.models.checkpoint_dir import check_name, find, read_bytes
 

@@ -3,14 +3,14 @@
 1. Types: the model block is built from a copy of the checkpoint whose 2-D+ tensors read as
    zeros of their header's shape and dtype (no file bytes; small tensors, such as norms, biases
    and per-tensor scales, are read), and tensor_parallel rewrites it into the rank's graph: which
-   weight each rank holds, and which rows or inputs of it. The families' readers still run on
+   weight each rank holds, and which rows or inputs of it. The conventions' readers still run on
    those zeros (AWQ GEMM's repack, for one), which costs CPU time and transient memory of the
-   whole model, though no I/O; a header-only type reader per family would remove it.
-2. Bytes: each sharded linear is read through its family's table of tensor axes
-   (qir.models.families.Axes): a tensor's rows or columns of the shard are sliced from the
-   memory-mapped file before they are copied, so only they are read; the family's reader then
-   repacks the part as a weight of the part's shape. Where the axes cannot say it, the family
-   cuts its tensors itself (Family.parts): GPTQ reads its slice of g_idx and the zeros and
+   whole model, though no I/O; a header-only type reader per convention would remove it.
+2. Bytes: each sharded linear is read through its convention's table of tensor axes
+   (qir.models.quant_conventions.Axes): a tensor's rows or columns of the shard are sliced from the
+   memory-mapped file before they are copied, so only they are read; the convention's reader then
+   repacks the part as a weight of the part's shape. Where the axes cannot say it, the convention
+   cuts its tensors itself (QuantConvention.parts): GPTQ reads its slice of g_idx and the zeros and
    scales of only the groups that slice names; AWQ GEMV the qzeros words and scales of its
    groups, laid out in the part's own padded width. A fused projection's segment (Phi-3's
    qkv_proj, gate_up_proj) is those rows of the fused tensors. Stacked experts (mlx-lm's
@@ -36,11 +36,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from qir.dtypes import DType
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.models.blocks import Block, build
 from qir.models.checkpoint import Checkpoint, Linear
 from qir.models.experts import stack, stacked_experts
-from qir.models.families import Cut, Unsliceable
+from qir.models.quant_conventions.base import Cut, Unsliceable
+from qir.models.quant_conventions.hf_mxfp4 import stacked_experts as hub_experts
 from qir.models.shards import shard_buffers
 from qir.passes.tensor_parallel import TensorParallel
 from qir.types import QExperts, QWeight, TensorType
@@ -51,7 +52,7 @@ T = TypeVar("T")
 
 class ShardReader:
     """A checkpoint's tensors, with one module at a time read as its shard's part
-    (`read_part`): its tensors are cut before they are read, by the family's axes or its own
+    (`read_part`): its tensors are cut before they are read, by the convention's axes or its own
     `parts`. Every other tensor is read whole."""
 
     def __init__(
@@ -129,7 +130,7 @@ class ShardReader:
     def read_part(
         self, module: str, cut: Cut, read: Callable[[], T], expert: int | None = None
     ) -> T:
-        """`read()` (a family's reader of `module`) on the part `cut` = (axis, start, stop,
+        """`read()` (a convention's reader of `module`) on the part `cut` = (axis, start, stop,
         whole) of `module`'s tensors (of expert `expert` of stacked ones): part_tensors."""
         return self.serving(self.part_tensors(module, cut, expert), read)
 
@@ -137,7 +138,7 @@ class ShardReader:
         self, module: str, cut: Cut, expert: int | None = None
     ) -> dict[str, np.ndarray]:
         """`module`'s tensors (of expert `expert` of stacked ones) for the part `cut`, in the
-        checkpoint's layout, cut before any byte is read: by the family's own `parts`, else in
+        checkpoint's layout, cut before any byte is read: by the convention's own `parts`, else in
         proportion along its axes. Raises Unsliceable where neither can cut them."""
         tensors = None
         if self.parts is not None and expert is None:
@@ -156,7 +157,7 @@ class ShardReader:
             self._part = {}
 
     def proportional(self, name: str, cut: Cut) -> np.ndarray:
-        """Tensor `name`'s part for `cut` by its family's axes, read (Unsliceable if none)."""
+        """Tensor `name`'s part for `cut` by its convention's axes, read (Unsliceable if none)."""
         return self._take(name, self._index(name, cut, None), cut)
 
     def _take(self, name: str, index: tuple[Any, ...] | None, cut: Cut) -> np.ndarray:
@@ -169,7 +170,7 @@ class ShardReader:
         return shape
 
     def _index(self, name: str, cut: Cut, expert: int | None) -> tuple[Any, ...] | None:
-        """The index of `name`'s part for `cut`, by its family's axes (None: all of it)."""
+        """The index of `name`'s part for `cut`, by its convention's axes (None: all of it)."""
         axis, start, stop, whole = cut
         shape = tuple(self.store.shape(name))
         lead: tuple[Any, ...] = ()
@@ -304,7 +305,7 @@ def _experts_part(
     try:
         for e, module in enumerate(modules):
             if stacked:
-                lin = reader.read_part(source, cut, lambda: ck.family.linear(ck, source), e)
+                lin = reader.read_part(source, cut, lambda: ck.convention.linear(ck, source), e)
             else:
                 lin = reader.read_part(module, cut, partial(ck._read_linear, module))
             experts.append(replace(lin, buffers=_as_part(lin, part.expert, source)))
@@ -320,8 +321,6 @@ def _hub_mxfp4(
     gate's or up's part is every other row of gate_up_proj from 2*start (+1 for up), which
     reads as runs of whole rows; a down part its blocks of 32 inputs of every row. None where
     `shard` is no such weight's, or a K cut falls inside a block (read whole: refused)."""
-    from qir.models.families.hf_mxfp4 import stacked_experts as hub_experts
-
     source, axis, start, stop, _ = shard
     fused, _, proj = source.rpartition(".")
     if f"{source}_blocks" in reader:
@@ -371,8 +370,8 @@ def load_rank(
     prefill_chunk: int | None = None,
 ) -> tuple[Block, ShardReader]:
     """Rank `rank`'s model block of `ranks`, and the reader that counted the bytes it read."""
-    family = ck.family
-    reader = ShardReader(ck.store, family.axes(ck.config), family.parts, ck.config)
+    convention = ck.convention
+    reader = ShardReader(ck.store, convention.axes(ck.config), convention.parts, ck.config)
     meta = build(
         _with_store(ck, _MetaStore(reader)), "model", 0, act, max_seq, kv_pages, prefill_chunk
     )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.graph import Graph
 from qir.passes.tensor_parallel import TensorParallel
 from qir.types import QExperts, QWeight, TensorType

@@ -28,7 +28,7 @@ import math
 import re
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 
 # serde_json's recursion limit is 128 and counts the opening bracket that reaches it.
 MAX_DEPTH = 127

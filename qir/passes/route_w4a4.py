@@ -25,11 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qir.formats.base import WeightFormat
 from qir.graph import AttrValue, Graph, Node, make_attrs
 from qir.ops import ACT_SCALE_ATTRS, qlinear_layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
-from qir.types import QActType, QExperts, QWeight, TensorType
+from qir.types import QActType, QExperts, QWeight, TensorType, WeightFormat
 
 TIERS = ("declared", "w4a4", "w4a16")
 MAX_K = 32768

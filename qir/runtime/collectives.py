@@ -28,7 +28,7 @@ from qir.codegen.collectives import CollectiveKernel
 from qir.collectives import DEFAULT_TIMEOUT, Comm
 from qir.dtypes import by_name
 from qir.errors import UsageError
-from qir.runtime.backend import InStream
+from qir.runtime.backend_api import InStream
 
 
 class CollectiveRunner:

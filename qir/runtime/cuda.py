@@ -31,7 +31,7 @@ import numpy as np
 
 from qir.codegen.kernel import Kernel
 from qir.interpret import BindError
-from qir.runtime.backend import BoundLaunch, InStream
+from qir.runtime.backend_api import BoundLaunch, InStream
 from qir.runtime.cache import KernelCache
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.nvrtc import available as nvrtc_available

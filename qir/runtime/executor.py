@@ -57,7 +57,7 @@ from qir.interpret import (
     weight_buffers,
 )
 from qir.logs import Progress
-from qir.runtime.backend import Backend, BoundLaunch, InStream
+from qir.runtime.backend_api import Backend, BoundLaunch, InStream
 from qir.runtime.collectives import CollectiveRunner, collective_runner
 from qir.types import QActType, QExperts, QWeight, TensorType
 

@@ -30,7 +30,7 @@ from numpy.typing import DTypeLike
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.interpret import BindError
-from qir.runtime.backend import BoundLaunch, InStream
+from qir.runtime.backend_api import BoundLaunch, InStream
 from qir.runtime.cache import HOST, Artifact, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.host_pch import PrecompiledHeader

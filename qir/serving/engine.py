@@ -35,7 +35,8 @@ from qir.errors import QirError, UsageError
 from qir.logits import MAX_BIAS
 from qir.models import Model
 from qir.models.blocks import PAGE_SIZE, check_max_seq
-from qir.models.checkpoint import Checkpoint, load
+from qir.models.checkpoint import Checkpoint
+from qir.models.loader import load
 from qir.ops import MAX_TOP_LOGPROBS
 from qir.sampling import Sampling, fresh_seed
 from qir.serving.lockstep import Leader, follow

@@ -19,7 +19,7 @@ from qir.dtypes import BF16, F16, F32, U32, DType
 from qir.formats.base import FormatError
 from qir.formats.ct_int import CtInt
 from qir.models import load
-from qir.models.families.ct_int import matches_config
+from qir.models.quant_conventions.ct_int import matches_config
 from qir.types import QWeight
 from tests.conftest import DATA
 from tests.formats.int_common import (

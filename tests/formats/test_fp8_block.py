@@ -205,7 +205,7 @@ def test_hf_checkpoint_reads_and_leaves_unconverted_modules_dense(tmp_path: Path
     k = "model.layers.0.self_attn.k_proj.weight"
     tensors = {**_tensors(scale), k: np.ones((160, 160), ml_dtypes.bfloat16)}
     ck = load(_write(tmp_path / "ck", tensors, modules_to_not_convert=["k_proj"]))
-    assert ck.family.name == "fp8_block"
+    assert ck.convention.name == "fp8_block"
     lin = ck.linear(Q)
     full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:160, :160]
     want = tensors[f"{Q}.weight"].astype(np.float32) * full

@@ -20,7 +20,7 @@ from qir.formats.base import FormatError
 from qir.formats.dense import Dense
 from qir.formats.fp8 import Fp8
 from qir.models import load
-from qir.models.families.dense import is_excluded
+from qir.models.quant_conventions.dense import is_excluded
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 PROJ = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -222,7 +222,7 @@ def test_modelopt_fp8_block_is_not_supported(tmp_path: Path) -> None:
 def test_unquantized_checkpoint_family(tmp_path: Path) -> None:
     w = np.random.default_rng(1).standard_normal((64, 64)).astype(ml_dtypes.bfloat16)
     ck = load(_write(tmp_path / "ck", {f"{Q}.weight": w}))
-    assert ck.family.name == "dense"
+    assert ck.convention.name == "dense"
     lin = ck.linear(Q)
     assert lin.weight.format == Dense(BF16)
     np.testing.assert_array_equal(lin.weight.format.dequantize(lin.buffers, 64, 64), w)

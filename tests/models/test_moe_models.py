@@ -32,7 +32,7 @@ GOLDEN_TOL = 2e-2  # 16-bit activations against transformers' float32 (the layer
 def test_each_expert_decodes_as_the_tool_does(fixture: str) -> None:
     ck, golden = load(DATA / fixture), np.load(DATA / fixture / "golden.npz")
     spec = moe_of(ck)
-    assert spec is not None and (spec.experts, spec.top_k, spec.family.rule) == (
+    assert spec is not None and (spec.experts, spec.top_k, spec.architecture.rule) == (
         6,
         2,
         "softmax_topk_norm",
@@ -215,7 +215,7 @@ def test_stacked_experts_of_another_count_are_refused(
     with pytest.raises(
         FormatError, match=r"switch_mlp.gate_proj.biases: shape \[6, 128, 4\], expected 5"
     ):
-        read_experts(ck, Moe(spec.family, 5, 2, 128, spec.rule, spec.count_key), 0, "gate")
+        read_experts(ck, Moe(spec.architecture, 5, 2, 128, spec.rule, spec.count_key), 0, "gate")
     edit_config(path, num_local_experts=5)
     assert "block_sparse_moe.gate.weight: holds a [6, 256] router" in refused(path, capsys)
 

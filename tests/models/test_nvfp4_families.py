@@ -83,7 +83,7 @@ def _copy(
 )
 def test_fixtures_are_detected(case: str, family: str) -> None:
     ck = load(DATA / case)
-    assert ck.family.name == family
+    assert ck.convention.name == family
     lin = ck.linear(Q)
     assert all(not a.flags.writeable for a in lin.buffers.values())
 

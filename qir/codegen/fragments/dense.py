@@ -6,9 +6,9 @@ where the float reference does not."""
 
 from __future__ import annotations
 
-from qir.codegen.fragments import Fragment, make_fragment, register_fragment
-from qir.formats.base import WeightFormat
+from qir.codegen.fragments.base import Fragment, make_fragment, register_fragment
 from qir.formats.dense import Dense
+from qir.types import WeightFormat
 
 # Bytes one lane reads per chunk: two 128-bit loads where the row length allows, else one.
 _CHUNK_BYTES = (32, 16)

@@ -14,7 +14,7 @@ activations by 2^-act_shift (exact above 2^-(14 - act_shift), a few ulps of 2^-2
 
 from __future__ import annotations
 
-from qir.codegen.fragments import (
+from qir.codegen.fragments.base import (
     MAX_RUN_PAIRS,
     Fragment,
     FragmentBuffer,
@@ -22,13 +22,13 @@ from qir.codegen.fragments import (
     overflow_shift,
     register_fragment,
 )
-from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
 from qir.formats.fp8_block import Fp8Block, blocks
 from qir.formats.mx import GROUP_SIZE as MX_BLOCK
 from qir.formats.mx import Mxfp4, Mxfp8
 from qir.formats.nvfp4 import GROUP_SIZE as NVFP4_BLOCK
 from qir.formats.nvfp4 import Nvfp4
+from qir.types import WeightFormat
 
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 E2M1_SHIFT = 6  # qir_e2m1x8_to_f16x2 yields value * 2^-6

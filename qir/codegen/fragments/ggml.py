@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qir.codegen.fragments import (
+from qir.codegen.fragments.base import (
     MAX_RUN_PAIRS,
     Fragment,
     FragmentBuffer,
@@ -33,7 +33,6 @@ from qir.codegen.fragments import (
     overflow_shift,
     register_fragment,
 )
-from qir.formats.base import WeightFormat
 from qir.formats.ggml import (
     CodeWord,
     Ggml,
@@ -45,6 +44,7 @@ from qir.formats.ggml import (
     sub_bytes,
 )
 from qir.formats.ggml_blocks import Spec
+from qir.types import WeightFormat
 
 
 def _shifts(cw: CodeWord, bits: int, zero: int, window: int) -> list[int]:

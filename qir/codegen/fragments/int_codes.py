@@ -28,7 +28,7 @@ from __future__ import annotations
 from math import gcd
 from typing import Any
 
-from qir.codegen.fragments import (
+from qir.codegen.fragments.base import (
     MAX_CHUNK_ELEMS,
     MAX_RUN_PAIRS,
     Fragment,
@@ -38,10 +38,10 @@ from qir.codegen.fragments import (
     register_fragment,
 )
 from qir.formats.awq import Awq, zeros_width
-from qir.formats.base import WeightFormat
 from qir.formats.ct_int import CtInt
 from qir.formats.gptq import Gptq
 from qir.formats.mlx import MlxAffine
+from qir.types import WeightFormat
 
 # An act-order chunk keeps each weight's group index and scale live; at 64 weights (2-bit) that
 # spilled 16 bytes on sm_80, so those chunks stop at 32 weights.

@@ -4,21 +4,26 @@ stored (see qir.formats.awq)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import awq
-from qir.formats.base import FormatError
 from qir.formats.bitstream import pack_codes, unpack_codes
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Cut, Family, Unsliceable, register_family
-from qir.models.families.common import config_int, not_converted, quant_config, tensors
-from qir.models.families.dense import read_dense, stored_dense
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import (
+    OUT_IN,
+    Axes,
+    Cut,
+    QuantConvention,
+    TensorReader,
+    Unsliceable,
+    register_convention,
+)
+from qir.models.quant_conventions.common import config_int, not_converted, quant_config, tensors
+from qir.models.quant_conventions.dense import read_dense, stored_dense
 from qir.types import QWeight
-
-if TYPE_CHECKING:
-    from qir.models.shard_read import ShardReader
 
 _TENSORS = ("qweight", "qzeros", "scales")
 
@@ -27,9 +32,9 @@ def matches_config(config: Mapping[str, Any]) -> bool:
     return quant_config(config, "awq") is not None
 
 
-def _awq_linear(ck: Checkpoint, module: str) -> Linear:
+def _awq_linear(ck: CheckpointView, module: str) -> Linear:
     q = quant_config(ck.config, "awq")
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     # transformers 5 calls the packing `format`; AutoAWQ and transformers 4 wrote `version`.
     version = str(q.get("version") or q.get("format") or "gemm").lower()
     if version not in ("gemm", "gemv"):
@@ -76,7 +81,7 @@ def _axes(config: Mapping[str, Any]) -> Axes:
 
 
 def _parts(
-    reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
+    reader: TensorReader, config: Mapping[str, Any], module: str, cut: Cut
 ) -> dict[str, np.ndarray] | None:
     """A K part of a GEMV linear: the codes in proportion, the scales of its groups and the
     qzeros words that hold them (eight groups a word: at most a word per row more than its
@@ -117,4 +122,4 @@ def _parts(
     return out
 
 
-register_family(Family("awq", matches_config, _awq_linear, axes=_axes, parts=_parts))
+register_convention(QuantConvention("awq", matches_config, _awq_linear, axes=_axes, parts=_parts))

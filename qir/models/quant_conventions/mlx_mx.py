@@ -11,13 +11,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import mlx
-from qir.formats.base import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4, Mxfp8
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import matrix, tensor
-from qir.models.families.dense import read_dense
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import matrix, tensor
+from qir.models.quant_conventions.dense import read_dense
 from qir.types import QWeight
 
 # mode -> (format, element bits); MLX's defaults for a null bits/group_size are these too.
@@ -48,9 +48,9 @@ def _params(qcfg: Mapping[str, Any], module: str) -> tuple[Mxfp4 | Mxfp8, int] |
     return fmt, bits
 
 
-def _linear(ck: Checkpoint, module: str) -> Linear:
+def _linear(ck: CheckpointView, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
+    assert qcfg is not None  # the convention matched on it
     resolved = _params(qcfg, module)
     if resolved is None:
         return read_dense(ck, module)
@@ -76,4 +76,4 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "scales": ("out", "in")}
 
 
-register_family(Family("mlx_mx", matches_config, _linear, axes=_axes))
+register_convention(QuantConvention("mlx_mx", matches_config, _linear, axes=_axes))

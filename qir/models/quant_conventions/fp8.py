@@ -1,5 +1,5 @@
 """FP8 E4M3 linears (`<module>.weight` e4m3 + `.weight_scale`), shared by compressed-tensors
-`float-quantized` (see ct_float) and ModelOpt `quant_algo: FP8`, whose family is here.
+`float-quantized` (see ct_float) and ModelOpt `quant_algo: FP8`, whose convention is here.
 
 ModelOpt's FP8 is per-tensor: `weight_scale` and `input_scale` are float32 scalars (amax/448).
 The input scale is not read: qir runs FP8 weight-only (see qir.formats.fp8).
@@ -13,18 +13,19 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError, WeightFormat
+from qir.errors import FormatError
+from qir.formats.base import WeightFormat
 from qir.formats.fp8 import Fp8
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import expect_matrix, modelopt_quant, tensors
-from qir.models.families.dense import is_excluded, read_dense
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import expect_matrix, modelopt_quant, tensors
+from qir.models.quant_conventions.dense import is_excluded, read_dense
 from qir.types import QWeight
 
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def read_fp8(ck: Checkpoint, module: str, granularity: str) -> Linear:
+def read_fp8(ck: CheckpointView, module: str, granularity: str) -> Linear:
     """`<module>.weight` e4m3 [O, I] and `.weight_scale` ([O, 1] or [O] per channel; [1] or []
     per tensor) in f32/f16/bf16, widened to float32 (exact)."""
     fmt = Fp8(granularity)
@@ -71,9 +72,9 @@ def modelopt_matches(config: Mapping[str, Any]) -> bool:
     return True
 
 
-def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
+def _modelopt_linear(ck: CheckpointView, module: str) -> Linear:
     q = modelopt_quant(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     if is_excluded(module, q.get("ignore", q.get("exclude_modules"))):
         return read_dense(ck, module)
     return read_fp8(ck, module, "tensor")
@@ -84,4 +85,4 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "weight_scale": ("out", "")}
 
 
-register_family(Family("fp8_modelopt", modelopt_matches, _modelopt_linear, axes=_axes))
+register_convention(QuantConvention("fp8_modelopt", modelopt_matches, _modelopt_linear, axes=_axes))

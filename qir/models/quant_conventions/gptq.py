@@ -4,20 +4,25 @@ repacked at load (see qir.formats.gptq)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import gptq
-from qir.formats.base import FormatError
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Cut, Family, Unsliceable, register_family
-from qir.models.families.common import config_int, not_converted, quant_config, tensors
-from qir.models.families.dense import read_dense, stored_dense
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import (
+    OUT_IN,
+    Axes,
+    Cut,
+    QuantConvention,
+    TensorReader,
+    Unsliceable,
+    register_convention,
+)
+from qir.models.quant_conventions.common import config_int, not_converted, quant_config, tensors
+from qir.models.quant_conventions.dense import read_dense, stored_dense
 from qir.types import QWeight
-
-if TYPE_CHECKING:
-    from qir.models.shard_read import ShardReader
 
 _TENSORS = ("qweight", "qzeros", "scales")
 
@@ -26,9 +31,9 @@ def matches_config(config: Mapping[str, Any]) -> bool:
     return quant_config(config, "gptq") is not None
 
 
-def _gptq_linear(ck: Checkpoint, module: str) -> Linear:
+def _gptq_linear(ck: CheckpointView, module: str) -> Linear:
     q = quant_config(ck.config, "gptq")
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     # HF writes `checkpoint_format`; GPTQModel's quantize_config.json calls it `format`.
     checkpoint_format = q.get("checkpoint_format", q.get("format", "gptq"))
     if checkpoint_format not in gptq.ZERO_OFFSET:
@@ -80,7 +85,7 @@ def _axes(config: Mapping[str, Any]) -> Axes:
 
 
 def _parts(
-    reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
+    reader: TensorReader, config: Mapping[str, Any], module: str, cut: Cut
 ) -> dict[str, np.ndarray] | None:
     """A K part of a linear with g_idx: its codes in proportion, its slice of g_idx, and the
     zeros and scales of only the groups that slice names, as Gptq.columns cuts them. A slice
@@ -121,4 +126,4 @@ def _parts(
     return out
 
 
-register_family(Family("gptq", matches_config, _gptq_linear, _files, _axes, _parts))
+register_convention(QuantConvention("gptq", matches_config, _gptq_linear, _files, _axes, _parts))

@@ -1,5 +1,5 @@
 """Block-wise FP8 linears (qir.formats.fp8_block): HF `quant_method: "fp8"` checkpoints (the
-Qwen3-*-FP8 and DeepSeek-V3 releases, transformers' FineGrainedFP8), whose family is here, and
+Qwen3-*-FP8 and DeepSeek-V3 releases, transformers' FineGrainedFP8), whose convention is here, and
 compressed-tensors FP8_BLOCK (`strategy: "block"`, read by ct_float through `read_fp8_block`).
 
 HF: `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128,
@@ -17,13 +17,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.fp8_block import BLOCK, Fp8Block
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import expect_matrix, not_converted, quant_config, tensors
-from qir.models.families.dense import is_excluded, read_dense, stored_dense
-from qir.models.families.fp8 import scaled_linear
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import expect_matrix, not_converted, quant_config, tensors
+from qir.models.quant_conventions.dense import is_excluded, read_dense, stored_dense
+from qir.models.quant_conventions.fp8 import scaled_linear
 
 # Scale dtypes widened to float32 exactly: HF writes f32 (UE8M0 in some DeepSeek releases),
 # compressed-tensors the model dtype.
@@ -47,7 +47,7 @@ def block_size(value: Any, where: str) -> Fp8Block:
     return Fp8Block(*value)
 
 
-def read_fp8_block(ck: Checkpoint, module: str, fmt: Fp8Block, scale: str) -> Linear:
+def read_fp8_block(ck: CheckpointView, module: str, fmt: Fp8Block, scale: str) -> Linear:
     """`<module>.weight` e4m3 [O, I] and `<module>.<scale>` [ceil(O/128), ceil(I/128)]."""
     name, scale_name = f"{module}.weight", f"{module}.{scale}"
     w, s = tensors(ck, module, ("weight", scale), f"a block FP8 linear needs .weight and .{scale}")
@@ -83,9 +83,9 @@ def matches_config(config: Mapping[str, Any]) -> bool:
     return True
 
 
-def _linear(ck: Checkpoint, module: str) -> Linear:
+def _linear(ck: CheckpointView, module: str) -> Linear:
     q = quant_config(ck.config, "fp8")
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     if (
         not_converted(q, module)
         or is_excluded(module, q.get("modules_to_not_convert"))
@@ -107,4 +107,4 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return block_axes(_hf_format(q)) if q is not None else OUT_IN
 
 
-register_family(Family("fp8_block", matches_config, _linear, axes=_axes))
+register_convention(QuantConvention("fp8_block", matches_config, _linear, axes=_axes))

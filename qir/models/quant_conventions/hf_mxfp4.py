@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
-from qir.models.families.common import quant_config, tensor
-from qir.models.families.dense import read_dense
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import QuantConvention, register_convention
+from qir.models.quant_conventions.common import quant_config, tensor
+from qir.models.quant_conventions.dense import read_dense
 from qir.types import QExperts, QWeight
 
 
@@ -30,7 +30,7 @@ def matches_config(config: Mapping[str, Any]) -> bool:
     return quant_config(config, "mxfp4") is not None
 
 
-def read_linear(ck: Checkpoint, module: str) -> Linear:
+def read_linear(ck: CheckpointView, module: str) -> Linear:
     """A linear outside the experts: stored unquantized (modules_to_not_convert)."""
     if f"{module}.weight" not in ck.store and f"{module}_blocks" in ck.store:
         raise FormatError(
@@ -40,7 +40,7 @@ def read_linear(ck: Checkpoint, module: str) -> Linear:
 
 
 def stacked_experts(
-    ck: Checkpoint, module: str, count: int, rows: slice = slice(None)
+    ck: CheckpointView, module: str, count: int, rows: slice = slice(None)
 ) -> tuple[QExperts, dict[str, np.ndarray]]:
     """The `count` experts of `module` (`<module>_blocks/_scales/_bias`), rows `rows` of each
     (a gate or up of gpt-oss's interleaved gate_up_proj): one stacked MXFP4 weight with a bias."""
@@ -86,4 +86,4 @@ def stacked_experts(
     return QExperts(w, e), bufs
 
 
-register_family(Family("hf_mxfp4", matches_config, read_linear))
+register_convention(QuantConvention("hf_mxfp4", matches_config, read_linear))

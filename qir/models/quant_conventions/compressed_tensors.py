@@ -1,13 +1,13 @@
-"""compressed-tensors config parsing shared by its families (ct_int, ct_float, nvfp4): the
+"""compressed-tensors config parsing shared by its conventions (ct_int, ct_float, nvfp4): the
 config, its `config_groups`, a group's format and which group targets a module. Registers no
-family."""
+convention."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from qir.models.families.common import quant_config, regex_match
+from qir.models.quant_conventions.common import quant_config, regex_match
 
 
 def ct_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:

@@ -3,7 +3,7 @@
 per 128 x 128 block: FP8_BLOCK, `weight_scale` [ceil(O/128), ceil(I/128)]).
 
 The matcher claims a config only when every config group has one of these formats (the other
-compressed-tensors formats have their own families). Schemes of these formats that qir cannot
+compressed-tensors formats have their own conventions). Schemes of these formats that qir cannot
 run are refused when the checkpoint is opened, with "not supported: ..." naming the key.
 Activation quantization in a scheme (FP8_DYNAMIC, FP8, MXFP4) is not applied: qir runs these
 weights with 16-bit activations (see qir.formats.fp8 / qir.formats.mx).
@@ -17,20 +17,20 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.mx import GROUP_SIZE, Mxfp4
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import matrix, tensor
-from qir.models.families.compressed_tensors import (
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import matrix, tensor
+from qir.models.quant_conventions.compressed_tensors import (
     config_groups,
     ct_config,
     group_format,
     target_group,
 )
-from qir.models.families.dense import is_excluded, read_dense, stored_dense
-from qir.models.families.fp8 import read_fp8
-from qir.models.families.fp8_block import block_axes, block_size, read_fp8_block
+from qir.models.quant_conventions.dense import is_excluded, read_dense, stored_dense
+from qir.models.quant_conventions.fp8 import read_fp8
+from qir.models.quant_conventions.fp8_block import block_axes, block_size, read_fp8_block
 from qir.types import QWeight
 
 MXFP4 = "mxfp4-pack-quantized"
@@ -86,7 +86,7 @@ def matches_config(config: Mapping[str, Any]) -> bool:
     return True
 
 
-def _mxfp4(ck: Checkpoint, module: str) -> Linear:
+def _mxfp4(ck: CheckpointView, module: str) -> Linear:
     packed_name, scale_name = f"{module}.weight_packed", f"{module}.weight_scale"
     packed = matrix(ck, packed_name, np.uint8, "[out, in/2]")
     scales = tensor(ck, scale_name, "MXFP4 needs an E8M0 scale per 32 inputs")
@@ -104,9 +104,9 @@ def _mxfp4(ck: Checkpoint, module: str) -> Linear:
     return Linear(module, QWeight(fmt, out_features, in_features), bufs)
 
 
-def _linear(ck: Checkpoint, module: str) -> Linear:
+def _linear(ck: CheckpointView, module: str) -> Linear:
     q = ct_config(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     if f"{module}.weight" not in ck.store and f"{module}.weight_packed" not in ck.store:
         raise FormatError(
             f"{module}: no such linear in {ck.path} (no {module}.weight or .weight_packed)"
@@ -146,4 +146,4 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "weight_packed": oi, "weight_scale": scale, "weight_shape": ("shape",)}
 
 
-register_family(Family("ct_float", matches_config, _linear, axes=_axes))
+register_convention(QuantConvention("ct_float", matches_config, _linear, axes=_axes))

@@ -9,14 +9,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import mlx
-from qir.formats.base import FormatError
 from qir.formats.nvfp4 import GROUP_SIZE, MLX_GLOBAL_DIVISOR, Nvfp4
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import matrix, modelopt_quant, tensor
-from qir.models.families.compressed_tensors import config_groups, ct_config, group_format
-from qir.models.families.dense import is_excluded, read_dense, stored_dense
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import matrix, modelopt_quant, tensor
+from qir.models.quant_conventions.compressed_tensors import config_groups, ct_config, group_format
+from qir.models.quant_conventions.dense import is_excluded, read_dense, stored_dense
 from qir.types import QWeight
 
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -32,7 +32,7 @@ _CT_NAMES = {
 _MLX_NAMES = {"block_scale": "scales"}
 
 
-def _scalar(ck: Checkpoint, name: str, what: str) -> np.ndarray:
+def _scalar(ck: CheckpointView, name: str, what: str) -> np.ndarray:
     """A float32 per-tensor scale ([] or [1]) as the kernel layout's f32 [1]."""
     a = tensor(ck, name, what)
     if a.dtype != np.float32 or a.size != 1:
@@ -41,7 +41,7 @@ def _scalar(ck: Checkpoint, name: str, what: str) -> np.ndarray:
 
 
 def _read(
-    ck: Checkpoint,
+    ck: CheckpointView,
     module: str,
     fmt: Nvfp4,
     packed: np.ndarray,
@@ -68,7 +68,7 @@ def _read(
 
 
 def _read_stored(
-    ck: Checkpoint, module: str, fmt: Nvfp4, producer: str, names: dict[str, str]
+    ck: CheckpointView, module: str, fmt: Nvfp4, producer: str, names: dict[str, str]
 ) -> Linear:
     """Linear of a checkpoint that stores the kernel layout's buffers as they are (ModelOpt,
     compressed-tensors) under the names `names` (buffer -> tensor, where they differ)."""
@@ -105,9 +105,9 @@ def _modelopt_matches(config: Mapping[str, Any]) -> bool:
     return q is not None and q.get("quant_algo") == "NVFP4"
 
 
-def _modelopt_linear(ck: Checkpoint, module: str) -> Linear:
+def _modelopt_linear(ck: CheckpointView, module: str) -> Linear:
     q = modelopt_quant(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     # ModelOpt lists paths and globs ("lm_head", "model.layers.*.self_attn*"); an unlisted
     # module with a 16/32-bit `.weight` and no block scales is unquantized all the same.
     if is_excluded(module, q.get("ignore", q.get("exclude_modules"))) or stored_dense(
@@ -138,9 +138,9 @@ def _ct_matches(config: Mapping[str, Any]) -> bool:
     return _ct_group(config) is not None
 
 
-def _ct_linear(ck: Checkpoint, module: str) -> Linear:
+def _ct_linear(ck: CheckpointView, module: str) -> Linear:
     found = _ct_group(ck.config)
-    assert found is not None  # the family matched on it
+    assert found is not None  # the convention matched on it
     name, group = found
     q = ct_config(ck.config)
     assert q is not None
@@ -168,9 +168,9 @@ def _mlx_matches(config: Mapping[str, Any]) -> bool:
     return q is not None and q.get("mode") == "nvfp4"
 
 
-def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
+def _mlx_linear(ck: CheckpointView, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
+    assert qcfg is not None  # the convention matched on it
     found = mlx.module_quantization(qcfg, module)
     if found is None:  # mlx-lm left this module unquantized
         return read_dense(ck, module)
@@ -207,6 +207,10 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "weight_packed": oi, "weight_scale": oi, "scales": oi}
 
 
-register_family(Family("nvfp4_modelopt", _modelopt_matches, _modelopt_linear, axes=_axes))
-register_family(Family("nvfp4_compressed_tensors", _ct_matches, _ct_linear, axes=_axes))
-register_family(Family("nvfp4_mlx", _mlx_matches, _mlx_linear, axes=_axes))
+register_convention(
+    QuantConvention("nvfp4_modelopt", _modelopt_matches, _modelopt_linear, axes=_axes)
+)
+register_convention(
+    QuantConvention("nvfp4_compressed_tensors", _ct_matches, _ct_linear, axes=_axes)
+)
+register_convention(QuantConvention("nvfp4_mlx", _mlx_matches, _mlx_linear, axes=_axes))

@@ -1,7 +1,7 @@
 """compressed-tensors `pack-quantized` int checkpoints (W4A16/W8A16): `<module>.weight_packed`,
 `.weight_scale`, `.weight_shape`, read as stored (see qir.formats.ct_int).
 
-Other compressed-tensors formats (nvfp4/mxfp4/float) have their own families; this matcher only
+Other compressed-tensors formats (nvfp4/mxfp4/float) have their own conventions; this matcher only
 claims configs whose every config group is `pack-quantized` with int weights.
 """
 
@@ -12,18 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import ct_int
-from qir.formats.base import FormatError, dtype_among
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import expect_matrix, tensors
-from qir.models.families.compressed_tensors import (
+from qir.formats.base import dtype_among
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import expect_matrix, tensors
+from qir.models.quant_conventions.compressed_tensors import (
     config_groups,
     ct_config,
     group_format,
     target_group,
 )
-from qir.models.families.dense import is_excluded, read_dense, stored_dense
+from qir.models.quant_conventions.dense import is_excluded, read_dense, stored_dense
 from qir.types import QWeight
 
 _NEEDS = "a pack-quantized linear needs weight_packed, weight_scale"
@@ -59,9 +60,9 @@ def _group_of(q: Mapping[str, Any], module: str) -> tuple[Mapping[str, Any], str
     return weights, f"quantization_config.config_groups.{name}.weights"
 
 
-def _ct_linear(ck: Checkpoint, module: str) -> Linear:
+def _ct_linear(ck: CheckpointView, module: str) -> Linear:
     q = ct_config(ck.config)
-    assert q is not None  # the family matched on it
+    assert q is not None  # the convention matched on it
     found = _group_of(q, module)
     # Ignored and untargeted modules are stored unquantized, and so are 16/32-bit `.weight`s the
     # "Linear" target seems to cover but that are not Linears (embeddings).
@@ -117,4 +118,4 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "weight_packed": oi, "weight_scale": scale, "weight_shape": ("shape",)}
 
 
-register_family(Family("ct_int", matches_config, _ct_linear, axes=_axes))
+register_convention(QuantConvention("ct_int", matches_config, _ct_linear, axes=_axes))

@@ -1,21 +1,18 @@
-"""Checkpoint format families: one module each, registering how to recognise a config.json and
-how to read one linear from the checkpoint's tensors into a format's kernel layout. What several
-families share lives in modules that register none: `common` (quantization_config lookups,
-checkpoint tensor reads) and `compressed_tensors` (its config groups and targets)."""
+"""What a quantization convention is (how one producer stores a linear: how to recognise its
+config.json, read a linear, cut a shard of one) and the registry the conventions fill as they
+are imported. A module of its own below every convention, so that one registers itself without
+importing the package that loads them; it reads a checkpoint only through
+qir.models.checkpoint_view."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
-    from qir.models.checkpoint import Checkpoint, Linear
-    from qir.models.shard_read import ShardReader
+from qir.models.checkpoint_view import CheckpointView, Linear
 
 
 def _no_files(config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -38,8 +35,24 @@ OUT_IN: Axes = {"weight": ("out", "in"), "bias": ("out",)}
 Cut = tuple[str, int, int, int]
 
 
+class TensorReader(Protocol):
+    """What a convention's `parts` reads a shard through (qir.models.shard_read.TensorReader)."""
+
+    store: Any
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def read(self, name: str, index: tuple[Any, ...] | None = None) -> np.ndarray: ...
+
+    def proportional(self, name: str, cut: Cut) -> np.ndarray: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> np.dtype: ...
+
+
 class Unsliceable(Exception):
-    """A linear's tensor that cannot be cut to a shard before reading (by the family's axes or
+    """A linear's tensor that cannot be cut to a shard before reading (by the convention's axes or
     its own `parts`): qir.models.shard_read reads the linear whole and cuts it after."""
 
 
@@ -48,38 +61,32 @@ def _dense_axes(config: Mapping[str, Any]) -> Axes:
 
 
 def _proportional(
-    reader: ShardReader, config: Mapping[str, Any], module: str, cut: Cut
+    reader: TensorReader, config: Mapping[str, Any], module: str, cut: Cut
 ) -> dict[str, np.ndarray] | None:
     return None
 
 
 @dataclass(frozen=True)
-class Family:
+class QuantConvention:
     name: str
     matches: Callable[[Mapping[str, Any]], bool]
-    linear: Callable[[Checkpoint, str], Linear]
+    linear: Callable[[CheckpointView, str], Linear]
     # The producer's own name of a single-file checkpoint, tried after model.safetensors.
     files: Callable[[Mapping[str, Any]], tuple[str, ...]] = _no_files
     axes: Callable[[Mapping[str, Any]], Axes] = _dense_axes
-    # The family's own cut of a linear's tensors where its axes cannot say it (GPTQ's groups
+    # The convention's own cut of a linear's tensors where its axes cannot say it (GPTQ's groups
     # gathered by g_idx, AWQ GEMV's padded groups): the module's tensors for `cut`, read through
-    # reader.read (only the bytes indexed), as the family's `linear` reads them; None for the
+    # reader.read (only the bytes indexed), as the convention's `linear` reads them; None for the
     # axes' proportional cut. It raises shard_read.Unsliceable where it cannot cut exactly.
-    parts: Callable[[ShardReader, Mapping[str, Any], str, Cut], dict[str, np.ndarray] | None] = (
+    parts: Callable[[TensorReader, Mapping[str, Any], str, Cut], dict[str, np.ndarray] | None] = (
         _proportional
     )
 
 
 # Tried in order; the first whose `matches` accepts config.json reads the checkpoint.
-FAMILIES: list[Family] = []
+CONVENTIONS: list[QuantConvention] = []
 
 
-def register_family(family: Family) -> Family:
-    FAMILIES.append(family)
-    return family
-
-
-def load_all() -> None:
-    """Imports every family module (each registers itself); idempotent."""
-    for mod in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{mod.name}")
+def register_convention(convention: QuantConvention) -> QuantConvention:
+    CONVENTIONS.append(convention)
+    return convention

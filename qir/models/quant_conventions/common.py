@@ -1,6 +1,6 @@
-"""What several families share when reading a checkpoint: the `quantization_config` of a
+"""What several conventions share when reading a checkpoint: the `quantization_config` of a
 `quant_method` (and ModelOpt's), its integer keys and `modules_to_not_convert`, and the
-checkpoint tensors a linear needs. Registers no family."""
+checkpoint tensors a linear needs. Registers no convention."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from qir.formats.base import FormatError
-from qir.models.checkpoint import Checkpoint
+from qir.errors import FormatError
+from qir.models.checkpoint_view import CheckpointView
 
 
 def quant_config(config: Mapping[str, Any], method: str) -> Mapping[str, Any] | None:
@@ -23,7 +23,7 @@ def quant_config(config: Mapping[str, Any], method: str) -> Mapping[str, Any] | 
 
 def modelopt_quant(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """ModelOpt's quantization facts: config.json's quantization_config, or the `quantization`
-    section of hf_quant_config.json (which checkpoint.load folds in as `hf_quant_config`)."""
+    section of hf_quant_config.json (which loader.load folds in as `hf_quant_config`)."""
     q = quant_config(config, "modelopt")
     if q is not None:
         return q
@@ -57,7 +57,7 @@ def not_converted(q: Mapping[str, Any], module: str) -> bool:
     return any(isinstance(s, str) and s in module for s in q.get("modules_to_not_convert") or [])
 
 
-def tensor(ck: Checkpoint, name: str, what: str = "") -> np.ndarray:
+def tensor(ck: CheckpointView, name: str, what: str = "") -> np.ndarray:
     """The checkpoint tensor `name`; a missing one is refused saying it is `what` (or, without
     `what`, which checkpoint lacks it)."""
     if name not in ck.store:
@@ -67,7 +67,7 @@ def tensor(ck: Checkpoint, name: str, what: str = "") -> np.ndarray:
     return ck.store.get(name)
 
 
-def tensors(ck: Checkpoint, module: str, names: Iterable[str], what: str) -> list[np.ndarray]:
+def tensors(ck: CheckpointView, module: str, names: Iterable[str], what: str) -> list[np.ndarray]:
     """`<module>.<name>` for each of `names`, all present (else the first missing is refused
     saying `what`)."""
     names = [f"{module}.{name}" for name in names]
@@ -84,6 +84,8 @@ def expect_matrix(a: np.ndarray, name: str, dtype: DTypeLike, shape: str) -> np.
     return a
 
 
-def matrix(ck: Checkpoint, name: str, dtype: DTypeLike, shape: str, what: str = "") -> np.ndarray:
+def matrix(
+    ck: CheckpointView, name: str, dtype: DTypeLike, shape: str, what: str = ""
+) -> np.ndarray:
     """The checkpoint tensor `name` (see tensor), checked by expect_matrix."""
     return expect_matrix(tensor(ck, name, what), name, dtype, shape)

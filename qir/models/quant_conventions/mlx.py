@@ -7,18 +7,19 @@ from typing import Any
 
 import numpy as np
 
+from qir.errors import FormatError
 from qir.formats import mlx
-from qir.formats.base import FormatError, dtype_among
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import OUT_IN, Axes, Family, register_family
-from qir.models.families.common import tensor
-from qir.models.families.dense import read_dense
+from qir.formats.base import dtype_among
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import OUT_IN, Axes, QuantConvention, register_convention
+from qir.models.quant_conventions.common import tensor
+from qir.models.quant_conventions.dense import read_dense
 from qir.types import QWeight
 
 
-def _mlx_linear(ck: Checkpoint, module: str) -> Linear:
+def _mlx_linear(ck: CheckpointView, module: str) -> Linear:
     qcfg = mlx.quantization_dict(ck.config)
-    assert qcfg is not None  # the family matched on it
+    assert qcfg is not None  # the convention matched on it
     if qcfg.get(module) is False:  # mlx-lm left this module unquantized
         return read_dense(ck, module)
     scales = f"{module}.scales"
@@ -48,4 +49,4 @@ def _axes(config: Mapping[str, Any]) -> Axes:
     return {**OUT_IN, "scales": ("out", "in"), "biases": ("out", "in")}
 
 
-register_family(Family("mlx_affine", mlx.matches_config, _mlx_linear, axes=_axes))
+register_convention(QuantConvention("mlx_affine", mlx.matches_config, _mlx_linear, axes=_axes))

@@ -1,10 +1,10 @@
 """Unquantized linears: `<module>.weight` as stored in f16/bf16/f32.
 
-Quantized families call `read_dense` for the modules their checkpoint leaves unquantized
+Quantized conventions call `read_dense` for the modules their checkpoint leaves unquantized
 (compressed-tensors `ignore`, HF `modules_to_not_convert`, ModelOpt `exclude_modules`, mlx-lm's
 per-module `false`); `is_excluded` matches those lists, and `stored_dense` recognises the modules
 a tool leaves unquantized without listing them. A checkpoint with no quantization config
-at all is a family of its own, read entirely as dense.
+at all is a convention of its own, read entirely as dense.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from qir.formats.base import FormatError
+from qir.errors import FormatError
 from qir.formats.dense import DTYPES, Dense
-from qir.models.checkpoint import Checkpoint, Linear
-from qir.models.families import Family, register_family
-from qir.models.families.common import regex_match
+from qir.models.checkpoint_view import CheckpointView, Linear
+from qir.models.quant_conventions.base import QuantConvention, register_convention
+from qir.models.quant_conventions.common import regex_match
 from qir.types import QWeight
 
-# checkpoint.load folds a ModelOpt hf_quant_config.json in as "hf_quant_config".
+# loader.load folds a ModelOpt hf_quant_config.json in as "hf_quant_config".
 _QUANT_KEYS = ("quantization_config", "quantization", "hf_quant_config")
 
 
@@ -47,9 +47,9 @@ def is_excluded(module: str, patterns: Iterable[Any] | None) -> bool:
     return False
 
 
-def stored_dense(ck: Checkpoint, module: str, quantized: str) -> bool:
+def stored_dense(ck: CheckpointView, module: str, quantized: str) -> bool:
     """Whether `module` is stored unquantized although no exclusion list names it: no
-    `<module>.<quantized>` (a tensor every quantized linear of the family has) and a 16/32-bit
+    `<module>.<quantized>` (a tensor every quantized linear of the convention has) and a 16/32-bit
     `.weight`. Tools leave modules they never quantize off their lists (AutoAWQ and GPTQ skip
     lm_head; compressed-tensors' "Linear" target does not cover embeddings)."""
     name = f"{module}.weight"
@@ -60,7 +60,7 @@ def stored_dense(ck: Checkpoint, module: str, quantized: str) -> bool:
     )
 
 
-def read_dense(ck: Checkpoint, module: str) -> Linear:
+def read_dense(ck: CheckpointView, module: str) -> Linear:
     """The unquantized linear `module`: its `.weight` [out, in] as stored, no copy."""
     name = f"{module}.weight"
     if name not in ck.store:
@@ -84,4 +84,4 @@ def matches_config(config: Mapping[str, Any]) -> bool:
     return all(config.get(key) is None for key in _QUANT_KEYS)
 
 
-register_family(Family("dense", matches_config, read_dense))
+register_convention(QuantConvention("dense", matches_config, read_dense))
