@@ -44,7 +44,7 @@ typecheck: install-test
 # lists every skip's reason. `make test QIR_CI=0` lets them pass.
 QIR_CI ?= 1
 test: lint typecheck
-	QIR_CI=$(QIR_CI) $(BIN)/python -m pytest -q -rfEs -n auto
+	QIR_CI=$(QIR_CI) $(BIN)/python -m pytest -q -rfEs -n auto --dist worksteal
 
 # Before a GPU lease: every stage of scripts/gpu_check.sh, dry, in a virtualenv of the GPU
 # machine's packages (tests/test_gpu_check.py does the same inside `make test`).

@@ -199,3 +199,25 @@ def greedy_prefix(step_logits: np.ndarray, ours: np.ndarray) -> int:
     top2 = np.sort(ref, axis=-1)[:, -2:]
     close = np.flatnonzero(top2[:, 1] - top2[:, 0] <= err)
     return int(close[0]) if close.size else len(ref)
+
+
+# The suite's longest tests (`pytest --durations`, each 20-200 s on 2 cores), started first: a
+# long test that a worker picks up last leaves the other core idle until it ends.
+LONGEST_FIRST = (
+    "tests/serving/test_operations.py::test_schemathesis",
+    "tests/test_cli.py::test_demo",
+    "tests/test_gpu_check.py::test_every_stage_runs_dry",
+    "tests/test_docs.py::test_the_blocks_of_a_page_run_in_order",
+    "tests/test_benchmarks.py::test_tp_scaling_on_host",
+    "tests/serving/test_lm_eval.py::test_lm_eval_local_completions",
+    "tests/models/test_gguf_models.py::test_smollm2_generates_as_transformers_does",
+    "tests/runtime/test_host.py::test_the_optimisation_level_changes_no_result",
+    "tests/test_tp_mpi.py::test_generate_and_run_on_mpi_ranks_equal_one_rank",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), 99)
+
+    items.sort(key=rank)  # stable: the rest keep their order
