@@ -73,7 +73,7 @@ def label(graph: Graph, name: str) -> str:
     return "\\n".join(line for line in lines if line)
 
 
-def _side(out: nx.DiGraph, graph: Graph, side: str) -> None:
+def _side(out: nx.DiGraph[str], graph: Graph, side: str) -> None:
     for name, node in graph.items():
         style = STYLE.get(node.op, ELEMENTWISE)
         out.add_node(f"{side}/{name}", label=label(graph, name), style="filled", **style)

@@ -107,7 +107,7 @@ del _name
 @dataclass
 class Graph:
     name: str = "main"
-    g: nx.MultiDiGraph = field(default_factory=nx.MultiDiGraph)
+    g: nx.MultiDiGraph[str] = field(default_factory=nx.MultiDiGraph)
     # (output name, value name), in the order the block returns them.
     outputs: list[tuple[str, str]] = field(default_factory=list)
     _order: list[str] | None = field(default=None, init=False, repr=False, compare=False)

@@ -135,7 +135,8 @@ def _yarn(freq: np.ndarray, pos: np.ndarray, attrs: Mapping[str, Any]) -> np.nda
     ).astype(np.float32)
     keep = np.float32(1) - ramp  # the share of the original (extrapolated) frequency
     interpolated = (np.float32(1) / (np.float32(attrs["factor"]) * pos)).astype(np.float32)
-    return (interpolated * (np.float32(1) - keep) + freq * keep).astype(np.float32)
+    result: np.ndarray = (interpolated * (np.float32(1) - keep) + freq * keep).astype(np.float32)
+    return result
 
 
 def cos_sin_scale(attrs: Mapping[str, Any]) -> float:

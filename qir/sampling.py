@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,7 +188,7 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        checks = (
+        checks: tuple[tuple[str, object, str, Callable[[float], bool]], ...] = (
             ("temperature", self.temperature, "a number >= 0", lambda v: v >= 0),
             ("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1),
             ("min_p", self.min_p, "a number in [0, 1]", lambda v: 0 <= v <= 1),

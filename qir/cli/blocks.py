@@ -49,7 +49,8 @@ def _read_input(path: Path, block: Block) -> np.ndarray:
         raise UsageError(f"--input {path}: dtype {x.dtype}, expected float16 or float32")
     if not np.all(np.isfinite(x)):
         raise UsageError(f"--input {path}: contains NaN or Inf")
-    return x.astype(x_type.dtype.np)  # type: ignore[union-attr]
+    result: np.ndarray = x.astype(x_type.dtype.np)  # type: ignore[union-attr]
+    return result
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -59,7 +59,8 @@ def token_ids(spec: str) -> np.ndarray:
             raise UsageError(
                 f"--tokens {spec}: {ids.dtype} {list(ids.shape)}, expected a 1-D int array"
             )
-        return ids
+        result: np.ndarray = ids
+        return result
     try:
         return np.array([int(t) for t in spec.split(",")], np.int64)
     except ValueError:

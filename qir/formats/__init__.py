@@ -7,7 +7,8 @@ import importlib
 import pkgutil
 
 from qir.dtypes import DType
-from qir.formats.base import FormatError, WeightFormat
+from qir.errors import FormatError
+from qir.formats.base import WeightFormat
 from qir.formats.registry import (
     ACT_QUANTIZERS,
     REGISTRY,

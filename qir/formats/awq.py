@@ -25,7 +25,8 @@ from typing import ClassVar
 import numpy as np
 
 from qir.dtypes import F16, U32
-from qir.formats.base import Allowed, FormatError, ParamTable, WeightFormat, check_tensor
+from qir.errors import FormatError
+from qir.formats.base import Allowed, ParamTable, WeightFormat, check_tensor
 from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.formats.registry import register
 from qir.types import TensorType
@@ -175,7 +176,8 @@ def unpack_gemm(words: np.ndarray) -> np.ndarray:
     words = np.asarray(words).view(np.uint32)
     shifts = np.uint32(4) * np.argsort(GEMM_ORDER).astype(np.uint32)
     codes = (words[..., None] >> shifts) & np.uint32(0xF)
-    return codes.reshape(words.shape[0], -1)
+    result: np.ndarray = codes.reshape(words.shape[0], -1)
+    return result
 
 
 def repack_gemm(

@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 
 import qir.types as ir
 from qir.dtypes import DType
-from qir.errors import FormatError
+from qir.errors import FormatError as FormatError  # re-exported: formats raise it
 from qir.types import TensorType
 
 

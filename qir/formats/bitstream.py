@@ -19,7 +19,8 @@ def unpack_codes(words: np.ndarray, bits: int, in_features: int) -> np.ndarray:
     k = (start // np.uint64(32)).astype(np.intp)
     pair = padded[:, k] | (padded[:, k + 1] << np.uint64(32))
     mask = np.uint64((1 << bits) - 1)
-    return ((pair >> (start % np.uint64(32))) & mask).astype(np.uint32)
+    result: np.ndarray = ((pair >> (start % np.uint64(32))) & mask).astype(np.uint32)
+    return result
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:

@@ -24,7 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from qir.dtypes import E4M3, F32
-from qir.formats.base import Allowed, FormatError, ParamTable, WeightFormat
+from qir.errors import FormatError
+from qir.formats.base import Allowed, ParamTable, WeightFormat
 from qir.formats.fp_codes import E4M3_MAX, e4m3_decode, e4m3_encode
 from qir.formats.registry import register
 from qir.types import TensorType
@@ -73,7 +74,8 @@ class Fp8Block(WeightFormat):
         # check_buffers refuses E4M3 NaN codes (0x7F/0xFF) in the weight and non-finite scales.
         self.check_buffers(bufs, out_features, in_features, where=self.spell())
         codes = e4m3_decode(np.asarray(bufs["weight"]))
-        return codes * self.expand_scale(bufs["scale"], out_features, in_features)
+        result: np.ndarray = codes * self.expand_scale(bufs["scale"], out_features, in_features)
+        return result
 
     def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
         """scale = amax / 448 per block (the producers' symmetric min-max rule), codes =

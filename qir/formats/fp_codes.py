@@ -27,7 +27,8 @@ E4M3_NAN_CODES = (0x7F, 0xFF)
 
 def e2m1_decode(codes: np.ndarray) -> np.ndarray:
     """float32 values of 4-bit E2M1 codes (any integer array; only the low nibble is read)."""
-    return E2M1_VALUES[np.asarray(codes, dtype=np.uint8) & 0xF]
+    result: np.ndarray = E2M1_VALUES[np.asarray(codes, dtype=np.uint8) & 0xF]
+    return result
 
 
 def e2m1_encode_rne(x: np.ndarray) -> np.ndarray:

@@ -36,9 +36,9 @@ import numpy as np
 
 import qir.types as ir
 from qir.dtypes import BF16, F16, F32, I32, U8, U32, DType
+from qir.errors import FormatError
 from qir.formats.base import (
     Allowed,
-    FormatError,
     ParamTable,
     WeightFormat,
     check_tensor,
@@ -253,7 +253,7 @@ class Gptq(WeightFormat):
         # one level less and take zero 1 (lo > -scale/2 still lands on a code).
         zero_is_0 = np.rint(-lo / ((hi - lo) / maxq)) == 0
         levels = np.where(zero_is_0 & (self.zero_offset == 1), maxq - 1, maxq)
-        tiny = ml_dtypes.finfo(self.scale_dtype.np).smallest_subnormal
+        tiny = ml_dtypes.finfo(self.scale_dtype.np).smallest_subnormal  # type: ignore[no-untyped-call]
         scale = np.maximum((hi - lo) / levels, tiny).astype(self.scale_dtype.np)
         s32 = scale.astype(np.float32)
         zero = np.clip(np.rint(-lo / s32), self.zero_offset, maxq)

@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from qir.dtypes import BF16, F16, F32, U32, DType
-from qir.formats.base import FormatError, ParamTable, WeightFormat
+from qir.errors import FormatError
+from qir.formats.base import ParamTable, WeightFormat
 from qir.formats.bitstream import pack_codes, unpack_codes
 from qir.formats.registry import register
 from qir.types import TensorType

@@ -47,7 +47,10 @@ E4M3_EMAX = 8
 
 def e8m0_decode(codes: np.ndarray) -> np.ndarray:
     """float32 2^(e-127) of E8M0 bytes; 0 is the float32 subnormal 2^-127, 255 is NaN."""
-    return np.asarray(codes, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    result: np.ndarray = (
+        np.asarray(codes, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    )
+    return result
 
 
 def ocp_scale_exponents(blocks: np.ndarray, elem_emax: int) -> np.ndarray:
@@ -109,7 +112,8 @@ class _Mx(WeightFormat):
         elems = self._element_values(bufs, in_features).reshape(out_features, -1, GROUP_SIZE)
         # One float32 product per weight, like the kernels and the producers' float32 decode.
         w = elems * e8m0_decode(np.asarray(bufs["scales"]))[..., None]
-        return w.reshape(out_features, in_features)
+        result: np.ndarray = w.reshape(out_features, in_features)
+        return result
 
 
 @register

@@ -34,7 +34,8 @@ from typing import ClassVar
 import numpy as np
 
 from qir.dtypes import F32, U8
-from qir.formats.base import FormatError, ParamTable, WeightFormat, refuse_codes
+from qir.errors import FormatError
+from qir.formats.base import ParamTable, WeightFormat, refuse_codes
 from qir.formats.fp_codes import (
     E2M1_MAX,
     E4M3_MAX,
@@ -115,7 +116,8 @@ class Nvfp4(WeightFormat):
         e = e2m1_decode(unpack_fp4(np.asarray(bufs["weight"]), in_features))
         e = e.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
         w = e * self.block_factors(bufs)[..., None]
-        return w.reshape(out_features, in_features)
+        result: np.ndarray = w.reshape(out_features, in_features)
+        return result
 
     def quantize(
         self,

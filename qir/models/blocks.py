@@ -34,7 +34,8 @@ from qir.errors import FormatError, UsageError
 from qir.graph import Graph
 from qir.logits import ALL_ALLOWED, MAX_BIAS, NO_PENALTIES, SKIP, allow_words
 from qir.models.architectures import FEATURES, Features
-from qir.models.checkpoint import Checkpoint, Linear, default_max_seq
+from qir.models.checkpoint import Checkpoint, default_max_seq
+from qir.models.checkpoint_view import Linear
 from qir.models.experts import (
     PROJECTIONS,
     Moe,

@@ -104,19 +104,23 @@ class Checkpoint:
 
     @property
     def hidden_size(self) -> int:
-        return self.field("hidden_size")
+        result: int = self.field("hidden_size")
+        return result
 
     @property
     def intermediate_size(self) -> int:
-        return self.field("intermediate_size")
+        result: int = self.field("intermediate_size")
+        return result
 
     @property
     def num_layers(self) -> int:
-        return self.field("num_hidden_layers")
+        result: int = self.field("num_hidden_layers")
+        return result
 
     @property
     def num_heads(self) -> int:
-        return self.field("num_attention_heads")
+        result: int = self.field("num_attention_heads")
+        return result
 
     @property
     def num_kv_heads(self) -> int:

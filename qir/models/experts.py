@@ -35,7 +35,8 @@ from qir.models.quant_conventions.hf_mxfp4 import stacked_experts as hub_stacked
 from qir.types import QExperts
 
 if TYPE_CHECKING:
-    from qir.models.checkpoint import Checkpoint, Linear
+    from qir.models.checkpoint import Checkpoint
+    from qir.models.checkpoint_view import Linear
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -190,13 +191,12 @@ class _ExpertSlice:
         return name in self._store
 
     def dtype(self, name: str) -> np.dtype:
-        return np.dtype(self._store.dtype(name))
+        result: np.dtype = np.dtype(self._store.dtype(name))
+        return result
 
     def get(self, name: str) -> np.ndarray:
         a = self._store.get(name)
-        if not self._sliced(name):
-            return a
-        result: np.ndarray = a[self._e]
+        result: np.ndarray = a if not self._sliced(name) else a[self._e]
         return result
 
 

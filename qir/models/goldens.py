@@ -36,7 +36,8 @@ class DemoGolden:
         """The tool's value of block output `name` (y, q, k, v) for input x.M{m}."""
         for key in KEYS.get(name, ()):
             if key.format(m=m) in self.arrays:
-                return self.arrays[key.format(m=m)]
+                result: np.ndarray | None = self.arrays[key.format(m=m)]
+                return result
         return None
 
 

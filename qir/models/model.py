@@ -235,7 +235,8 @@ class Model:
     def sampling(self, **options: Any) -> Sampling:
         """The Sampling a generation with these options (do_sample, temperature, top_k,
         top_p, min_p, seed; None: the checkpoint's generation_config.json) uses."""
-        return self.generation_config.sampling(**options)
+        result: Sampling = self.generation_config.sampling(**options)
+        return result
 
     def generate(
         self,

@@ -38,7 +38,8 @@ import numpy as np
 from qir.dtypes import DType
 from qir.errors import FormatError
 from qir.models.blocks import Block, build
-from qir.models.checkpoint import Checkpoint, Linear
+from qir.models.checkpoint import Checkpoint
+from qir.models.checkpoint_view import Linear
 from qir.models.experts import stack, stacked_experts
 from qir.models.quant_conventions.base import Cut, Unsliceable
 from qir.models.quant_conventions.hf_mxfp4 import stacked_experts as hub_experts
@@ -83,7 +84,8 @@ class ShardReader:
         return list(self.store.keys())
 
     def dtype(self, name: str) -> np.dtype:
-        return self.store.dtype(name)
+        result: np.dtype = self.store.dtype(name)
+        return result
 
     def shape(self, name: str) -> tuple[int, ...]:
         part = self._part.get(name)
@@ -107,7 +109,8 @@ class ShardReader:
             a = np.array(view[index])
             a.flags.writeable = False
         self.bytes_read += a.nbytes
-        return a
+        result: np.ndarray = a
+        return result
 
     def get(self, name: str) -> np.ndarray:
         if name in self._part:

@@ -29,7 +29,8 @@ def modelopt_quant(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return q
     hf = config.get("hf_quant_config")
     if isinstance(hf, Mapping) and isinstance(hf.get("quantization"), Mapping):
-        return hf["quantization"]
+        result: Mapping[str, Any] | None = hf["quantization"]
+        return result
     return None
 
 
