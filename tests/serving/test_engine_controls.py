@@ -210,6 +210,8 @@ def test_prefix_pages_are_reused_evicted_under_pressure_and_change_nothing() -> 
     assert [ids(d) for d in run(warm, reqs, one_by_one=True)] == want
     # LONG's two pages hit for LONG + (5,), other's for the second other.
     assert warm.scheduler.counters.prefix_cache_hits == 4 * 16
+    # the time-to-first-token gain, counted: the ids found in cached pages are not prefilled
+    assert warm.scheduler.prefilled == cold.scheduler.prefilled - 4 * 16
     assert warm.scheduler.pool.free == warm.scheduler.pool.pages
     assert counters.prefix_cache_queries == sum(len(r.prompt) for r in reqs)
 
