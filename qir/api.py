@@ -61,6 +61,17 @@ class Compiled:
         else:
             self._exec.reset_state()
 
+    def copy_state_rows(self, src: int, dst: int, n: int) -> None:
+        """Copy rows src..src+n of every state (KV cache) to rows dst..dst+n: a paged cache's
+        page to another (prefix caching's copy of a shared partial page)."""
+        if self._exec is not None:
+            self._exec.copy_state_rows(src, dst, n)
+            return
+        if not self._state:
+            self._state = empty_state(self.graph)
+        for a in self._state.values():
+            a[dst : dst + n] = a[src : src + n]
+
     def state(self) -> dict[str, Any]:
         """The states (KV caches) by key, as numpy copies."""
         if self._exec is None:

@@ -338,6 +338,14 @@ class CompiledBlock:
             self.backend.copy_into(self._state[s], np.zeros(t.concrete({}), t.dtype.np))
         self.backend.synchronize()
 
+    def copy_state_rows(self, src: int, dst: int, n: int) -> None:
+        """Copy rows src..src+n of every state (KV cache) to rows dst..dst+n."""
+        # A run may still write the rows on another stream, and the next may read them there.
+        self.backend.synchronize()
+        for buf in self._state.values():
+            self.backend.copy_into(buf[dst : dst + n], buf[src : src + n])
+        self.backend.synchronize()
+
     def read_state(self) -> dict[str, np.ndarray]:
         """Each state by key, copied to numpy."""
         self.backend.synchronize()

@@ -218,6 +218,7 @@ async def _generate(
     top = fmt.top
     samples = body.samples
     ranked = samples > body.n  # best_of: every sample scored to rank them
+    keep = tl.kept_ids(reply.parser, engine.tokenizer) if reply.parser is not None else frozenset()
     requests = []
     for prompt in prompts:
         max_tokens = limit if limit else max(1, engine.max_seq - len(prompt))
@@ -239,6 +240,7 @@ async def _generate(
                 n=samples,
                 grammar=grammar,
                 cache_salt=body.cache_salt,
+                keep_tokens=keep,
             )
         )
     streams: list[Stream] = []

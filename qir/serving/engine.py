@@ -81,6 +81,7 @@ class Request:
     n: int = 1  # samples of the prompt, each a choice (index 0..n-1)
     grammar: Any = None  # a qir.serving.grammar.Grammar the output must follow
     cache_salt: str | None = None  # prefix-cache pages are shared only under the same salt
+    keep_tokens: frozenset[int] = frozenset()  # special ids whose text stays in the text
 
 
 @dataclass(frozen=True)
@@ -372,7 +373,9 @@ class Engine:
     ) -> Seq:
         from qir.text import TextStream
 
-        text = TextStream(self.tokenizer, request.stop, keep_stop=request.keep_stop)
+        text = TextStream(
+            self.tokenizer, request.stop, keep_stop=request.keep_stop, keep=request.keep_tokens
+        )
         n_prompt = len(request.prompt)
         counters = self.scheduler.counters
         scored = request.logprobs is not None

@@ -33,6 +33,10 @@ class Leader:
         self.comm.bcast(("capture", m, rows))
         return _Replay(self, m, rows, self.compiled.capture(m, stream, rows))
 
+    def copy_state_rows(self, src: int, dst: int, n: int) -> None:
+        self.comm.bcast(("copy", src, dst, n))
+        self.compiled.copy_state_rows(src, dst, n)
+
     def stop(self) -> None:
         """Ends the followers' loops."""
         self.comm.bcast(("stop",))
@@ -57,6 +61,8 @@ def follow(compiled: Any, comm: Any) -> int:
             return steps
         if msg[0] == "run":
             compiled(msg[1], None, msg[2])
+        elif msg[0] == "copy":
+            compiled.copy_state_rows(*msg[1:])
         elif msg[0] == "capture":
             captures[(msg[1], msg[2])] = compiled.capture(msg[1], None, msg[2])
         else:

@@ -30,8 +30,9 @@ the same ids takes those pages (shared, reference-counted) and computes only the
 sequence holds stay cached until a new page is needed and none is free: the least recently
 used goes first. A sequence that wants its prompt's logprobs computes its whole prompt; a model
 whose layers all slide (rings of pages) caches nothing. The samples of one request (n, best_of)
-share its prompt this way: the first computes it, the others are admitted once it has and
-compute only the partial last page (each its own copy) before they draw.
+share its prompt this way: the first computes it, the others are admitted once it has, take
+its full pages, and copy the KV rows of its partial last page into a page of their own (each
+draws into its own copy), computing only the last prompt id, whose row their first draw needs.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class Scheduler:
         self._captures: dict[int, Any] = {}
         self.steps = 0
         self.preempted = 0
+        self.prefilled = 0  # ids fed in prefill chunks (not those found in cached pages)
         self.counters = Counters()
 
     def add(self, seq: Seq) -> None:
@@ -180,7 +182,32 @@ class Scheduler:
                 self.pool.give(seq.pages)
                 seq.pages, seq.computed, seq.registered = [], 0, 0
                 break
+            self._copy_partial(seq)
             self.running.append(self.waiting.popleft())
+
+    def _copy_partial(self, seq: Seq) -> None:
+        """A sample whose sibling computed their prompt, its full pages taken, copies the rows
+        of the sibling's partial last page rather than computing them (each row depends on the
+        ids up to it alone: the same values); its last prompt id is still fed, to draw."""
+        first, full = seq.after, seq.computed // PAGE_SIZE
+        end = len(seq.ids) - 1
+        if (
+            first is None
+            or first not in self.running
+            or first.prefilling
+            or seq.generated
+            or seq.prompt_logprobs is not None
+            or seq.computed != (end // PAGE_SIZE) * PAGE_SIZE
+            or seq.computed >= end
+            or len(first.pages) <= full
+            or first.ids[: len(seq.ids)] != seq.ids
+        ):
+            return
+        n = end - seq.computed
+        self.model.compiled.copy_state_rows(
+            first.pages[full] * PAGE_SIZE, seq.pages[full] * PAGE_SIZE, n
+        )
+        seq.computed = end
 
     def _reuse(self, seq: Seq) -> None:
         """Take the cached pages of the longest prefix of `seq`'s ids that they hold, leaving
@@ -259,6 +286,7 @@ class Scheduler:
         if last:
             self._set_row(inputs, -1, seq)
         out = self.model.compiled(inputs)
+        self.prefilled += stop - start
         seq.computed = stop
         self._register(seq)
         if scored:

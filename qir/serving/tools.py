@@ -18,7 +18,11 @@ family), so it always parses.
 
 Streamed, text is passed on as content until a call's marker appears (a partial marker is held
 back, as a stop string is), and the calls are sent as tool_call deltas (each call's id, name and
-whole arguments) once the reply ends."""
+whole arguments) once the reply ends.
+
+A tokenizer may hold a marker as a special token (Mistral's [TOOL_CALLS] and [ARGS], Llama's
+<|python_tag|>), which decoded text skips: a reply the parser reads keeps those ids' text
+(`kept_ids`, qir.text.TextStream's `keep`)."""
 
 from __future__ import annotations
 
@@ -26,13 +30,23 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qir.errors import UsageError
+
+if TYPE_CHECKING:
+    from qir.text.tokenizer import Tokenizer
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 # What each parser's calls start with (llama3_json: the reply itself, at its start).
 MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
+# What each parser reads that a tokenizer may hold as special tokens, which decoding would drop
+# (Mistral's [TOOL_CALLS] and [ARGS] are control tokens, Llama's <|python_tag|> is special).
+TOKENS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+    "llama3_json": ("<|python_tag|>",),
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,12 @@ def detect(template: str | None) -> str | None:
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3_json"
     return None
+
+
+def kept_ids(parser: str, tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the parser's tokens (TOKENS) that the tokenizer has, to keep in the text."""
+    ids = (tokenizer.token_id(t) for t in TOKENS[parser])
+    return frozenset(i for i in ids if i is not None)
 
 
 def _arguments(value: Any) -> str:

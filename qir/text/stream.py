@@ -9,11 +9,14 @@ first piece of a text, so what is printed concatenates to decoding all the ids a
 at every point a prefix of it.
 
 Stop strings: text that might be the start of one is held back until it is known not to be;
-a stop string found ends the text before it (it is not part of the text, as OpenAI's `stop`)."""
+a stop string found ends the text before it (it is not part of the text, as OpenAI's `stop`).
+
+Special tokens are skipped, as `skip_special_tokens` does, except those in `keep`: a tool-call
+parser reads markers that tokenizers hold as special tokens (Mistral's [TOOL_CALLS])."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from qir.text.tokenizer import Tokenizer
 
@@ -22,7 +25,11 @@ INCOMPLETE = "\ufffd"
 
 class TextStream:
     def __init__(
-        self, tokenizer: Tokenizer, stop: Sequence[str] = (), keep_stop: bool = False
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        keep_stop: bool = False,
+        keep: Collection[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
@@ -32,10 +39,15 @@ class TextStream:
         self._read = 0  # the ids whose text has been taken
         self._held = ""  # text that may begin a stop string
         self.stopped = False  # a stop string was found: nothing more comes out
-        self._byte_ids = tokenizer.byte_ids
+        self._byte_ids = tokenizer.byte_ids - frozenset(keep)
+        # Decoded without skipping, less the special ids not kept: the kept ones print
+        self._skipped = tokenizer.special_ids - frozenset(keep) if keep else None
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+        if self._skipped is None:
+            return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+        ids = [t for t in self.ids[start:end] if t not in self._skipped]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def add(self, token: int) -> str:
         """The text that `token` completes (possibly empty)."""

@@ -92,6 +92,12 @@ class Tokenizer:
         return frozenset(pieces | special)
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (those decoding skips)."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, t in added.items() if t.special)
+
+    @property
     def vocab_size(self) -> int:
         """Ids the tokenizer can produce (its added tokens included)."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))

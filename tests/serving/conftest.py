@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,11 +38,13 @@ class Served:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def serve(max_queue: int = 64, max_seq: int | None = None, **options: Any) -> Iterator[Served]:
-    """The fixture served (options: create_app's)."""
+def serve(
+    max_queue: int = 64, max_seq: int | None = None, fixture: Path = FIXTURE, **options: Any
+) -> Iterator[Served]:
+    """The fixture (or a variant of it) served (options: create_app's)."""
     from qir.serving.http import background, create_app
 
-    engine = Engine.load(FIXTURE, backend="host", max_queue=max_queue, max_seq=max_seq)
+    engine = Engine.load(fixture, backend="host", max_queue=max_queue, max_seq=max_seq)
     served = Served("", engine)
     submit = engine.submit
 

@@ -180,6 +180,20 @@ def test_n_samples_are_the_requests_with_seeds_seed_plus_i() -> None:
     assert all(d.cumulative_logprob is not None for d in ends)
 
 
+def test_samples_copy_the_shared_partial_page_and_draw_the_same() -> None:
+    """n samples of LONG (two full pages, seven ids on a third): the first computes the prompt,
+    the others take its full pages and copy its partial page's rows, feeding only the last id;
+    greedy, every sample is what the prompt gives without prefix caching."""
+    reqs = [Request(LONG, 6, Sampling(), ignore_eos=True, n=3)]
+    warm, cold = engine(), engine(prefix_caching=False)
+    (shared,), (alone,) = run(warm, reqs), run(cold, reqs)
+    assert warm.scheduler.prefilled == len(LONG) + 2 * 1
+    assert cold.scheduler.prefilled == 3 * len(LONG)
+    assert warm.scheduler.pool.reused == 2 * 2
+    want = ids(alone, 0)
+    assert [ids(shared, i) for i in range(3)] == [want] * 3 == [ids(alone, i) for i in range(3)]
+
+
 def test_prefix_pages_are_reused_evicted_under_pressure_and_change_nothing() -> None:
     other = tuple(range(100, 139))
     reqs = [Request(p, 4, Sampling(), ignore_eos=True) for p in (LONG, other, (*LONG, 5), other)]
@@ -196,6 +210,8 @@ def test_prefix_pages_are_reused_evicted_under_pressure_and_change_nothing() -> 
     assert [ids(d) for d in run(warm, reqs, one_by_one=True)] == want
     # LONG's two pages hit for LONG + (5,), other's for the second other.
     assert warm.scheduler.counters.prefix_cache_hits == 4 * 16
+    # the time-to-first-token gain, counted: the ids found in cached pages are not prefilled
+    assert warm.scheduler.prefilled == cold.scheduler.prefilled - 4 * 16
     assert warm.scheduler.pool.free == warm.scheduler.pool.pages
     assert counters.prefix_cache_queries == sum(len(r.prompt) for r in reqs)
 

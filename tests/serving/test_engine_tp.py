@@ -9,9 +9,10 @@ import pytest
 from qir.collectives import run_threads
 from qir.dtypes import F32
 from qir.models import Model
-from qir.serving import Engine
+from qir.sampling import Sampling
+from qir.serving import Engine, Request
 from qir.serving.engine import follow_engine
-from tests.serving.test_engine import CKPT, alone, requests, serve
+from tests.serving.test_engine import CKPT, alone, requests, serve, serve_deltas
 
 
 @pytest.mark.parametrize("backend", ["reference", "host"])
@@ -29,3 +30,23 @@ def test_ranks_serve_what_one_model_gives(backend: str) -> None:
     model = Model.load(CKPT, backend=backend, act=F32, max_seq=64)
     assert got == [alone(model, r) for r in reqs]
     assert followed >= steps  # every step (and each capture) ran on rank 1 too
+
+
+def test_ranks_copy_a_shared_partial_page_too() -> None:
+    """n=2 samples of a prompt ending mid-page: the second copies the first's partial page on
+    every rank (a copy the followers repeat), so both are the unsplit model's greedy ids."""
+    request = Request(tuple(range(1, 21)), 4, Sampling(), ignore_eos=True, n=2)
+    options = {"backend": "reference", "act": F32, "max_batch": 2, "max_seq": 64}
+
+    def rank(comm):
+        if comm.rank == 0:
+            engine = Engine.load(CKPT, comm=comm, chunk=8, **options)
+            deltas = serve_deltas(engine, request)
+            return [[t for d in deltas if d.index == i for t in d.token_ids] for i in (0, 1)], (
+                engine.scheduler.prefilled
+            )
+        return follow_engine(CKPT, comm=comm, **options)
+
+    (got, prefilled), _ = run_threads(2, rank, timeout=300)
+    want = alone(Model.load(CKPT, backend="reference", act=F32, max_seq=64), request)
+    assert got == [want, want] and prefilled == 20 + 1

@@ -8,6 +8,7 @@ format streamed as tool_call deltas)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from qir.cli import main
 from qir.models import Model
 from tests.requires import import_or_skip
-from tests.serving.conftest import FIXTURE, NAME, Served
+from tests.serving.conftest import FIXTURE, NAME, Served, serve
 
 jsonschema = import_or_skip("jsonschema", "jsonschema")
 
@@ -371,3 +372,72 @@ def test_a_familys_tool_calls_stream_as_deltas(server: Served) -> None:
         message["content"] == "ok "
         and json.loads(message["tool_calls"][0]["function"]["arguments"]) == args
     )
+
+
+def _mistral_fixture(root: Path) -> Path:
+    """The fixture with Mistral's tool-call marker: [TOOL_CALLS] a special (control) token, as
+    in Mistral's tokenizers (in place of '~', which no merge uses), its template spelling it."""
+    path = shutil.copytree(FIXTURE, root / "mistral")
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["[TOOL_CALLS]"] = vocab.pop("~")
+    tokenizer["added_tokens"].append(
+        {
+            "id": vocab["[TOOL_CALLS]"],
+            "content": "[TOOL_CALLS]",
+            **dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized"), False),
+            "special": True,
+        }
+    )
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    template = path / "chat_template.jinja"
+    template.write_text(template.read_text() + "{#- tools: [TOOL_CALLS] #}")
+    return path
+
+
+def _as_lark(compile_: Any) -> Any:
+    return lambda _kind, spec, field: compile_("lark", spec, field)
+
+
+def test_mistral_tool_calls_after_its_control_token(tmp_path: Path) -> None:
+    """Mistral's [TOOL_CALLS] is a special token, which decoded text skips: the reply is held
+    by a grammar to content, that token's id, then a call list, and the call is read from the
+    ids (streamed and whole), while a reply without tools still skips the token. The served
+    grammar fields are GBNF, which cannot name a token id: this engine reads them as Lark."""
+    for served in serve(fixture=_mistral_fixture(tmp_path)):
+        grammars = served.engine.grammars
+        grammars.compile = _as_lark(grammars.compile)  # type: ignore[method-assign]
+        marker = served.engine.tokenizer.token_id("[TOOL_CALLS]")
+        assert marker in served.engine.tokenizer.special_ids
+        assert served.engine.tool_parser == "mistral"
+        grammar = (
+            f'start: "ok" <[{marker}]> "[{{\\"name\\": \\"add\\", \\"arguments\\": '
+            '{\\"a\\": " /[1-9]/ ", \\"b\\": " /[1-9]/ "}}]"'
+        )
+        body = {
+            "model": served.engine.name,
+            "messages": [{"role": "user", "content": "Add"}],
+            "tools": TOOLS,
+            "max_tokens": 60,
+            "temperature": 1.0,
+            "seed": 4,
+        }
+        extra = {"structured_outputs": {"grammar": grammar}}
+        chunks = list(
+            served.client().chat.completions.create(stream=True, extra_body=extra, **body)  # type: ignore[attr-defined]
+        )
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert content == "ok" and [d.function.name for d in deltas] == ["add"]
+        args = json.loads(deltas[0].function.arguments)
+        assert set(args) == {"a", "b"}
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        message = post(served, "/chat/completions", {**body, **extra})["choices"][0]["message"]
+        assert message["content"] == "ok"
+        (call,) = message["tool_calls"]
+        assert (
+            call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == args
+        )
+        body.pop("tools")
+        plain = post(served, "/chat/completions", {**body, **extra})["choices"][0]["message"]
+        assert plain["content"].startswith('ok[{"name": "add"') and not plain.get("tool_calls")
