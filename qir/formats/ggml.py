@@ -13,6 +13,10 @@ worth where its chunks are read (RowLayout has the sizes):
 |---|---|---|
 | weight (u32 [O, K*L/32]) | codes | the low L bits of every code (L = 4; 2 for Q2_K, Q3_K, TQ; 8 for Q8_0) as little-endian 32-bit words (code_word: the 4-bit row is a plain bitstream) |
 | fields (u8 [O, R]) | high | the other H bits (Q5_*: 1, Q6_K: 2, Q3_K: 1), tiled for the decoder (high_tiling) |
+
+Q6_K is the exception: its 6-bit codes lie whole in 16-code groups of three words (Q6_PAIRS),
+two of each group's in `weight` and one in `high` (the planes' sizes as above), so that most
+pairs need one mask and no merge.
 | | scales | the legacy types: each block's fp16 d (then its m, interleaved); the K-quants and IQ4_XS: first each sub-block's scale (and min) byte: Q4_K/Q5_K (sc, mn), Q2_K sc \| mn << 4, Q3_K/IQ4_XS the 6-bit field less 32, Q6_K its int8 (two's complement); then each block's d (and dmin, interleaved) as fp16 |
 
 Why planes and not the blocks as stored: a block is 18..210 bytes, so most blocks start at
@@ -196,6 +200,56 @@ def _unpack_high(words: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.bitwise_or.reduce(bits, axis=0).astype(np.uint8)
 
 
+# Q6_K's 6-bit codes, a group of 16 (two steps) in three words X0, X1, X2 (X0 X1 of a chunk's
+# groups in `weight`, X2 in `high`): per pair of the group, the parts of its low element's code
+# (word, bit in the word, bit of the code, bits); its high element's sit 16 bits higher. Pairs
+# A (X_i bits 0-5) and B (6-11) of each word hold whole codes, G and H the last nibbles of X0
+# and X1 with their top bits in X2: in f16 one LOP3 a pair for A and B, two for G and H, and
+# five shifts a group (X0 >> 6, 10; X1 >> 6, 8; X2 >> 6), where a plane of high bits merged in
+# costs two LOP3 every pair (docs/cost-model.md).
+Q6_PAIRS: tuple[tuple[tuple[int, int, int, int], ...], ...] = (
+    ((0, 0, 0, 6),),
+    ((0, 6, 0, 6),),
+    ((1, 0, 0, 6),),
+    ((1, 6, 0, 6),),
+    ((2, 0, 0, 6),),
+    ((2, 6, 0, 6),),
+    ((0, 12, 0, 4), (2, 12, 4, 2)),
+    ((1, 12, 0, 4), (2, 14, 4, 2)),
+)
+
+
+def q6_pair_elems(k: int) -> tuple[int, int]:
+    """The group's elements of pair k: the steps' pairs (e, e + 4), pairs 0-3 the first step's."""
+    lo = 8 * (k // 4) + k % 4
+    return lo, lo + 4
+
+
+def _pack_q6(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(`weight` words [..., K/8], `high` words [..., K/16]) of 6-bit codes q [..., K] (Q6_PAIRS)."""
+    lead = q.shape[:-1]
+    g = np.asarray(q, dtype=np.uint32).reshape(*lead, -1, 2, 16)
+    words = np.zeros((*g.shape[:-1], 3), np.uint32)
+    for k, parts in enumerate(Q6_PAIRS):
+        for e, half in zip(q6_pair_elems(k), (0, 16), strict=True):
+            for w, bit, off, n in parts:
+                words[..., w] |= ((g[..., e] >> off) & ((1 << n) - 1)) << (bit + half)
+    weight = words[..., :2].reshape(*lead, -1)
+    return weight, np.ascontiguousarray(words[..., 2].reshape(*lead, -1))
+
+
+def _unpack_q6(weight: np.ndarray, high: np.ndarray) -> np.ndarray:
+    lead = weight.shape[:-1]
+    x = np.asarray(weight, dtype=np.uint32).reshape(*lead, -1, 2, 2)
+    words = np.concatenate([x, np.asarray(high, dtype=np.uint32).reshape(*lead, -1, 2, 1)], -1)
+    q = np.zeros((*words.shape[:-1], 16), np.uint32)
+    for k, parts in enumerate(Q6_PAIRS):
+        for e, half in zip(q6_pair_elems(k), (0, 16), strict=True):
+            for w, bit, off, n in parts:
+                q[..., e] |= ((words[..., w] >> (bit + half)) & ((1 << n) - 1)) << off
+    return q.reshape(*lead, -1).astype(np.uint8)
+
+
 def _pack_bits(v: np.ndarray, pos: tuple[int, ...]) -> np.ndarray:
     """uint32 [..., n/len(pos)] of small values v (uint8 [..., n]), value i of each run of
     len(pos) at bit pos[i] of its word; no value crosses a byte of the word. Built a byte at a
@@ -279,8 +333,12 @@ class Ggml(WeightFormat):
         def as_bytes(a: np.ndarray, dtype: str) -> np.ndarray:
             return np.ascontiguousarray(a.astype(dtype)).view(np.uint8).reshape(*lead, -1)
 
-        codes = _pack_bits(f.q & ((1 << lo) - 1), _lo_positions(lo)).astype(np.uint32)
-        parts = [as_bytes(_pack_high(f.q >> lo, lo, hi), "<u4")] if hi else []
+        if s.name == "Q6_K":
+            codes, high = _pack_q6(f.q)
+            parts = [as_bytes(high, "<u4")]
+        else:
+            codes = _pack_bits(f.q & ((1 << lo) - 1), _lo_positions(lo)).astype(np.uint32)
+            parts = [as_bytes(_pack_high(f.q >> lo, lo, hi), "<u4")] if hi else []
         d = f.d.astype(np.float16)
         dm = as_bytes(_interleave(d, f.dmin) if f.dmin is not None else d, "<f2")
         if s.sub:
@@ -303,10 +361,13 @@ class Ggml(WeightFormat):
         lo, hi = lo_bits(s), hi_bits(s)
         row = np.asarray(bufs["fields"])
         lay = row_layout(s, in_features)
-        q = _unpack_bits(np.asarray(bufs["weight"]), _lo_positions(lo), lo)
-        if hi:
-            high = np.ascontiguousarray(row[..., : lay.high]).view("<u4")
-            q |= _unpack_high(high, lo, hi) << lo
+        high = np.ascontiguousarray(row[..., : lay.high]).view("<u4")
+        if s.name == "Q6_K":
+            q = _unpack_q6(np.asarray(bufs["weight"]), high)
+        else:
+            q = _unpack_bits(np.asarray(bufs["weight"]), _lo_positions(lo), lo)
+            if hi:
+                q |= _unpack_high(high, lo, hi) << lo
         scales, sub = self.split_scales(row[..., lay.scales_at : lay.scales_at + lay.scales])
         d, dmin = (scales[..., 0::2], scales[..., 1::2]) if s.mins else (scales, None)
         sc = mn = None

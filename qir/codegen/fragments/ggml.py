@@ -34,6 +34,7 @@ from qir.codegen.fragments.base import (
     register_fragment,
 )
 from qir.formats.ggml import (
+    Q6_PAIRS,
     CodeWord,
     Ggml,
     code_word,
@@ -86,6 +87,35 @@ def _high(spec: Spec, cw: CodeWord, chunk: int) -> dict[str, Any]:
         "high_words": chunk * hi // 32,
         "high_word": [row[0] // per_word for row in elems],
         "high_bit": [[pos[j % per_word] for j in row] for row in elems],
+    }
+
+
+# Q6_K's pairs' bit in T (f16's window of 10 bits, bf16's 7): where the f16 shifts of a group's
+# words are shared (G's and H's X2 >> 6 with B's; formats.ggml.Q6_PAIRS); bf16 takes each at 0.
+_Q6_POS = {10: (0, 0, 0, 0, 0, 0, 2, 4), 7: (0,) * 8}
+
+
+def _q6(zero: int, chunk: int) -> dict[str, Any]:
+    """Q6_K's parts per pair (formats.ggml.Q6_PAIRS): word, bits, and per T shift and bit."""
+    parts = [list(p) + [p[0]] * (2 - len(p)) for p in Q6_PAIRS]
+    shift, at = [], []
+    for win, pos in _Q6_POS.items():
+        assert all(q + max(6, zero.bit_length()) <= win for q in pos), (win, pos)
+        at.append([[pos[k] + off for _, _, off, _ in ps] for k, ps in enumerate(parts)])
+        shift.append([[bit - pos[k] - off for _, bit, off, _ in ps] for k, ps in enumerate(parts)])
+        assert all(x >= 0 for row in shift[-1] for x in row), shift
+    return {
+        "q6": True,
+        "high_words": chunk * 2 // 32,
+        "q6_parts": [len(p) for p in Q6_PAIRS],
+        "q6_word": [[w for w, *_ in ps] for ps in parts],
+        "q6_bits": [
+            [n if i < len(Q6_PAIRS[k]) else 0 for i, (*_, n) in enumerate(ps)]
+            for k, ps in enumerate(parts)
+        ],
+        "q6_shift": shift,
+        "q6_at": at,
+        "q6_pos": [list(p) for p in _Q6_POS.values()],
     }
 
 
@@ -151,6 +181,6 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
                 [sh[i * 4 : i * 4 + 4] for i in range(spw)]
                 for sh in (_shifts(cw, s.bits, zero, w) for w in (10, 7))
             ],
-            **_high(s, cw, chunk),
+            **(_q6(zero, chunk) if s.name == "Q6_K" else _high(s, cw, chunk)),
         }
     return make_fragment("formats/ggml.cuh.j2", buffers, chunk, context)
