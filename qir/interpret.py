@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from qir import collectives, logits, moe, rope, sampling
-from qir.errors import QirError
+from qir.errors import QirError, Unsupported
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
 from qir.ops import (
@@ -21,8 +22,10 @@ from qir.ops import (
     W4A4_MAX_M,
     cache_operands,
     expert_layout,
+    implement,
     qlinear_layout,
     sinks_operand,
+    spec,
 )
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
@@ -442,62 +445,14 @@ def evaluate(
     for key, value in states.items():
         if key in declared and value.shape != declared[key].concrete({}):
             raise BindError(f"state {key!r}: shape {list(value.shape)}, expected {declared[key]}")
-    written: dict[str, np.ndarray] = {}
+    run = Run(graph, inputs, weights, env, biases, states, {}, comm)
     for name, node in graph.items():
-        args = [env[o] for o in graph.operands(name)]
-        if node.op == "input":
-            env[name] = inputs[name]
-        elif node.op == "weight":
-            env[name] = dequantized(node, weights)
-            biases[name] = bias(node, weights)
-        elif node.op == "state":
-            t = node.type
-            assert isinstance(t, TensorType)
-            key = node.attr("key")
-            env[name] = states.get(key, np.zeros(t.concrete({}), t.dtype.np))
-        elif node.op == "kv_append":
-            env[name] = kv_append(node, args)
-            for i in (0, 1):
-                written[graph.node(graph.operands(name)[i]).attr("key")] = env[name][i]
-        elif node.op in _LAYER_OPS:
-            assert isinstance(node.type, TensorType)
-            env[name] = _LAYER_OPS[node.op](node, args).astype(node.type.dtype.np)
-        elif node.op == "qlinear":
-            ws = qlinear_layout(len(args), dict(node.attrs))[1]
-            env[name] = _qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
-        elif node.op == "quantize_act":
-            # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
-            # With an RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel
-            # forms from the rms_norm's own operands, the same way.
-            x = args[0]
-            env[name] = (
-                quantize_act(node.attr("scheme"), x, dict(node.attrs))
-                if x.shape[0] <= W4A4_MAX_M
-                else _f32(x)
-            )
-        elif node.op == "route":
-            env[name] = moe.route(args[0], node.attr("k"), node.attr("rule"))
-        elif node.op == "logprobs":
-            env[name] = logits.logprobs(args[0], args[1], args[2], node.attr("k"))
-        elif node.op == "expert_qlinear":
-            types = [graph.node(o).type for o in graph.operands(name)]
-            ws = expert_layout(types, dict(node.attrs))[0]
-            ops = graph.operands(name)
-            scales = expert_input_scales(graph, name, weights) if node.attr("act_quant") else None
-            env[name] = expert_qlinear(node, args, [biases[w] for w in ops[ws]], scales)
-        elif node.op == "get":
-            env[name] = args[0][node.attr("index")]
-        elif node.op in ("all_reduce", "all_gather"):
-            env[name] = collective(name, node, args[0], comm)
-        elif node.op == "softcap":
-            assert isinstance(node.type, TensorType)
-            env[name] = softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
-        else:
-            assert isinstance(node.type, TensorType)
-            result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
-            env[name] = result.astype(node.type.dtype.np)
+        reference = spec(node.op).reference
+        if reference is None:
+            raise Unsupported(f"%{name} = {node.op}: the op has no interpreter reference")
+        env[name] = reference(run, name, node, [env[o] for o in graph.operands(name)])
     if state is not None:
-        state.update(written)
+        state.update(run.written)
     return env
 
 
@@ -607,6 +562,106 @@ _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "sample": lambda node, args: sampling.sample(*args),
     "adjust_logits": lambda node, args: logits.adjust_logits(*args),
 }
+
+
+@dataclass
+class Run:
+    """What an op's reference may read and write besides its operands' values: one evaluate."""
+
+    graph: Graph
+    inputs: Mapping[str, np.ndarray]
+    weights: Weights
+    env: dict[str, Any]
+    biases: dict[str, np.ndarray | None]
+    states: Mapping[str, np.ndarray]
+    written: dict[str, np.ndarray]  # the caches kv_appends wrote, by state key
+    comm: collectives.Comm | None
+
+
+def _weight(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    value = dequantized(node, run.weights)  # checks the buffers, the bias's among them
+    run.biases[name] = bias(node, run.weights)
+    return value
+
+
+def _state(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    t = node.type
+    assert isinstance(t, TensorType)
+    return run.states.get(node.attr("key"), np.zeros(t.concrete({}), t.dtype.np))
+
+
+def _kv_append(run: Run, name: str, node: Node, args: list[Any]) -> Any:
+    out = kv_append(node, args)
+    for i in (0, 1):
+        run.written[run.graph.node(run.graph.operands(name)[i]).attr("key")] = out[i]
+    return out
+
+
+def _layer(fn: Callable[[Node, list[np.ndarray]], np.ndarray]) -> Callable[..., np.ndarray]:
+    def reference(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+        assert isinstance(node.type, TensorType)
+        return fn(node, args).astype(node.type.dtype.np)
+
+    return reference
+
+
+def _qlinear_ref(run: Run, name: str, node: Node, args: list[Any]) -> Any:
+    ws = qlinear_layout(len(args), dict(node.attrs))[1]
+    return _qlinear(node, args, [run.biases[w] for w in run.graph.operands(name)[ws]])
+
+
+def _quantize_act_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself. With an
+    # RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel forms from the
+    # rms_norm's own operands, the same way.
+    x = args[0]
+    if x.shape[0] <= W4A4_MAX_M:
+        return quantize_act(node.attr("scheme"), x, dict(node.attrs))
+    return _f32(x)
+
+
+def _expert_qlinear_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    graph = run.graph
+    ops = graph.operands(name)
+    ws = expert_layout([graph.node(o).type for o in ops], dict(node.attrs))[0]
+    scales = expert_input_scales(graph, name, run.weights) if node.attr("act_quant") else None
+    return expert_qlinear(node, args, [run.biases[w] for w in ops[ws]], scales)
+
+
+def _softcap_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    assert isinstance(node.type, TensorType)
+    return softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
+
+
+def _elementwise(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def reference(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+        assert isinstance(node.type, TensorType)
+        return fn(*(_f32(a) for a in args)).astype(node.type.dtype.np)
+
+    return reference
+
+
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "input": lambda run, name, node, args: run.inputs[name],
+    "weight": _weight,
+    "state": _state,
+    "kv_append": _kv_append,
+    **{op: _layer(fn) for op, fn in _LAYER_OPS.items()},
+    "qlinear": _qlinear_ref,
+    "quantize_act": _quantize_act_ref,
+    "route": lambda run, name, node, args: moe.route(args[0], node.attr("k"), node.attr("rule")),
+    "logprobs": lambda run, name, node, args: logits.logprobs(
+        args[0], args[1], args[2], node.attr("k")
+    ),
+    "expert_qlinear": _expert_qlinear_ref,
+    "get": lambda run, name, node, args: args[0][node.attr("index")],
+    "all_reduce": lambda run, name, node, args: collective(name, node, args[0], run.comm),
+    "all_gather": lambda run, name, node, args: collective(name, node, args[0], run.comm),
+    "softcap": _softcap_ref,
+    **{op: _elementwise(fn) for op, fn in _ELEMENTWISE.items()},
+}
+for _op, _reference in REFERENCES.items():
+    implement(_op, reference=_reference)
 
 
 def interpret(
