@@ -13,13 +13,13 @@ W4A4 GEMMs run on the block-scaled FP4 MMA, where that GEMM quantizes its 16-bit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import lru_cache
 
 from qir.codegen import elementwise, fragments, gemm, gemv, quantize_act
 from qir.codegen.collectives import collective_kernel
-from qir.codegen.elementwise import elementwise_grid_x
+from qir.codegen.elementwise import EXPRESSIONS, elementwise_grid_x
 from qir.codegen.gemm import GemmSpec, bucket_ranges
 from qir.codegen.gemv import GemvSpec, for_target
 from qir.codegen.lower_layer import LAYER_LOWERINGS
@@ -42,7 +42,7 @@ from qir.codegen.plan import value_bytes as value_bytes
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
 from qir.errors import Unsupported
 from qir.graph import AttrValue, Graph
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, qlinear_layout, spec
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, implement, qlinear_layout, spec
 from qir.target import DEFAULT, Target
 from qir.types import QActType, QWeight, TensorType, TupleType
 
@@ -224,34 +224,13 @@ def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) 
     launches = []
     temps: dict[str, TensorType] = {}
     for name, node in graph.items():
-        if node.op in ("input", "weight", "get", "state"):
-            continue  # leaves, and projections of a multi-output launch's results
-        operands = graph.operands(name)
-        if node.op == "qlinear":
-            launches.extend(_lower_qlinear(graph, name, m_tile, target))
-        elif node.op == "quantize_act":
-            launches.append(_lower_quantize_act(graph, name))
-        elif node.op in MOE_LOWERINGS:
-            # Given the temps so far: launches of one router's ids share its grouping.
-            moe_launches, moe_temps = MOE_LOWERINGS[node.op](graph, name, temps, target)
-            launches.extend(moe_launches)
-            temps.update(moe_temps)
-        elif node.op in LAYER_LOWERINGS:
-            layer_launches, layer_temps = LAYER_LOWERINGS[node.op](graph, name)
-            launches.extend(layer_launches)
-            temps.update(layer_temps)
-        elif node.op in ("all_reduce", "all_gather"):
-            launches.append(_lower_collective(graph, name))
-        elif spec(node.op).elementwise:
-            out = node.type
-            assert isinstance(out, TensorType)
-            n = out.shape[1]
-            assert isinstance(n, int)
-            args = (*(Arg("value", o) for o in operands), Arg("value", name), Arg("M"))
-            kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
-            launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
-        else:
+        lowering = spec(node.op).lower
+        if lowering is None:
             raise Unsupported(f"no kernel for %{name} = {node.op}")
+        # Given the temps so far: launches of one router's ids share its grouping.
+        new_launches, new_temps = lowering(graph, name, temps, m_tile, target)
+        launches.extend(new_launches)
+        temps.update(new_temps)
     return Plan(graph, _quantize_when_read(launches), temps, target)
 
 
@@ -280,3 +259,49 @@ def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:
                 la = replace(la, when=(min(lo for lo, _ in ranges), max(hi for _, hi in ranges)))
         out.append(la)
     return tuple(out)
+
+
+Lowered = tuple[list[Launch], dict[str, TensorType]]
+# (graph, name, the temps so far, m_tile, target): OpSpec.lower
+Lowering = Callable[[Graph, str, dict[str, TensorType], int, Target], Lowered]
+MoeLowering = Callable[[Graph, str, Mapping[str, TensorType], Target], Lowered]
+LayerLowering = Callable[[Graph, str], Lowered]
+
+
+def _no_launch(graph: Graph, name: str, *_: object) -> Lowered:
+    """Leaves, and projections of a multi-output launch's results."""
+    return [], {}
+
+
+def _elementwise(graph: Graph, name: str, *_: object) -> Lowered:
+    node = graph.node(name)
+    out = node.type
+    assert isinstance(out, TensorType)
+    n = out.shape[1]
+    assert isinstance(n, int)
+    args = (*(Arg("value", o) for o in graph.operands(name)), Arg("value", name), Arg("M"))
+    kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
+    return [Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,))], {}
+
+
+def _moe(fn: MoeLowering) -> Lowering:
+    return lambda graph, name, temps, _, target: fn(graph, name, temps, target)
+
+
+def _layer(fn: LayerLowering) -> Lowering:
+    return lambda graph, name, *_: fn(graph, name)
+
+
+LOWERINGS: dict[str, Lowering] = {
+    **dict.fromkeys(("input", "weight", "get", "state"), _no_launch),
+    "qlinear": lambda g, name, _, m_tile, target: (_lower_qlinear(g, name, m_tile, target), {}),
+    "quantize_act": lambda g, name, *_: ([_lower_quantize_act(g, name)], {}),
+    **{op: _moe(fn) for op, fn in MOE_LOWERINGS.items()},
+    **{op: _layer(fn) for op, fn in LAYER_LOWERINGS.items()},
+    **dict.fromkeys(
+        ("all_reduce", "all_gather"), lambda g, name, *_: ([_lower_collective(g, name)], {})
+    ),
+    **dict.fromkeys(EXPRESSIONS, _elementwise),
+}
+for _op, _lowering in LOWERINGS.items():
+    implement(_op, lower=_lowering)
