@@ -295,13 +295,15 @@ def _slots(node: Node, positions: np.ndarray, span: int) -> np.ndarray:
     return positions % span if node.attr("window") is not None else positions
 
 
-def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray) -> np.ndarray | None:
+def _pages(
+    node: Node, args: list[np.ndarray], cache: np.ndarray, positions_at: int
+) -> np.ndarray | None:
     """int64 [M, S]: where row m's positions 0..S-1 sit in a paged cache (S: the positions a
     block table holds): table[m, p // page_size] * page_size + p % page_size. None without a
     block table (qir.ops.cache_operands), where position p is row p. Positions (the operand
     before the block table; -1 for a padding row) must fit, and so must the pages a row reads
-    or writes."""
-    positions = args[4 if node.op == "kv_append" else 3]
+    or writes; `positions_at`: the positions' operand (kv_append's 4, attention's 3)."""
+    positions = args[positions_at]
     at = cache_operands(node.op, dict(node.attrs))[0]
     if at is None:
         _check_span(node, positions, cache.shape[0], f"the KV cache of {cache.shape[0]} rows")
@@ -331,7 +333,7 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
     (each rounded, as the ops would)."""
     kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
-    rows = _pages(node, args, kc)
+    rows = _pages(node, args, kc, 4)
     norm = cache_operands("kv_append", attrs)[1]
     if norm is not None:
         k = rms_norm(k, args[norm], node.attr("norm_eps")).astype(kc.dtype)
@@ -353,7 +355,7 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
     denominator."""
     q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
-    rows = _pages(node, args, kc)
+    rows = _pages(node, args, kc, 3)
     m, (_, kv_heads, d) = q.shape[0], kc.shape
     norm = cache_operands("attention", attrs)[1]
     if norm is not None:
@@ -456,17 +458,30 @@ def evaluate(
     return env
 
 
-def collective(name: str, node: Node, x: np.ndarray, comm: collectives.Comm | None) -> np.ndarray:
-    """An all_reduce or all_gather of x over the node's ranks through `comm`."""
+def _group(run: Run, name: str, node: Node) -> collectives.Comm | None:
+    """The communicator of a collective over the node's ranks; None over one rank (a no-op)."""
     ranks = node.attr("ranks")
     if ranks == 1:
-        return x
+        return None
+    comm = run.comm
     if comm is None or comm.size != ranks:
         have = "no communicator" if comm is None else f"a group of {comm.size}"
         raise BindError(f"%{name}: {node.op} over {ranks} ranks, but the run has {have}")
-    if node.op == "all_reduce":
-        return collectives.all_reduce(comm, x, f"%{name} = all_reduce")
-    return collectives.all_gather(comm, x, node.attr("axis"), f"%{name} = all_gather")
+    return comm
+
+
+def _all_reduce(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    comm = _group(run, name, node)
+    return (
+        args[0] if comm is None else collectives.all_reduce(comm, args[0], f"%{name} = all_reduce")
+    )
+
+
+def _all_gather(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    comm = _group(run, name, node)
+    if comm is None:
+        return args[0]
+    return collectives.all_gather(comm, args[0], node.attr("axis"), f"%{name} = all_gather")
 
 
 ActScales = tuple[np.ndarray, str] | None
@@ -655,8 +670,8 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     ),
     "expert_qlinear": _expert_qlinear_ref,
     "get": lambda run, name, node, args: args[0][node.attr("index")],
-    "all_reduce": lambda run, name, node, args: collective(name, node, args[0], run.comm),
-    "all_gather": lambda run, name, node, args: collective(name, node, args[0], run.comm),
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
     "softcap": _softcap_ref,
     **{op: _elementwise(fn) for op, fn in _ELEMENTWISE.items()},
 }
