@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 import qir
-from qir.codegen.lower import Plan, lower
+from qir.codegen.lower import lower
+from qir.codegen.plan import Plan
 from qir.models import load
 from qir.models.blocks import BLOCKS, build
 from qir.models.goldens import embedded_checkpoints

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from qir.builder import Builder
-from qir.codegen.lower import Plan, lower
+from qir.codegen.lower import lower
+from qir.codegen.plan import Plan
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from qir import draw
-from qir.codegen.lower import DEFAULT_M_TILE, Plan, lower
+from qir.codegen.lower import lower
+from qir.codegen.plan import DEFAULT_M_TILE, Plan
 from qir.collectives import Comm
 from qir.errors import UsageError
 from qir.graph import Graph

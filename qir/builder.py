@@ -56,6 +56,10 @@ class Builder:
         n = self.graph.add(self._fresh(name, op), node, tuple(names))
         return Value(n, result)
 
+    def op(self, op: str, *operands: Value, name: str | None = None, **attrs: AttrValue) -> Value:
+        """A node of any registered op (qir.ops.register): the ops without a method of their own."""
+        return self._op(op, operands, name, **attrs)
+
     def input(self, name: str, shape: tuple[Dim, ...], dtype: DType) -> Value:
         """A block input: an activation ("M", features), or i32 ("M",) token ids or positions;
         M is bound by each run."""

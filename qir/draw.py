@@ -18,7 +18,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from qir.codegen.lower import ALL_M, Launch, Plan
+from qir.codegen.plan import ALL_M, Launch, Plan
 from qir.errors import UsageError
 from qir.graph import Graph
 from qir.types import QExperts, QWeight

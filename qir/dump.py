@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qir.codegen.lower import Launch, Plan, experts_per_row, value_bytes
+from qir.codegen.plan import Launch, Plan, experts_per_row, value_bytes
 from qir.graph import Graph
 from qir.printer import print_graph
 from qir.runtime.executor import plan_memory

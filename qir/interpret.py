@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from qir import collectives, logits, moe, rope, sampling
-from qir.errors import QirError
+from qir.errors import QirError, Unsupported
 from qir.formats import ACT_QUANTIZERS
 from qir.graph import Graph, Node
 from qir.ops import (
@@ -21,8 +22,10 @@ from qir.ops import (
     W4A4_MAX_M,
     cache_operands,
     expert_layout,
+    implement,
     qlinear_layout,
     sinks_operand,
+    spec,
 )
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
@@ -292,13 +295,15 @@ def _slots(node: Node, positions: np.ndarray, span: int) -> np.ndarray:
     return positions % span if node.attr("window") is not None else positions
 
 
-def _pages(node: Node, args: list[np.ndarray], cache: np.ndarray) -> np.ndarray | None:
+def _pages(
+    node: Node, args: list[np.ndarray], cache: np.ndarray, positions_at: int
+) -> np.ndarray | None:
     """int64 [M, S]: where row m's positions 0..S-1 sit in a paged cache (S: the positions a
     block table holds): table[m, p // page_size] * page_size + p % page_size. None without a
     block table (qir.ops.cache_operands), where position p is row p. Positions (the operand
     before the block table; -1 for a padding row) must fit, and so must the pages a row reads
-    or writes."""
-    positions = args[4 if node.op == "kv_append" else 3]
+    or writes; `positions_at`: the positions' operand (kv_append's 4, attention's 3)."""
+    positions = args[positions_at]
     at = cache_operands(node.op, dict(node.attrs))[0]
     if at is None:
         _check_span(node, positions, cache.shape[0], f"the KV cache of {cache.shape[0]} rows")
@@ -328,7 +333,7 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
     (each rounded, as the ops would)."""
     kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
-    rows = _pages(node, args, kc)
+    rows = _pages(node, args, kc, 4)
     norm = cache_operands("kv_append", attrs)[1]
     if norm is not None:
         k = rms_norm(k, args[norm], node.attr("norm_eps")).astype(kc.dtype)
@@ -350,7 +355,7 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
     denominator."""
     q, kc, vc, positions = args[:4]
     attrs = dict(node.attrs)
-    rows = _pages(node, args, kc)
+    rows = _pages(node, args, kc, 3)
     m, (_, kv_heads, d) = q.shape[0], kc.shape
     norm = cache_operands("attention", attrs)[1]
     if norm is not None:
@@ -442,76 +447,41 @@ def evaluate(
     for key, value in states.items():
         if key in declared and value.shape != declared[key].concrete({}):
             raise BindError(f"state {key!r}: shape {list(value.shape)}, expected {declared[key]}")
-    written: dict[str, np.ndarray] = {}
+    run = Run(graph, inputs, weights, env, biases, states, {}, comm)
     for name, node in graph.items():
-        args = [env[o] for o in graph.operands(name)]
-        if node.op == "input":
-            env[name] = inputs[name]
-        elif node.op == "weight":
-            env[name] = dequantized(node, weights)
-            biases[name] = bias(node, weights)
-        elif node.op == "state":
-            t = node.type
-            assert isinstance(t, TensorType)
-            key = node.attr("key")
-            env[name] = states.get(key, np.zeros(t.concrete({}), t.dtype.np))
-        elif node.op == "kv_append":
-            env[name] = kv_append(node, args)
-            for i in (0, 1):
-                written[graph.node(graph.operands(name)[i]).attr("key")] = env[name][i]
-        elif node.op in _LAYER_OPS:
-            assert isinstance(node.type, TensorType)
-            env[name] = _LAYER_OPS[node.op](node, args).astype(node.type.dtype.np)
-        elif node.op == "qlinear":
-            ws = qlinear_layout(len(args), dict(node.attrs))[1]
-            env[name] = _qlinear(node, args, [biases[w] for w in graph.operands(name)[ws]])
-        elif node.op == "quantize_act":
-            # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself.
-            # With an RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel
-            # forms from the rms_norm's own operands, the same way.
-            x = args[0]
-            env[name] = (
-                quantize_act(node.attr("scheme"), x, dict(node.attrs))
-                if x.shape[0] <= W4A4_MAX_M
-                else _f32(x)
-            )
-        elif node.op == "route":
-            env[name] = moe.route(args[0], node.attr("k"), node.attr("rule"))
-        elif node.op == "logprobs":
-            env[name] = logits.logprobs(args[0], args[1], args[2], node.attr("k"))
-        elif node.op == "expert_qlinear":
-            types = [graph.node(o).type for o in graph.operands(name)]
-            ws = expert_layout(types, dict(node.attrs))[0]
-            ops = graph.operands(name)
-            scales = expert_input_scales(graph, name, weights) if node.attr("act_quant") else None
-            env[name] = expert_qlinear(node, args, [biases[w] for w in ops[ws]], scales)
-        elif node.op == "get":
-            env[name] = args[0][node.attr("index")]
-        elif node.op in ("all_reduce", "all_gather"):
-            env[name] = collective(name, node, args[0], comm)
-        elif node.op == "softcap":
-            assert isinstance(node.type, TensorType)
-            env[name] = softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
-        else:
-            assert isinstance(node.type, TensorType)
-            result = _ELEMENTWISE[node.op](*(_f32(a) for a in args))
-            env[name] = result.astype(node.type.dtype.np)
+        reference = spec(node.op).reference
+        if reference is None:
+            raise Unsupported(f"%{name} = {node.op}: the op has no interpreter reference")
+        env[name] = reference(run, name, node, [env[o] for o in graph.operands(name)])
     if state is not None:
-        state.update(written)
+        state.update(run.written)
     return env
 
 
-def collective(name: str, node: Node, x: np.ndarray, comm: collectives.Comm | None) -> np.ndarray:
-    """An all_reduce or all_gather of x over the node's ranks through `comm`."""
+def _group(run: Run, name: str, node: Node) -> collectives.Comm | None:
+    """The communicator of a collective over the node's ranks; None over one rank (a no-op)."""
     ranks = node.attr("ranks")
     if ranks == 1:
-        return x
+        return None
+    comm = run.comm
     if comm is None or comm.size != ranks:
         have = "no communicator" if comm is None else f"a group of {comm.size}"
         raise BindError(f"%{name}: {node.op} over {ranks} ranks, but the run has {have}")
-    if node.op == "all_reduce":
-        return collectives.all_reduce(comm, x, f"%{name} = all_reduce")
-    return collectives.all_gather(comm, x, node.attr("axis"), f"%{name} = all_gather")
+    return comm
+
+
+def _all_reduce(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    comm = _group(run, name, node)
+    return (
+        args[0] if comm is None else collectives.all_reduce(comm, args[0], f"%{name} = all_reduce")
+    )
+
+
+def _all_gather(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    comm = _group(run, name, node)
+    if comm is None:
+        return args[0]
+    return collectives.all_gather(comm, args[0], node.attr("axis"), f"%{name} = all_gather")
 
 
 ActScales = tuple[np.ndarray, str] | None
@@ -607,6 +577,106 @@ _LAYER_OPS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {
     "sample": lambda node, args: sampling.sample(*args),
     "adjust_logits": lambda node, args: logits.adjust_logits(*args),
 }
+
+
+@dataclass
+class Run:
+    """What an op's reference may read and write besides its operands' values: one evaluate."""
+
+    graph: Graph
+    inputs: Mapping[str, np.ndarray]
+    weights: Weights
+    env: dict[str, Any]
+    biases: dict[str, np.ndarray | None]
+    states: Mapping[str, np.ndarray]
+    written: dict[str, np.ndarray]  # the caches kv_appends wrote, by state key
+    comm: collectives.Comm | None
+
+
+def _weight(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    value = dequantized(node, run.weights)  # checks the buffers, the bias's among them
+    run.biases[name] = bias(node, run.weights)
+    return value
+
+
+def _state(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    t = node.type
+    assert isinstance(t, TensorType)
+    return run.states.get(node.attr("key"), np.zeros(t.concrete({}), t.dtype.np))
+
+
+def _kv_append(run: Run, name: str, node: Node, args: list[Any]) -> Any:
+    out = kv_append(node, args)
+    for i in (0, 1):
+        run.written[run.graph.node(run.graph.operands(name)[i]).attr("key")] = out[i]
+    return out
+
+
+def _layer(fn: Callable[[Node, list[np.ndarray]], np.ndarray]) -> Callable[..., np.ndarray]:
+    def reference(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+        assert isinstance(node.type, TensorType)
+        return fn(node, args).astype(node.type.dtype.np)
+
+    return reference
+
+
+def _qlinear_ref(run: Run, name: str, node: Node, args: list[Any]) -> Any:
+    ws = qlinear_layout(len(args), dict(node.attrs))[1]
+    return _qlinear(node, args, [run.biases[w] for w in run.graph.operands(name)[ws]])
+
+
+def _quantize_act_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    # Above W4A4_MAX_M rows the kernels run the 16-bit path, so the value is x itself. With an
+    # RMSNorm prologue x is the rms_norm's result (operand 0), which the kernel forms from the
+    # rms_norm's own operands, the same way.
+    x = args[0]
+    if x.shape[0] <= W4A4_MAX_M:
+        return quantize_act(node.attr("scheme"), x, dict(node.attrs))
+    return _f32(x)
+
+
+def _expert_qlinear_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    graph = run.graph
+    ops = graph.operands(name)
+    ws = expert_layout([graph.node(o).type for o in ops], dict(node.attrs))[0]
+    scales = expert_input_scales(graph, name, run.weights) if node.attr("act_quant") else None
+    return expert_qlinear(node, args, [run.biases[w] for w in ops[ws]], scales)
+
+
+def _softcap_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+    assert isinstance(node.type, TensorType)
+    return softcap(args[0], node.attr("cap")).astype(node.type.dtype.np)
+
+
+def _elementwise(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def reference(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
+        assert isinstance(node.type, TensorType)
+        return fn(*(_f32(a) for a in args)).astype(node.type.dtype.np)
+
+    return reference
+
+
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "input": lambda run, name, node, args: run.inputs[name],
+    "weight": _weight,
+    "state": _state,
+    "kv_append": _kv_append,
+    **{op: _layer(fn) for op, fn in _LAYER_OPS.items()},
+    "qlinear": _qlinear_ref,
+    "quantize_act": _quantize_act_ref,
+    "route": lambda run, name, node, args: moe.route(args[0], node.attr("k"), node.attr("rule")),
+    "logprobs": lambda run, name, node, args: logits.logprobs(
+        args[0], args[1], args[2], node.attr("k")
+    ),
+    "expert_qlinear": _expert_qlinear_ref,
+    "get": lambda run, name, node, args: args[0][node.attr("index")],
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "softcap": _softcap_ref,
+    **{op: _elementwise(fn) for op, fn in _ELEMENTWISE.items()},
+}
+for _op, _reference in REFERENCES.items():
+    implement(_op, reference=_reference)
 
 
 def interpret(

@@ -5,7 +5,7 @@ the verifier calls it again on every node, so the table is the one source of leg
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from qir import dtypes, moe
@@ -27,11 +27,21 @@ VARIADIC = -1
 
 @dataclass(frozen=True)
 class OpSpec:
+    """One op: its arity, attribute schema and type inference here, and the two ways it runs,
+    which the interpreter (`reference`) and lowering (`lower`) dispatch through instead of
+    keying on its name. A built-in op's reference and lowering are attached with `implement` by
+    the modules that hold them (qir.interpret, qir.codegen.lower), which this module must not
+    import; a new op brings both on the spec it `register`s."""
+
     name: str
     arity: int
     infer: Infer
     attrs: frozenset[str] = frozenset()
     elementwise: bool = False
+    # (run: qir.interpret.Run, name, node, args) -> the node's value
+    reference: Callable[..., Any] | None = None
+    # (graph, name, temps so far, m_tile, target) -> (launches, new temps): qir.codegen.lower
+    lower: Callable[..., Any] | None = None
 
 
 def _desc(name: str, t: ValueType) -> str:
@@ -1059,6 +1069,21 @@ OPS: dict[str, OpSpec] = {
         ),
     )
 }
+
+
+def register(op: OpSpec) -> None:
+    """Add an op to the IR: verify, the builder, the interpreter and lowering then take it."""
+    if op.name in OPS:
+        raise IRTypeError(f"op {op.name!r} is already defined")
+    OPS[op.name] = op
+
+
+def implement(
+    op: str, *, reference: Callable[..., Any] | None = None, lower: Callable[..., Any] | None = None
+) -> None:
+    """Attach a defined op's interpreter reference or lowering (see OpSpec)."""
+    was = spec(op)
+    OPS[op] = replace(was, reference=reference or was.reference, lower=lower or was.lower)
 
 
 def spec(op: str) -> OpSpec:

@@ -6,7 +6,6 @@ lazy import holds open is still a circle in the design."""
 from __future__ import annotations
 
 import ast
-import warnings
 from pathlib import Path
 
 import networkx as nx
@@ -14,18 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qir"
-
-# The codegen circle (lower <-> lower_layer, lower_moe, moe_gemm) is another branch's work
-# (codegen/plan.py). The merger empties this set once that branch is in; until then a cycle
-# whose modules are all in it is reported but does not fail the test.
-PENDING_CODEGEN: frozenset[str] = frozenset(
-    {
-        "qir.codegen.lower",
-        "qir.codegen.lower_layer",
-        "qir.codegen.lower_moe",
-        "qir.codegen.moe_gemm",
-    }
-)
 
 
 def module_name(path: Path) -> str:
@@ -159,21 +146,7 @@ def spell(cycle: list[str]) -> str:
 
 def test_no_import_cycles() -> None:
     found = cycles(import_graph())
-    failing = [c for c in found if not set(c) <= PENDING_CODEGEN]
-    pending = [c for c in found if set(c) <= PENDING_CODEGEN]
-    if pending:
-        warnings.warn(
-            "import cycles pending (PENDING_CODEGEN): " + "; ".join(map(spell, pending)),
-            stacklevel=1,
-        )
-    assert not failing, f"{len(failing)} import cycles:\n" + "\n".join(map(spell, failing))
-
-
-def test_pending_codegen_names_only_modules_on_a_cycle() -> None:
-    """PENDING_CODEGEN shrinks to nothing as the codegen circle goes: a module in it that is no
-    longer on a cycle must leave it, so the exemption cannot outlive its reason."""
-    on_cycles = {m for c in cycles(import_graph()) for m in c}
-    assert on_cycles >= PENDING_CODEGEN, sorted(PENDING_CODEGEN - on_cycles)
+    assert not found, f"{len(found)} import cycles:\n" + "\n".join(map(spell, found))
 
 
 # qir/models/ in layers, each importing only its own and those before it (docs/architecture.md).

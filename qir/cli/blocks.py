@@ -23,7 +23,8 @@ from qir.cli.options import (
     target_of,
     token_ids,
 )
-from qir.codegen.lower import Plan, lower
+from qir.codegen.lower import lower
+from qir.codegen.plan import Plan
 from qir.draw import SUFFIXES, draw
 from qir.dump import collectives_json, dump, k_parts_json, plan_json
 from qir.errors import UsageError

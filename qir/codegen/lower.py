@@ -13,46 +13,34 @@ W4A4 GEMMs run on the block-scaled FP4 MMA, where that GEMM quantizes its 16-bit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import lru_cache
-from typing import Literal
 
 from qir.codegen import elementwise, fragments, gemm, gemv, quantize_act
-from qir.codegen.elementwise import elementwise_grid_x
+from qir.codegen.collectives import collective_kernel
+from qir.codegen.elementwise import EXPRESSIONS, elementwise_grid_x
 from qir.codegen.gemm import GemmSpec, bucket_ranges
 from qir.codegen.gemv import GemvSpec, for_target
-from qir.codegen.kernel import Kernel
+from qir.codegen.lower_layer import LAYER_LOWERINGS
+from qir.codegen.lower_moe import MOE_LOWERINGS
+
+# The plan types live in qir.codegen.plan (below every lowering module); the names are re-exported
+# here, where the callers of lower() have always found them.
+from qir.codegen.plan import (
+    ALL_M,
+    DEFAULT_M_TILE,
+    MAX_GRID_Y,
+    Arg,
+    Launch,
+    Plan,
+)
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
-from qir.errors import Unsupported, UsageError
+from qir.errors import Unsupported
 from qir.graph import AttrValue, Graph
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, expert_layout, qlinear_layout, spec
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, implement, qlinear_layout, spec
 from qir.target import DEFAULT, Target
-from qir.types import QActType, QExperts, QWeight, TensorType, TupleType, ValueType
-
-# Rows of x one GEMV launch handles; grid.y covers the rest.
-DEFAULT_M_TILE = 8
-
-
-ALL_M = (1, 2**31 - 1)
-MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: rows of M go there
-
-# What the rows of a run are, where a kernel family depends on it (attention): "many" rows of
-# any sequences each (a decode batch), or rows of "one" sequence (a prefill; a paged cache's
-# rows of one sequence per tile). A run that does not say: "many" up to AUTO_MANY_ROWS rows
-# (decode), "one" above (prefill), which is what a single sequence's runs are.
-ROWS = ("many", "one")
-AUTO_MANY_ROWS = 4
-
-
-def resolve_rows(m: int, rows: str | None) -> str:
-    """A run's rows: the given kind, or the one its size implies."""
-    if rows is None:
-        return "many" if m <= AUTO_MANY_ROWS else "one"
-    if rows not in ROWS:
-        raise UsageError(f"rows must be one of {', '.join(ROWS)}, got {rows!r}")
-    return rows
-
+from qir.types import QActType, QWeight, TensorType, TupleType
 
 # The layers of a model repeat a few specialisations: each is rendered once per process (specs are
 # frozen, so a spec is its own key; Kernels are frozen, so launches may share one).
@@ -62,101 +50,6 @@ quantize_act_kernel = lru_cache(RENDERED)(quantize_act.quantize_act_kernel)
 elementwise_kernel = lru_cache(RENDERED)(elementwise.elementwise_kernel)
 fragment_for = lru_cache(RENDERED)(fragments.fragment_for)
 gemm_kernel = lru_cache(RENDERED)(gemm.gemm_kernel)
-
-
-@dataclass(frozen=True)
-class Arg:
-    kind: Literal["value", "weight", "const", "M"]
-    ref: str = ""  # value name, or the weight node's name
-    buffer: str = ""  # for weights: which of the format's buffers
-    value: float = 0.0  # for const: passed as a one-element float32 buffer
-
-
-@dataclass(frozen=True)
-class Launch:
-    kernel: Kernel
-    grid_x: int
-    m_tile: int  # grid.y = ceil(M / m_tile)
-    args: tuple[Arg, ...]
-    outputs: tuple[str, ...]  # the values this launch writes
-    nodes: tuple[str, ...]  # IR nodes it covers
-    when: tuple[int, int] = ALL_M  # the batch sizes M (inclusive) this launch runs for
-    rows: str = ""  # the runs' rows it serves (ROWS), "" for any
-    # grid.y = ceil(M * rows_per_m / m_tile) + extra_y: a launch over each row's k expert slots
-    # (rows_per_m = k), plus blocks that exist whatever M is (an expert-major launch: 0, 1).
-    rows_per_m: int = 1
-    extra_y: int = 0
-
-    def runs_for(self, m: int, rows: str | None = None) -> bool:
-        """Whether a run of `m` rows (of the kind `rows`, see resolve_rows) launches it."""
-        return self.when[0] <= m <= self.when[1] and self.rows in ("", resolve_rows(m, rows))
-
-    def grid(self, m: int) -> tuple[int, int, int]:
-        y = -(-m * self.rows_per_m // self.m_tile) + self.extra_y
-        if y > MAX_GRID_Y:
-            raise UsageError(
-                f"M={m} is too many rows for {self.kernel.name}: at most {MAX_GRID_Y * self.m_tile}"
-            )
-        return (self.grid_x, y, 1)
-
-
-@dataclass(frozen=True)
-class Plan:
-    graph: Graph
-    launches: tuple[Launch, ...]
-    # Buffers that launches pass between them and that are no IR value (a split attention's
-    # partial results): planned in the arena like intermediates, by name.
-    temps: Mapping[str, TensorType] = field(default_factory=dict)
-    target: Target = DEFAULT  # the GPU the kernels are for
-
-    def value_type(self, name: str) -> ValueType:
-        """The type of a value argument: a temp's, else the IR value's."""
-        return self.temps[name] if name in self.temps else self.graph.node(name).type
-
-    def bytes_moved(self, launch: Launch, m: int) -> int:
-        """Bytes a launch reads and writes in DRAM for a batch of m rows, counting each buffer
-        once: the roofline of a memory-bound GEMV, and what fusion saves."""
-        sizes = {"M": m}
-        total = 0
-        for a in launch.args:
-            if a.kind == "value":
-                total += value_bytes(self.value_type(a.ref), sizes)
-            elif a.kind == "weight":
-                w = self.graph.node(a.ref).type
-                if isinstance(w, TensorType):  # a parameter vector: one buffer
-                    total += value_bytes(w, sizes)
-                    continue
-                if isinstance(w, QExperts):  # at most the experts m rows can choose
-                    one = value_bytes(w.expert_buffers()[a.buffer], sizes)
-                    total += one * min(w.count, m * experts_per_row(self.graph, a.ref))
-                    continue
-                assert isinstance(w, QWeight)
-                t = w.buffers()[a.buffer]
-                total += value_bytes(t, sizes)
-            elif a.kind == "const":
-                total += 4
-        return total
-
-
-def experts_per_row(graph: Graph, weight: str) -> int:
-    """k: the experts each row chooses, for stacked experts `weight` (its readers' ids)."""
-    for user in graph.users(weight):
-        operands = graph.operands(user)
-        types = [graph.node(o).type for o in operands]
-        ids = graph.node(operands[expert_layout(types, dict(graph.node(user).attrs))[1]]).type
-        if isinstance(ids, TensorType) and isinstance(ids.shape[1], int):
-            return ids.shape[1]
-    return 1
-
-
-def value_bytes(t: object, sizes: dict[str, int]) -> int:
-    if isinstance(t, QActType):
-        return t.concrete_rows(sizes) * t.row_bytes
-    assert isinstance(t, TensorType)
-    n = 1
-    for d in t.concrete(sizes):
-        n *= d
-    return n * t.dtype.itemsize
 
 
 def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list[Launch]:
@@ -324,47 +217,20 @@ def _lower_quantize_act(graph: Graph, name: str) -> Launch:
 def lower(graph: Graph, m_tile: int = DEFAULT_M_TILE, target: Target = DEFAULT) -> Plan:
     """The plan of a passed graph for `target` (the host backend runs any target's kernels: it
     emulates the instructions they use)."""
-    # The layer ops' lowerings build on Arg and Launch, defined here.
-    from qir.codegen.lower_layer import LAYER_LOWERINGS
-    from qir.codegen.lower_moe import MOE_LOWERINGS
-
     launches = []
     temps: dict[str, TensorType] = {}
     for name, node in graph.items():
-        if node.op in ("input", "weight", "get", "state"):
-            continue  # leaves, and projections of a multi-output launch's results
-        operands = graph.operands(name)
-        if node.op == "qlinear":
-            launches.extend(_lower_qlinear(graph, name, m_tile, target))
-        elif node.op == "quantize_act":
-            launches.append(_lower_quantize_act(graph, name))
-        elif node.op in MOE_LOWERINGS:
-            # Given the temps so far: launches of one router's ids share its grouping.
-            moe_launches, moe_temps = MOE_LOWERINGS[node.op](graph, name, temps, target)
-            launches.extend(moe_launches)
-            temps.update(moe_temps)
-        elif node.op in LAYER_LOWERINGS:
-            layer_launches, layer_temps = LAYER_LOWERINGS[node.op](graph, name)
-            launches.extend(layer_launches)
-            temps.update(layer_temps)
-        elif node.op in ("all_reduce", "all_gather"):
-            launches.append(_lower_collective(graph, name))
-        elif spec(node.op).elementwise:
-            out = node.type
-            assert isinstance(out, TensorType)
-            n = out.shape[1]
-            assert isinstance(n, int)
-            args = (*(Arg("value", o) for o in operands), Arg("value", name), Arg("M"))
-            kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
-            launches.append(Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,)))
-        else:
+        lowering = spec(node.op).lower
+        if lowering is None:
             raise Unsupported(f"no kernel for %{name} = {node.op}")
+        # Given the temps so far: launches of one router's ids share its grouping.
+        new_launches, new_temps = lowering(graph, name, temps, m_tile, target)
+        launches.extend(new_launches)
+        temps.update(new_temps)
     return Plan(graph, _quantize_when_read(launches), temps, target)
 
 
 def _lower_collective(graph: Graph, name: str) -> Launch:
-    from qir.codegen.collectives import collective_kernel
-
     node = graph.node(name)
     x = graph.operands(name)[0]
     t = graph.node(x).type
@@ -391,14 +257,47 @@ def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:
     return tuple(out)
 
 
-def results(graph: Graph, name: str, temps: dict[str, TensorType]) -> tuple[str, ...]:
-    """The values a multi-output node writes: its gets, or a temp where a result has none."""
+Lowered = tuple[list[Launch], dict[str, TensorType]]
+# (graph, name, the temps so far, m_tile, target): OpSpec.lower
+Lowering = Callable[[Graph, str, dict[str, TensorType], int, Target], Lowered]
+MoeLowering = Callable[[Graph, str, Mapping[str, TensorType], Target], Lowered]
+LayerLowering = Callable[[Graph, str], Lowered]
+
+
+def _no_launch(graph: Graph, name: str, *_: object) -> Lowered:
+    """Leaves, and projections of a multi-output launch's results."""
+    return [], {}
+
+
+def _elementwise(graph: Graph, name: str, *_: object) -> Lowered:
     node = graph.node(name)
-    by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}
-    out = []
-    for i, t in enumerate(node.type.elements):  # type: ignore[union-attr]
-        if i not in by_index:
-            by_index[i] = graph.fresh(f"{name}.{i}")
-            temps[by_index[i]] = t
-        out.append(by_index[i])
-    return tuple(out)
+    out = node.type
+    assert isinstance(out, TensorType)
+    n = out.shape[1]
+    assert isinstance(n, int)
+    args = (*(Arg("value", o) for o in graph.operands(name)), Arg("value", name), Arg("M"))
+    kernel = elementwise_kernel(node.op, out.dtype, n, node.attr("cap"))
+    return [Launch(kernel, elementwise_grid_x(n), 1, args, (name,), (name,))], {}
+
+
+def _moe(fn: MoeLowering) -> Lowering:
+    return lambda graph, name, temps, _, target: fn(graph, name, temps, target)
+
+
+def _layer(fn: LayerLowering) -> Lowering:
+    return lambda graph, name, *_: fn(graph, name)
+
+
+LOWERINGS: dict[str, Lowering] = {
+    **dict.fromkeys(("input", "weight", "get", "state"), _no_launch),
+    "qlinear": lambda g, name, _, m_tile, target: (_lower_qlinear(g, name, m_tile, target), {}),
+    "quantize_act": lambda g, name, *_: ([_lower_quantize_act(g, name)], {}),
+    **{op: _moe(fn) for op, fn in MOE_LOWERINGS.items()},
+    **{op: _layer(fn) for op, fn in LAYER_LOWERINGS.items()},
+    **dict.fromkeys(
+        ("all_reduce", "all_gather"), lambda g, name, *_: ([_lower_collective(g, name)], {})
+    ),
+    **dict.fromkeys(EXPRESSIONS, _elementwise),
+}
+for _op, _lowering in LOWERINGS.items():
+    implement(_op, lower=_lowering)

@@ -1,7 +1,7 @@
 """Lowering of the layer ops (rms_norm, rope, kv_append, attention, embedding, sample): each returns
 its launches and the temps they pass between them (see Plan.temps).
 
-Attention takes two kernel families by what a run's rows are (qir.codegen.lower.ROWS): rows of
+Attention takes two kernel families by what a run's rows are (qir.codegen.plan.ROWS): rows of
 many sequences (a decode batch) the split-K decode kernel (every cache split in its own block,
 then a combine launch reading their partials from a temp), rows of one sequence (a prefill) the
 tiled kernel. Both read positions (and block tables) from device buffers, so a captured decode
@@ -28,7 +28,7 @@ from qir.codegen.layer_kernels import (
     rope_kernel,
     sample_kernel,
 )
-from qir.codegen.lower import ALL_M, Arg, Launch, results
+from qir.codegen.plan import ALL_M, Arg, Launch, results
 from qir.dtypes import F32
 from qir.graph import Graph
 from qir.ops import W4A4_MAX_M, cache_operands, sinks_operand

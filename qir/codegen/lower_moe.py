@@ -6,13 +6,14 @@ for a combine, a combine launch)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from qir.codegen import moe
+from qir.codegen.expert_args import expert_weight_args, input_args, norm_of, tensor_of
 from qir.codegen.gemv import for_target
-from qir.codegen.lower import ALL_M, DEFAULT_M_TILE, Arg, Launch, results
+from qir.codegen.moe_gemm import lower_grouped
+from qir.codegen.plan import ALL_M, DEFAULT_M_TILE, Arg, Launch, results
 from qir.codegen.quantize_act import MODES
-from qir.dtypes import DType
 from qir.graph import Graph
 from qir.ops import W4A4_MAX_M, expert_layout
 from qir.target import Target
@@ -21,15 +22,9 @@ from qir.types import QExperts, TensorType
 Lowered = tuple[list[Launch], dict[str, TensorType]]
 
 
-def _tensor(graph: Graph, name: str) -> TensorType:
-    t = graph.node(name).type
-    assert isinstance(t, TensorType)
-    return t
-
-
 def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType], __: Target) -> Lowered:
     (logits,) = graph.operands(name)
-    t = _tensor(graph, logits)
+    t = tensor_of(graph, logits)
     experts = t.shape[1]
     assert isinstance(experts, int)
     node = graph.node(name)
@@ -38,40 +33,6 @@ def lower_route(graph: Graph, name: str, _: Mapping[str, TensorType], __: Target
     kernel = moe.route_kernel(t.dtype, experts, node.attr("k"), node.attr("rule"))
     args = (Arg("value", logits), Arg("value", ids), Arg("value", weights), Arg("M"))
     return [Launch(kernel, 1, 1, args, (ids, weights), (name,))], temps
-
-
-def expert_weight_args(
-    names: Sequence[str], experts: Sequence[QExperts], buffers: Sequence[str]
-) -> tuple[Arg, ...]:
-    """Each stacked weight's format buffers, then its bias where it has one (the expert
-    kernels' parameter order)."""
-    return tuple(
-        arg
-        for w, e in zip(names, experts, strict=True)
-        for arg in (
-            *(Arg("weight", w, b) for b in buffers),
-            *((Arg("weight", w, "bias"),) if e.expert.bias else ()),
-        )
-    )
-
-
-def norm_of(graph: Graph, name: str) -> tuple[DType, float] | None:
-    """An expert qlinear's rms_norm prologue as the kernels' specs take it (the norm weight's
-    dtype, eps), or None."""
-    node = graph.node(name)
-    if node.attr("prologue") != "rms_norm":
-        return None
-    nw, eps = _tensor(graph, graph.operands(name)[1]), node.attr("eps")
-    assert isinstance(eps, float)
-    return nw.dtype, eps
-
-
-def input_args(graph: Graph, name: str) -> tuple[Arg, ...]:
-    """An expert kernel's input arguments: x, then the norm's weight with the prologue."""
-    operands = graph.operands(name)
-    if graph.node(name).attr("prologue") == "rms_norm":
-        return Arg("value", operands[0]), Arg("weight", operands[1], "weight")
-    return (Arg("value", operands[0]),)
 
 
 def lower_expert_qlinear(
@@ -87,9 +48,9 @@ def lower_expert_qlinear(
     ws, at = expert_layout(types, dict(node.attrs))
     experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
     ids = operands[at]
-    top = _tensor(graph, ids).shape[1]
+    top = tensor_of(graph, ids).shape[1]
     assert isinstance(top, int)
-    x = _tensor(graph, operands[0])
+    x = tensor_of(graph, operands[0])
     combine = (
         node.attr("epilogue") if node.attr("epilogue") in ("combine", "combine_residual") else ""
     )
@@ -104,7 +65,7 @@ def lower_expert_qlinear(
     def gemv(when: tuple[int, int], a4_mode: str = "") -> None:
         spec = moe.ExpertGemvSpec(
             experts,
-            _tensor(graph, name).dtype,
+            tensor_of(graph, name).dtype,
             DEFAULT_M_TILE,
             top,
             combine,
@@ -142,8 +103,6 @@ def lower_expert_qlinear(
     if lo < gemm_from:
         gemv((lo, min(ALL_M[1], gemm_from - 1)))
     if gemm_from <= ALL_M[1]:
-        from qir.codegen.moe_gemm import lower_grouped
-
         more, more_temps = lower_grouped(
             graph, name, temps, (max(lo, gemm_from), ALL_M[1]), specialised
         )

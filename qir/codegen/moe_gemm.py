@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from qir.codegen.expert_args import expert_weight_args, input_args, norm_of
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemm import GemmSpec, GroupedGemm, bucket_ranges, gemm_kernel, pair_value
 from qir.codegen.gemv import GATE_ACTS, norm_doc, norm_param, target_suffix
 from qir.codegen.kernel import Kernel, KernelParam
-from qir.codegen.lower import Arg, Launch
-from qir.codegen.lower_moe import expert_weight_args, input_args, norm_of
 from qir.codegen.moe import act_tag, expert_act, expert_strides, swiglu_consts
+from qir.codegen.plan import Arg, Launch
 from qir.codegen.render import common_header, render
 from qir.dtypes import I32, DType
 from qir.graph import Graph

@@ -14,11 +14,9 @@ norm's result has other users, or when the reader already normalises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
 from qir.ops import sinks_operand
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
 
@@ -65,9 +63,4 @@ RULES = tuple(
 )
 
 
-@dataclass(frozen=True)
-class FoldHeadNorm:
-    name: str = "fold_head_norm"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+FOLD_HEAD_NORM = RulePass("fold_head_norm", RULES)

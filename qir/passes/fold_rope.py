@@ -11,10 +11,8 @@ different positions, or when the reader already rotates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _plain(graph: Graph, value: str) -> bool:
@@ -45,9 +43,4 @@ RULES = tuple(
 )
 
 
-@dataclass(frozen=True)
-class FoldRope:
-    name: str = "fold_rope"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+FOLD_ROPE = RulePass("fold_rope", RULES)

@@ -11,20 +11,20 @@ from qir.errors import UsageError
 from qir.graph import Graph
 from qir.passes.base import Pass
 from qir.passes.dce import DCE
-from qir.passes.fold_head_norm import FoldHeadNorm
-from qir.passes.fold_rope import FoldRope
-from qir.passes.merge_parallel import MergeParallel
-from qir.passes.norm_act_quant import NormActQuant
-from qir.passes.norm_prologue import NormPrologue
-from qir.passes.norm_residual import NormResidual
-from qir.passes.norm_residual_prologue import NormResidualPrologue
-from qir.passes.residual_epilogue import ResidualEpilogue
+from qir.passes.fold_head_norm import FOLD_HEAD_NORM
+from qir.passes.fold_rope import FOLD_ROPE
+from qir.passes.merge_parallel import MERGE_PARALLEL
+from qir.passes.norm_act_quant import NORM_ACT_QUANT
+from qir.passes.norm_prologue import NORM_PROLOGUE
+from qir.passes.norm_residual import NORM_RESIDUAL
+from qir.passes.norm_residual_prologue import NORM_RESIDUAL_PROLOGUE
+from qir.passes.residual_epilogue import RESIDUAL_EPILOGUE
 from qir.passes.route_w4a4 import TIERS, RouteW4A4
 from qir.passes.select_kernels import SelectKernels
-from qir.passes.share_act_quant import ShareActQuant
-from qir.passes.silu_epilogue import SiluEpilogue
-from qir.passes.silu_prologue import SiluPrologue
-from qir.passes.softcap_epilogue import SoftcapEpilogue
+from qir.passes.share_act_quant import SHARE_ACT_QUANT
+from qir.passes.silu_epilogue import SILU_EPILOGUE
+from qir.passes.silu_prologue import SILU_PROLOGUE
+from qir.passes.softcap_epilogue import SOFTCAP_EPILOGUE
 from qir.verify import verify
 
 
@@ -38,19 +38,19 @@ class PassOptions:
 
 
 PASSES: dict[str, Callable[[PassOptions], Pass]] = {
-    "merge_parallel": lambda o: MergeParallel(),
-    "silu_epilogue": lambda o: SiluEpilogue(),
-    "silu_prologue": lambda o: SiluPrologue(),
-    "residual_epilogue": lambda o: ResidualEpilogue(),
-    "norm_residual": lambda o: NormResidual(),
-    "softcap_epilogue": lambda o: SoftcapEpilogue(),
+    "merge_parallel": lambda o: MERGE_PARALLEL,
+    "silu_epilogue": lambda o: SILU_EPILOGUE,
+    "silu_prologue": lambda o: SILU_PROLOGUE,
+    "residual_epilogue": lambda o: RESIDUAL_EPILOGUE,
+    "norm_residual": lambda o: NORM_RESIDUAL,
+    "softcap_epilogue": lambda o: SOFTCAP_EPILOGUE,
     "route_w4a4": lambda o: RouteW4A4(o.weight_quantization),
-    "share_act_quant": lambda o: ShareActQuant(),
-    "norm_act_quant": lambda o: NormActQuant(),
-    "norm_prologue": lambda o: NormPrologue(),
-    "norm_residual_prologue": lambda o: NormResidualPrologue(),
-    "fold_rope": lambda o: FoldRope(),
-    "fold_head_norm": lambda o: FoldHeadNorm(),
+    "share_act_quant": lambda o: SHARE_ACT_QUANT,
+    "norm_act_quant": lambda o: NORM_ACT_QUANT,
+    "norm_prologue": lambda o: NORM_PROLOGUE,
+    "norm_residual_prologue": lambda o: NORM_RESIDUAL_PROLOGUE,
+    "fold_rope": lambda o: FOLD_ROPE,
+    "fold_head_norm": lambda o: FOLD_HEAD_NORM,
     "dce": lambda o: DCE(),
     "select_kernels": lambda o: SelectKernels(o.gemm_from_m),
 }

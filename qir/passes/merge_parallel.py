@@ -18,11 +18,9 @@ activation scales (not merged: one launch reads one quantized input).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph, Node, make_attrs
 from qir.ops import ACT_SCALE_ATTRS, GATE_ACTS
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import QWeight, TensorType, TupleType
 
 
@@ -109,9 +107,4 @@ def _merge(rw: Rewriter, m: Match) -> bool:
 RULES = (Rule("merge_parallel", Pat(check=_has_group), _merge),)
 
 
-@dataclass(frozen=True)
-class MergeParallel:
-    name: str = "merge_parallel"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+MERGE_PARALLEL = RulePass("merge_parallel", RULES)

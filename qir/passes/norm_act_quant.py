@@ -12,10 +12,8 @@ output (its launch would run anyway: fusing would save nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _only_quantized(graph: Graph, value: str) -> bool:
@@ -43,9 +41,4 @@ RULE = Rule(
 )
 
 
-@dataclass(frozen=True)
-class NormActQuant:
-    name: str = "norm_act_quant"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, [RULE])
+NORM_ACT_QUANT = RulePass("norm_act_quant", (RULE,))

@@ -21,10 +21,8 @@ reader that already has a prologue or quantizes its input.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _reads_as_input(graph: Graph, user: str, value: str) -> bool:
@@ -67,9 +65,4 @@ RULE = Rule("norm_prologue", Pat("qlinear", check=_candidate), _fold)
 EXPERTS_RULE = Rule("norm_prologue", Pat("expert_qlinear", check=_candidate), _fold)
 
 
-@dataclass(frozen=True)
-class NormPrologue:
-    name: str = "norm_prologue"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, [RULE, EXPERTS_RULE])
+NORM_PROLOGUE = RulePass("norm_prologue", (RULE, EXPERTS_RULE))

@@ -11,10 +11,8 @@ Does not handle: a norm with other users (its result must exist anyway).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from qir.graph import Graph, Node
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.graph import Node
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _fold(rw: Rewriter, m: Match) -> bool:
@@ -38,9 +36,4 @@ RULES = (
 )
 
 
-@dataclass(frozen=True)
-class NormResidual:
-    name: str = "norm_residual"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+NORM_RESIDUAL = RulePass("norm_residual", RULES)

@@ -14,10 +14,8 @@ on a qlinear whose rms_norm prologue reads anything else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph, Node
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType, TupleType
 
 
@@ -71,9 +69,4 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 RULE = Rule("norm_residual_prologue", Pat("qlinear", check=_candidate), _fold)
 
 
-@dataclass(frozen=True)
-class NormResidualPrologue:
-    name: str = "norm_residual_prologue"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, [RULE])
+NORM_RESIDUAL_PROLOGUE = RulePass("norm_residual_prologue", (RULE,))

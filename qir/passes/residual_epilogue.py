@@ -11,10 +11,8 @@ operands are both such qlinears twice over (the second operand is fused first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
 
@@ -45,9 +43,4 @@ RULES = (
 )
 
 
-@dataclass(frozen=True)
-class ResidualEpilogue:
-    name: str = "residual_epilogue"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+RESIDUAL_EPILOGUE = RulePass("residual_epilogue", RULES)

@@ -207,3 +207,14 @@ def apply_rules(graph: Graph, rules: Sequence[Rule]) -> int:
             rw.changed.clear()
             break
     return fired
+
+
+@dataclass(frozen=True)
+class RulePass:
+    """A pass whose body is applying its rules to a fixpoint (apply_rules)."""
+
+    name: str
+    rules: tuple[Rule, ...]
+
+    def run(self, graph: Graph) -> int:
+        return apply_rules(graph, self.rules)

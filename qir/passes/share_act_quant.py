@@ -9,10 +9,8 @@ input_global_scale round differently, so they are different rules).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _twin(graph: Graph, value: str) -> str | None:
@@ -38,10 +36,5 @@ def _share(rw: Rewriter, m: Match) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class ShareActQuant:
-    name: str = "share_act_quant"
-
-    def run(self, graph: Graph) -> int:
-        rule = Rule("share_act_quant", Pat("quantize_act", check=_has_earlier_twin), _share)
-        return apply_rules(graph, [rule])
+RULE = Rule("share_act_quant", Pat("quantize_act", check=_has_earlier_twin), _share)
+SHARE_ACT_QUANT = RulePass("share_act_quant", (RULE,))

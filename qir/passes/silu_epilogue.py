@@ -27,11 +27,10 @@ A gelu_tanh in the silu's place (Gemma's MLP) fuses the same way, the node's `ac
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from qir.graph import Graph
 from qir.ops import GATE_ACTS, qlinear_layout
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TupleType
 
 
@@ -84,9 +83,4 @@ RULES = tuple(
 )
 
 
-@dataclass(frozen=True)
-class SiluEpilogue:
-    name: str = "silu_epilogue"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+SILU_EPILOGUE = RulePass("silu_epilogue", RULES)

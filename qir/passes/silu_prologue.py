@@ -15,11 +15,9 @@ A gelu_tanh in the silu's place (Gemma's MLP) fuses the same way, the node's `ac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
 from qir.ops import GATE_ACTS
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _bare(graph: Graph, value: str) -> bool:
@@ -58,9 +56,4 @@ RULES = tuple(
 )
 
 
-@dataclass(frozen=True)
-class SiluPrologue:
-    name: str = "silu_prologue"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+SILU_PROLOGUE = RulePass("silu_prologue", RULES)

@@ -9,10 +9,8 @@ Does not handle: a multi-output qlinear, or one that already has an epilogue.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from qir.graph import Graph
-from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
+from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
 
@@ -44,9 +42,4 @@ RULES = (
 )
 
 
-@dataclass(frozen=True)
-class SoftcapEpilogue:
-    name: str = "softcap_epilogue"
-
-    def run(self, graph: Graph) -> int:
-        return apply_rules(graph, RULES)
+SOFTCAP_EPILOGUE = RulePass("softcap_epilogue", RULES)

@@ -45,7 +45,7 @@ import numpy as np
 
 from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.kernel import Kernel
-from qir.codegen.lower import Launch, Plan, resolve_rows
+from qir.codegen.plan import Launch, Plan, resolve_rows
 from qir.collectives import Comm
 from qir.errors import UsageError
 from qir.interpret import (

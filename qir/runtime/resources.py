@@ -48,7 +48,7 @@ from typing import Any
 from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import lanes_of, rows_per_warp
-from qir.codegen.lower import Launch, Plan
+from qir.codegen.plan import Launch, Plan
 from qir.dtypes import F16, F32
 from qir.errors import UsageError
 from qir.runtime import sass

@@ -20,7 +20,8 @@ from qir.codegen.gemm import (
     gemm_kernel,
     smem_bytes,
 )
-from qir.codegen.lower import ALL_M, lower
+from qir.codegen.lower import lower
+from qir.codegen.plan import ALL_M
 from qir.codegen.render import TEMPLATES
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.base import WeightFormat

@@ -60,8 +60,9 @@ from qir.codegen.layer_kernels import (
     rope_kernel,
     sample_kernel,
 )
-from qir.codegen.lower import Launch, lower
+from qir.codegen.lower import lower
 from qir.codegen.moe import ExpertGemvSpec, expert_gemv_kernel
+from qir.codegen.plan import Launch
 from qir.dtypes import BF16, F16, F32, DType
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from qir.builder import Builder
-from qir.codegen.lower import Plan, lower
+from qir.codegen.lower import lower
+from qir.codegen.plan import Plan
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
 from qir.formats.ct_int import CtInt
