@@ -30,8 +30,8 @@ from qir.runtime import host as host_mod
 from qir.runtime import nvrtc as nvrtc_mod
 from qir.runtime.cache import KernelCache, key, read_entry
 from qir.runtime.errors import CompileError
-from qir.runtime.executor import compile_jobs, load_kernels
 from qir.runtime.host import HostBackend, HostKernel
+from qir.runtime.loading import compile_jobs, load_kernels
 from tests.requires import requires
 
 needs_gxx = requires("gxx")
