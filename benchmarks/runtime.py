@@ -36,8 +36,8 @@ from qir.models.goldens import embedded_checkpoints
 from qir.passes.manager import run_pipeline
 from qir.runtime.cache import KernelCache
 from qir.runtime.cuda import available
-from qir.runtime.executor import compile_jobs, load_kernels
 from qir.runtime.host import HostBackend
+from qir.runtime.loading import compile_jobs, load_kernels
 from qir.runtime.nvrtc import compile_cubin
 
 CHILD = """

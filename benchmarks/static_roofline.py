@@ -1,5 +1,5 @@
 """The static cost of decode at Llama-3-8B shapes, no GPU needed: every format's kernels compiled
-with NVRTC for one arch and read off their SASS (qir.runtime.resources), with the share of the
+with NVRTC for one arch and read off their SASS (qir.cost.resources), with the share of the
 GPU's memory bandwidth that cost allows at most.
 
     python benchmarks/static_roofline.py [--arch sm_90|sm_100a|sm_80|sm_120a] [--m 1 8]
@@ -33,6 +33,9 @@ from dataclasses import dataclass, replace
 from qir.builder import Builder
 from qir.codegen.lower import lower
 from qir.codegen.plan import Plan
+from qir.cost import sass
+from qir.cost.gpus import gpus_for
+from qir.cost.resources import KernelCost, kernel_costs
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
 from qir.formats.base import WeightFormat
@@ -48,9 +51,6 @@ from qir.formats.mx import Mxfp4, Mxfp8
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
 from qir.passes.manager import run_pipeline
-from qir.runtime import sass
-from qir.runtime.gpus import gpus_for
-from qir.runtime.resources import KernelCost, kernel_costs
 from qir.target import Target
 from qir.types import QExperts, QWeight, TensorType
 

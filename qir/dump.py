@@ -11,7 +11,7 @@ from typing import Any
 from qir.codegen.plan import Launch, Plan, experts_per_row, value_bytes
 from qir.graph import Graph
 from qir.printer import print_graph
-from qir.runtime.executor import plan_memory
+from qir.runtime.memory import plan_memory
 from qir.types import QExperts, QWeight
 
 

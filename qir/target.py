@@ -14,7 +14,7 @@ so the host backend runs any target's kernels:
   by the arch a cubin is built for, with a bit-identical portable body (as for lop3 or dp4a),
   so it changes no algorithm and no kernel.
 `smem_per_block` and `reference_gpu` are facts for the static cost table
-(qir.runtime.resources, qir.runtime.gpus)."""
+(qir.cost.resources, qir.cost.gpus)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class Target:
 
     @property
     def reference_gpu(self) -> str | None:
-        """The GPU of the cost table for this target (qir.runtime.gpus), if qir has its facts."""
+        """The GPU of the cost table for this target (qir.cost.gpus), if qir has its facts."""
         return _REFERENCE_GPU.get(self.capability)
 
     @property

@@ -22,7 +22,8 @@ from types import ModuleType
 import pytest
 
 from qir import draw
-from qir.runtime import cuda, nvrtc, sass
+from qir.cost import sass
+from qir.runtime import cuda, nvrtc
 from qir.runtime.toolkit import cuda_include_dirs
 
 # The kinds a CI run may skip; the reason of such a skip starts with "[kind] ".

@@ -198,8 +198,9 @@ def _compile_tp(args: argparse.Namespace, block: Block) -> int:
 
 
 def _print_resources(plan: Plan, m: int) -> None:
-    """The static cost table of the launches that run at M (qir.runtime.resources)."""
-    from qir.runtime import nvrtc, resources
+    """The static cost table of the launches that run at M (qir.cost.resources)."""
+    from qir.cost import resources
+    from qir.runtime import nvrtc
     from qir.runtime.errors import BackendUnavailable
 
     if not nvrtc.available():

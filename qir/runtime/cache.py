@@ -131,7 +131,7 @@ class KernelCache:
         self.compiles = 0  # compiles done by this process (tests and benchmarks read it)
         self._memory: dict[Hashable, Any] = {}
         # One lock per spec being loaded: a block's kernels compile on several threads at
-        # once (see executor.load_kernels), and two threads asking for one spec compile it once.
+        # once (see loading.load_kernels), and two threads asking for one spec compile it once.
         self._pending: dict[Hashable, threading.Lock] = {}
         self._mutex = threading.RLock()
         self._fallback: Path | None = None
@@ -204,7 +204,7 @@ class KernelCache:
                 payload = read_entry(self._fallback / namespace / path.name)
                 if payload is not None:
                     return Artifact(self._fallback / namespace / path.name, payload)
-            # Debug: a block's batch of compiles is one info line (executor.load_kernels).
+            # Debug: a block's batch of compiles is one info line (loading.load_kernels).
             # Uncounted builds (the host's runtime library) say "building": not a kernel.
             verb = ("compiling", "compiled") if counted else ("building", "built")
             log.debug("%s %s (%s) ...", verb[0], name, what)

@@ -3,11 +3,11 @@
 Weights are uploaded once, when the block is built. A plan holds launches for every batch size
 (the GEMV and GEMM families, W4A4 and its 16-bit twins, each serving a range of M); a kernel is
 loaded the first time a run, capture or `load(m)` needs it, cold ones compiling in parallel
-(`load_kernels`), so a block used for decode alone never builds its prefill kernels (`qir cache
-warm` builds them all ahead of time). Each run binds the inputs (see
-`Backend.accept`), allocates one arena for the intermediates, laid out from liveness
-(`plan_memory`: a value's bytes are reused once its last reader has run; graph outputs are never
-in the arena), allocates fresh outputs, and launches the kernels in order on the given stream.
+(qir.runtime.loading), so a block used for decode alone never builds its prefill kernels (`qir
+cache warm` builds them all ahead of time). Each run binds the inputs (see `Backend.accept`),
+allocates one arena for the intermediates, laid out from liveness (qir.runtime.memory: a value's
+bytes are reused once its last reader has run; graph outputs are never in the arena), allocates
+fresh outputs, and launches the kernels in order on the given stream.
 The arena is allocated per run, not kept on the block, so two runs (or two streams) never share
 it; on the cuda backend it comes from CuPy's stream-ordered pool, which hands the same block back
 each run, so repeated runs do not grow the pool.
@@ -30,21 +30,15 @@ running on another stream than the block's keeps them alive until that stream ha
 
 from __future__ import annotations
 
-import bisect
-import logging
 import math
-import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from qir.codegen.collectives import CollectiveKernel
-from qir.codegen.kernel import Kernel
 from qir.codegen.plan import Launch, Plan, resolve_rows
 from qir.collectives import Comm
 from qir.errors import UsageError
@@ -53,34 +47,11 @@ from qir.interpret import (
     Weights,
     check_inputs,
     declared_inputs,
-    expert_input_scales,
-    weight_buffers,
 )
-from qir.logs import Progress
 from qir.runtime.backend_api import Backend, BoundLaunch, InStream
 from qir.runtime.collectives import CollectiveRunner, collective_runner
-from qir.types import QActType, QExperts, QWeight, TensorType
-
-log = logging.getLogger("qir.runtime")
-
-# Every arena slot starts on a 256-byte boundary, as cudaMalloc's own allocations do: kernels
-# issue 128-bit loads, and this keeps any view's dtype aligned.
-ALIGN = 256
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    m: int
-    active: tuple[int, ...]  # the launches that run at this M (see Launch.runs_for)
-    offsets: Mapping[str, int]  # intermediate value -> byte offset in the arena
-    arena_bytes: int
-    output_bytes: int
-    unshared_bytes: int  # what the intermediates would take with no reuse
-
-    @property
-    def peak_bytes(self) -> int:
-        """Bytes one run allocates besides its inputs and the weights."""
-        return self.arena_bytes + self.output_bytes
+from qir.runtime.loading import load_kernels, upload_weights
+from qir.runtime.memory import MemoryPlan, plan_memory, state_aliases, storage, tensor_type
 
 
 @dataclass(frozen=True)
@@ -91,177 +62,6 @@ class _Layout:
     mem: MemoryPlan
     buffers: tuple[tuple[str, tuple[int, ...], Any, int | None], ...]
     launches: tuple[tuple[int, tuple[int, int, int]], ...]
-
-
-def _tensor(plan: Plan, value: str) -> TensorType:
-    t = plan.value_type(value)
-    assert isinstance(t, TensorType)
-    return t
-
-
-def state_aliases(plan: Plan) -> dict[str, str]:
-    """Values whose buffer is a state's (value -> state node): each state, and the caches a
-    kv_append writes, which it writes in place. They live outside the arena, for the block's
-    lifetime."""
-    graph = plan.graph
-    # Unordered: a run at a new M plans its memory, and must not sort the graph.
-    ops = {n: graph.node(n).op for n in graph.g.nodes}
-    aliases = {n: n for n, op in ops.items() if op == "state"}
-    for n, op in ops.items():
-        if op == "kv_append":
-            states = graph.operands(n)
-            for u in graph.users(n):
-                aliases[u] = states[graph.node(u).attr("index")]
-    return aliases
-
-
-def _storage(plan: Plan, value: str, sizes: dict[str, int]) -> tuple[tuple[int, ...], Any]:
-    """Shape and dtype of a value's buffer: a tensor as declared; a quantized activation as its
-    packed bytes, one row of `row_bytes` per row of its source."""
-    t = plan.value_type(value)
-    if isinstance(t, QActType):
-        return (t.source.concrete(sizes)[0], t.row_bytes), np.dtype(np.uint8)
-    assert isinstance(t, TensorType)
-    return t.concrete(sizes), t.dtype.np
-
-
-def _nbytes(plan: Plan, value: str, sizes: dict[str, int]) -> int:
-    shape, dtype = _storage(plan, value, sizes)
-    return math.prod(shape) * np.dtype(dtype).itemsize
-
-
-def plan_memory(plan: Plan, m: int, rows: str | None = None) -> MemoryPlan:
-    """Arena offsets for the intermediates of `plan` at M=`m` (rows of the kind `rows`, see
-    qir.codegen.lower.resolve_rows): best fit into the holes left by values whose last reader
-    has run. A launch's outputs are placed before its dying inputs are freed, so no kernel
-    writes over what it reads."""
-    sizes = {"M": m}
-    outputs = {v for _, v in plan.graph.outputs}
-    in_state = state_aliases(plan)
-    active = tuple(i for i, launch in enumerate(plan.launches) if launch.runs_for(m, rows))
-    launches = [plan.launches[i] for i in active]
-    last_read: dict[str, int] = {}
-    for i, launch in enumerate(launches):
-        for a in launch.args:
-            if a.kind == "value":
-                last_read[a.ref] = i
-    holes: list[list[int]] = []  # [offset, size], sorted by offset, never adjacent
-    live: dict[str, tuple[int, int]] = {}
-    offsets: dict[str, int] = {}
-    top = unshared = output_bytes = 0
-    for i, launch in enumerate(launches):
-        for v in launch.outputs:
-            if v in in_state:
-                continue
-            nbytes = _nbytes(plan, v, sizes)
-            if v in outputs:
-                output_bytes += nbytes
-                continue
-            size = -(-nbytes // ALIGN) * ALIGN
-            unshared += size
-            offsets[v], top = _take(holes, size, top)
-            live[v] = (offsets[v], size)
-        for v in [v for v in live if last_read.get(v, i) <= i]:
-            _give(holes, *live.pop(v))
-    return MemoryPlan(m, active, offsets, top, output_bytes, unshared)
-
-
-def _take(holes: list[list[int]], size: int, top: int) -> tuple[int, int]:
-    """An offset for `size` bytes and the new arena end: the smallest hole that fits, else the
-    end of the arena (extending a hole that touches it)."""
-    fits = [h for h in holes if h[1] >= size]
-    if fits:
-        h = min(fits, key=lambda h: h[1])
-        offset = h[0]
-        h[0] += size
-        h[1] -= size
-        if h[1] == 0:
-            holes.remove(h)
-        return offset, top
-    if holes and holes[-1][0] + holes[-1][1] == top:
-        offset = holes.pop()[0]
-        return offset, offset + size
-    return top, top + size
-
-
-def _give(holes: list[list[int]], offset: int, size: int) -> None:
-    bisect.insort(holes, [offset, size])
-    merged: list[list[int]] = []
-    for h in holes:
-        if merged and merged[-1][0] + merged[-1][1] == h[0]:
-            merged[-1][1] += h[1]
-        else:
-            merged.append(h)
-    holes[:] = merged
-
-
-def _format_buffers(w: object) -> dict[str, TensorType]:
-    if isinstance(w, QExperts):
-        return w.buffers()
-    assert isinstance(w, QWeight)
-    return w.buffers()
-
-
-def compile_jobs() -> int:
-    """Threads that compile one block's kernels: `$QIR_COMPILE_JOBS`, else the usable CPUs."""
-    raw = os.environ.get("QIR_COMPILE_JOBS", "").strip()
-    if not raw:
-        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        return max(1, len(usable) if usable is not None else os.cpu_count() or 1)
-    try:
-        jobs = int(raw, 10)
-    except ValueError:
-        jobs = 0
-    if jobs < 1 or not raw.isascii():
-        raise UsageError(f"QIR_COMPILE_JOBS must be a positive integer, got {raw!r}")
-    return jobs
-
-
-def prepare_all(prepare: Callable[[Kernel], object], kernels: Sequence[Kernel]) -> int:
-    """`prepare` every kernel on up to `compile_jobs()` threads; re-raises the first failure
-    (in `kernels` order) once all have finished. Returns the threads used."""
-    jobs = max(1, min(compile_jobs(), len(kernels)))
-    if jobs == 1:
-        for k in kernels:
-            prepare(k)
-        return 1
-    pool = ThreadPoolExecutor(jobs, thread_name_prefix="qir-compile")
-    try:
-        for _ in pool.map(prepare, kernels):
-            pass
-    except BaseException:
-        # A failure (or Ctrl-C) drops the compiles still queued; those running finish.
-        pool.shutdown(cancel_futures=True)
-        raise
-    pool.shutdown()
-    return jobs
-
-
-def load_kernels(backend: Backend, kernels: Sequence[Kernel]) -> list[Any]:
-    """Each kernel loaded, in order. Cold kernels compile in parallel first (g++ runs as a
-    child process, NVRTC without the GIL), then load one by one on this thread, so device
-    state (CUDA contexts, dlopen) is only touched here."""
-    distinct = list(dict.fromkeys(kernels))
-    before, t0 = backend.cache.compiles, time.perf_counter()
-    progress = Progress(log, "compiling kernels", len(distinct))
-
-    def prepare(k: Kernel) -> None:
-        backend.prepare(k)
-        progress.step(show=backend.cache.compiles > before)  # a warm load draws no bar
-
-    try:
-        jobs = prepare_all(prepare, distinct) if len(distinct) > 1 else 1
-        loaded = [backend.load(k) for k in kernels]
-    except BaseException:
-        progress.finish(None)
-        raise
-    compiled = backend.cache.compiles - before
-    seconds, threads = time.perf_counter() - t0, "thread" if jobs == 1 else "threads"
-    summary = (
-        f"{compiled} of {len(distinct)} kernels compiled in {seconds:.2f} s ({jobs} {threads})"
-    )
-    progress.finish(summary if compiled else None)
-    return loaded
 
 
 def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[Any]:
@@ -291,19 +91,7 @@ class CompiledBlock:
         self.backend = backend
         self.comm = comm
         graph = plan.graph
-        self._weights: dict[str, dict[str, Any]] = {}
-        for wname in graph.weights:
-            node = graph.node(wname)
-            w = node.type
-            bufs = weight_buffers(node, weights)
-            names = ["weight"] if isinstance(w, TensorType) else list(_format_buffers(w))
-            self._weights[wname] = {
-                b: backend.to_device(np.ascontiguousarray(bufs[b])) for b in names
-            }
-        for name in graph.of_op("expert_qlinear"):
-            if graph.node(name).attr("act_quant"):
-                # the kernels read the gate's scales for a pair: refuse a pair of two
-                expert_input_scales(graph, name, weights)
+        self._weights = upload_weights(plan, backend, weights)
         self._loaded: list[Any] = [None] * len(plan.launches)
         self._load_lock = threading.Lock()
         # Constant arguments (calibrated scales) travel as one-float32 buffers, uploaded once.
@@ -316,13 +104,13 @@ class CompiledBlock:
         # What every run needs from the graph, looked up once: a run's CPU time is the launch
         # overhead a decode step pays when it is not replayed from a capture.
         self._inputs = declared_inputs(graph)
-        self._outputs = [(name, v, _tensor(plan, v).dtype.np) for name, v in graph.outputs]
+        self._outputs = [(name, v, tensor_type(plan, v).dtype.np) for name, v in graph.outputs]
         self._templates = [self._arg_template(launch) for launch in plan.launches]
         self._layouts: dict[tuple[int, str], _Layout] = {}
         # States (KV caches): zeroed once, then each run starts from what the last one left.
         # A block with state is one sequence: runs of it must not overlap.
         self._aliases = state_aliases(plan)
-        self._state_types = {s: _tensor(plan, s) for s in graph.of_op("state")}
+        self._state_types = {s: tensor_type(plan, s) for s in graph.of_op("state")}
         self._state = {
             s: backend.to_device(np.zeros(t.concrete({}), t.dtype.np))
             for s, t in self._state_types.items()
@@ -387,7 +175,7 @@ class CompiledBlock:
         if key not in self._layouts:
             mem, sizes = plan_memory(self.plan, m, key[1]), {"M": m}
             buffers = tuple(
-                (v, *_storage(self.plan, v, sizes), mem.offsets.get(v))
+                (v, *storage(self.plan, v, sizes), mem.offsets.get(v))
                 for i in mem.active
                 for v in self.plan.launches[i].outputs
                 if v not in self._aliases
@@ -437,7 +225,7 @@ class CompiledBlock:
         with be.on(stream):
             env: dict[str, Any] = {}
             for n in graph.inputs:
-                t = _tensor(self.plan, n)
+                t = tensor_type(self.plan, n)
                 env[n] = be.empty(t.concrete(sizes), t.dtype.np)
             layout = self._layout(m, rows)
             self._allocate(env, layout)

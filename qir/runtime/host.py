@@ -37,6 +37,9 @@ from qir.runtime.host_pch import PrecompiledHeader
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 HEADER = Path(__file__).parent / "include" / "qir_host.h"
+# The parts qir_host.h includes from beside it, one concern each: what keys a build on the
+# header (the cache, the ABI hash, the precompiled header) reads them all.
+HEADER_PARTS = tuple(sorted(HEADER.parent.glob("qir_host_*.h")))
 VECTOR_ALIGN = 16
 CXX = "g++"
 # CUDA code routinely type-puns through reinterpret_cast (uint4 -> __half2 etc.), which nvcc
@@ -93,7 +96,12 @@ _RUNTIMES_LOCK = threading.Lock()
 
 def _header_abi() -> str:
     # Not cached: a header edited while a process runs must not reuse the old hash.
-    return "0x" + hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16] + "ull"
+    return "0x" + hashlib.sha256(header_text().encode()).hexdigest()[:16] + "ull"
+
+
+def header_text() -> str:
+    """qir_host.h and its parts: what every host build depends on."""
+    return "".join(p.read_text() for p in (HEADER, *HEADER_PARTS))
 
 
 def _exported(lib: ctypes.CDLL) -> tuple[Any, Any, Any]:
@@ -216,6 +224,7 @@ class HostBackend:
         self._pch = PrecompiledHeader(
             self.cache,
             HEADER,
+            HEADER_PARTS,
             CXX,
             cuda_include_dirs,
             lambda: compiler_version() + native_arch() + toolkit_fingerprint(),
@@ -251,7 +260,7 @@ class HostBackend:
         return {
             "source": source,
             "headers": repr(host_headers(kernel, self.unroll)),
-            "runtime_header": HEADER.read_text(),
+            "runtime_header": header_text(),
             "options": repr(flags),
             "compiler": compiler_version(),
             "cpu": native_arch(),
@@ -302,7 +311,7 @@ class HostBackend:
         """The worker pool and fiber stacks every kernel library uses: qir_host.h compiled on
         its own, once per header, flags and compiler (in the kernel cache)."""
         parts = {
-            "runtime_header": HEADER.read_text(),
+            "runtime_header": header_text(),
             "options": repr((BASE_FLAGS, self._runtime_flags)),
             "compiler": compiler_version(),
             "cpu": native_arch(),

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from qir.runtime.cache import PCH, KernelCache
@@ -38,11 +38,12 @@ class PrecompiledHeader:
         self,
         cache: KernelCache,
         header: Path,
+        parts: Sequence[Path],
         cxx: str,
         include_dirs: Callable[[], Sequence[Path]],
         fingerprint: Callable[[], str],
     ) -> None:
-        self.cache, self.source, self.cxx = cache, header, cxx
+        self.cache, self.source, self.parts, self.cxx = cache, header, parts, cxx
         self.include_dirs, self.fingerprint = include_dirs, fingerprint
         self._built: dict[str, Path] = {}
         self._lock = threading.Lock()
@@ -53,14 +54,17 @@ class PrecompiledHeader:
         if self.cache.degraded:
             return self.source
         text = self.source.read_bytes()
+        parts = {p.name: p.read_bytes() for p in self.parts}
         digest = hashlib.sha256(
-            b"\0".join([text, repr(list(flags)).encode(), self.fingerprint().encode()])
+            b"\0".join(
+                [text, *parts.values(), repr(list(flags)).encode(), self.fingerprint().encode()]
+            )
         ).hexdigest()[:32]
         with self._lock:  # kernels compile on several threads; build each header once
             built = self._built.get(digest)
             # Rebuilt when `qir cache clear` removed it under a running process.
             if built is None or not built.is_file():
-                self._built[digest] = self._build(digest, text, flags)
+                self._built[digest] = self._build(digest, text, parts, flags)
             return self._built[digest]
 
     def discard(self) -> None:
@@ -73,7 +77,9 @@ class PrecompiledHeader:
                     shutil.rmtree(path.parent, ignore_errors=True)
             self._built.clear()
 
-    def _build(self, digest: str, text: bytes, flags: Sequence[str]) -> Path:
+    def _build(
+        self, digest: str, text: bytes, parts: Mapping[str, bytes], flags: Sequence[str]
+    ) -> Path:
         final = self.cache.root / PCH / digest
         header = final / self.source.name
         if (final / f"{self.source.name}.gch").is_file():
@@ -94,6 +100,9 @@ class PrecompiledHeader:
             return self.source
         try:
             (tmp / self.source.name).write_bytes(text)
+            # The copy includes its parts from beside it, as the original does.
+            for name, data in parts.items():
+                (tmp / name).write_bytes(data)
             cmd = [self.cxx, *codegen, *includes, "-x", "c++-header", str(tmp / self.source.name)]
             proc = subprocess.run(
                 [*cmd, "-o", str(tmp / f"{self.source.name}.gch")], capture_output=True, text=True

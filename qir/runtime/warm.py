@@ -20,7 +20,7 @@ from pathlib import Path
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.runtime.cache import KernelCache
-from qir.runtime.executor import prepare_all
+from qir.runtime.loading import prepare_all
 from qir.runtime.nvrtc import check_arch, compile_cubin
 
 log = logging.getLogger("qir.runtime")

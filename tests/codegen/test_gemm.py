@@ -30,7 +30,7 @@ from qir.graph import Graph
 from qir.ops import W4A4_MAX_M
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.passes.select_kernels import GEMM_FROM_M
-from qir.runtime.executor import plan_memory
+from qir.runtime.memory import plan_memory
 from qir.types import QWeight
 from tests.conftest import FMT4, FORMAT_ZOO
 

@@ -6,6 +6,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,8 +31,8 @@ from qir.runtime import host as host_mod
 from qir.runtime import nvrtc as nvrtc_mod
 from qir.runtime.cache import KernelCache, key, read_entry
 from qir.runtime.errors import CompileError
-from qir.runtime.executor import compile_jobs, load_kernels
 from qir.runtime.host import HostBackend, HostKernel
+from qir.runtime.loading import compile_jobs, load_kernels
 from tests.requires import requires
 
 needs_gxx = requires("gxx")
@@ -75,6 +76,14 @@ def lock_path(root: Path) -> Path:
 # -- the key ---------------------------------------------------------------------------------
 
 HOST_PARTS = ("source", "headers", "runtime_header", "options", "compiler", "toolkit", "cpu")
+
+
+def test_the_runtime_header_key_reads_every_part_it_includes() -> None:
+    """qir_host.h's parts key host builds as the header does: an edit to any of them rebuilds."""
+    included = re.findall(r'^#include "([^"]+)"$', host_mod.HEADER.read_text(), re.MULTILINE)
+    assert included and sorted(included) == [p.name for p in host_mod.HEADER_PARTS]
+    text = host_mod.header_text()
+    assert all(p.read_text() in text for p in host_mod.HEADER_PARTS)
 
 
 @needs_gxx

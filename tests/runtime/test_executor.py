@@ -17,7 +17,7 @@ from qir.dtypes import F16
 from qir.errors import UsageError
 from qir.formats.mlx import MlxAffine
 from qir.interpret import BindError
-from qir.runtime.executor import ALIGN, plan_memory
+from qir.runtime.memory import ALIGN, plan_memory
 from tests.conftest import ON_GPU, mlp_graph
 from tests.requires import requires
 

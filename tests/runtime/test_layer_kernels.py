@@ -22,7 +22,7 @@ from qir.interpret import BindError
 from qir.models import Model, load
 from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
-from qir.runtime.executor import plan_memory
+from qir.runtime.memory import plan_memory
 from tests.conftest import BACKENDS, DATA, greedy_prefix, max_rel, rel_err
 from tests.models.synthetic_llama import Forward, write_llama
 

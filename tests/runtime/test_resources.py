@@ -11,6 +11,15 @@ import pytest
 from qir.builder import Builder
 from qir.codegen.lower import lower
 from qir.codegen.plan import Plan
+from qir.cost import sass
+from qir.cost.gpus import GPUS, gpu, gpus_for
+from qir.cost.resources import (
+    KernelCost,
+    format_table,
+    kernel_costs,
+    occupancy,
+    weight_stream,
+)
 from qir.dtypes import BF16, F16
 from qir.formats.awq import Awq
 from qir.formats.ct_int import CtInt
@@ -21,15 +30,7 @@ from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.passes.manager import run_pipeline
-from qir.runtime import nvrtc, sass
-from qir.runtime.gpus import GPUS, gpu, gpus_for
-from qir.runtime.resources import (
-    KernelCost,
-    format_table,
-    kernel_costs,
-    occupancy,
-    weight_stream,
-)
+from qir.runtime import nvrtc
 from qir.target import Target
 from qir.types import QExperts, QWeight, TensorType
 from tests.conftest import mlp_graph

@@ -18,6 +18,8 @@ import qir
 from qir.cli import main
 from qir.codegen.kernel import Kernel
 from qir.codegen.lower import lower
+from qir.cost import sass
+from qir.cost.resources import kernel_costs
 from qir.dtypes import BF16, F16
 from qir.errors import UsageError
 from qir.formats.awq import Awq
@@ -25,11 +27,10 @@ from qir.formats.mlx import MlxAffine
 from qir.formats.mx import Mxfp4
 from qir.formats.nvfp4 import Nvfp4
 from qir.passes.manager import run_pipeline
-from qir.runtime import nvrtc, sass
+from qir.runtime import nvrtc
 from qir.runtime.backend import resolve_target
 from qir.runtime.cuda import CudaBackend, device_target
 from qir.runtime.executor import CompiledBlock
-from qir.runtime.resources import kernel_costs
 from qir.target import DEFAULT, Target
 from tests.conftest import DATA
 from tests.moe_common import moe_graph

@@ -19,7 +19,7 @@ from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
 from qir.runtime.cache import KernelCache
 from qir.runtime.cuda import CudaBackend
-from qir.runtime.executor import load_kernels
+from qir.runtime.loading import load_kernels
 from qir.runtime.nvrtc import check_arch
 from tests.requires import requires
 from tests.runtime.test_cuda import fake_cupy

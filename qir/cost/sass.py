@@ -2,7 +2,7 @@
 extra) and a static model of what one of its regions costs per pass.
 
 `disassemble` reads nvdisasm's JSON listing. The analyses below work on that instruction list
-and know nothing about qir's kernels; qir.runtime.resources tells them which kernel parameters
+and know nothing about qir's kernels; qir.cost.resources tells them which kernel parameters
 are weight buffers and which is M.
 
 - Dataflow (`labels`): one pass in address order tracks which kernel parameters each register

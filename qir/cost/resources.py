@@ -4,7 +4,7 @@ alone (no GPU), and the bandwidth that cost allows at most.
 Per kernel: ptxas' registers, spills, stack and shared memory (NVRTC's ptxas -v, the figures
 nvcc -Xptxas -v prints); occupancy (resident blocks per SM from registers, shared memory and
 threads, with the GPU's allocation units); and, for kernels that stream weights, a model of the
-loop that streams them, read off the SASS (nvdisasm, the `sass` extra; qir.runtime.sass):
+loop that streams them, read off the SASS (nvdisasm, the `sass` extra; qir.cost.sass):
 
 1. Which loads read weights: the kernel's parameters are labelled (weight buffers from the
    launch's arguments, and M), and a dataflow pass over the SASS tells which global loads take
@@ -32,7 +32,7 @@ loop that streams them, read off the SASS (nvdisasm, the `sass` extra; qir.runti
    the warps resident per SM (occupancy, or fewer if the grid is small).
 
 The bound: a GPU issues SMs x schedulers x clock warp instructions per second; in the time its
-DRAM moves 512 B that is the budget per 512 B (qir.runtime.gpus). Issue-bound at budget / cost;
+DRAM moves 512 B that is the budget per 512 B (qir.cost.gpus). Issue-bound at budget / cost;
 latency-bound at bytes in flight / Little's law's bytes per SM (bandwidth x latency / SMs),
 whichever is lower.
 """
@@ -49,10 +49,10 @@ from qir.codegen.collectives import CollectiveKernel
 from qir.codegen.fragments import fragment_for
 from qir.codegen.gemv import lanes_of, rows_per_warp
 from qir.codegen.plan import Launch, Plan
+from qir.cost import sass
+from qir.cost.gpus import Gpu, gpus_for
 from qir.dtypes import F16, F32
 from qir.errors import UsageError
-from qir.runtime import sass
-from qir.runtime.gpus import Gpu, gpus_for
 from qir.runtime.nvrtc import PtxasReport, compile_cubin
 from qir.types import QExperts, QWeight, TensorType
 
@@ -234,7 +234,7 @@ def kernel_costs(
 ) -> list[KernelCost]:
     """The cost table of the launches that run at batch size `m`, compiled for the plan's
     target (through the NVRTC cache), on `gpu` (default: the target's reference GPU,
-    qir.runtime.gpus). `what` is a Plan or a qir.api.Compiled for a kernel backend; `arch`, if
+    qir.cost.gpus). `what` is a Plan or a qir.api.Compiled for a kernel backend; `arch`, if
     given, must be the plan's target (a plan's kernels are lowered for one)."""
     plan = what if isinstance(what, Plan) else getattr(what, "plan", None)
     if not isinstance(plan, Plan):

@@ -1,4 +1,4 @@
-"""Facts about the GPUs qir targets, for the static cost table (qir.runtime.resources): how many
+"""Facts about the GPUs qir targets, for the static cost table (qir.cost.resources): how many
 warp instructions and bytes each can move per second, and what limits how many blocks an SM
 holds. Data only; the maths lives where it is used.
 
