@@ -173,14 +173,16 @@ def _f32(a: np.ndarray) -> np.ndarray:
 
 
 def silu(a: np.ndarray) -> np.ndarray:
-    return a / (np.float32(1) + np.exp(-a))
+    result: np.ndarray = a / (np.float32(1) + np.exp(-a))
+    return result
 
 
 def gelu_tanh(a: np.ndarray) -> np.ndarray:
     """gelu's tanh approximation (torch's approximate="tanh"), float32."""
     c = np.float32(math.sqrt(2.0 / math.pi))
     inner = c * (a + np.float32(0.044715) * a * a * a)
-    return np.float32(0.5) * a * (np.float32(1) + np.tanh(inner))
+    result: np.ndarray = np.float32(0.5) * a * (np.float32(1) + np.tanh(inner))
+    return result
 
 
 def softcap(a: np.ndarray, cap: float) -> np.ndarray:
@@ -269,7 +271,8 @@ def _silu_mul(
 ) -> np.ndarray:
     """gate(g) * u (silu, or the node's act) rounded to the act dtype after the activation and
     after the product, as the separate activation and mul ops round."""
-    return (gate(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+    result: np.ndarray = (gate(_f32(g)).astype(dt).astype(np.float32) * _f32(u)).astype(dt)
+    return result
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -278,7 +281,8 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x = _f32(x)
     g = x.reshape(*x.shape[:-1], -1, w.shape[-1])
     ms = np.mean(g * g, axis=-1, keepdims=True, dtype=np.float32)
-    return (g / np.sqrt(ms + np.float32(eps)) * _f32(w)).reshape(x.shape)
+    result: np.ndarray = (g / np.sqrt(ms + np.float32(eps)) * _f32(w)).reshape(x.shape)
+    return result
 
 
 def _check_span(node: Node, positions: np.ndarray, span: int, what: str) -> None:
@@ -480,7 +484,8 @@ def _all_reduce(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
 def _all_gather(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
     comm = _group(run, name, node)
     if comm is None:
-        return args[0]
+        result: np.ndarray = args[0]
+        return result
     return collectives.all_gather(comm, args[0], node.attr("axis"), f"%{name} = all_gather")
 
 
@@ -556,7 +561,8 @@ def expert_qlinear(
             limit, alpha = node.attr("limit"), node.attr("alpha")
             g = moe.swiglu_gate(_f32(ys[0]), limit, alpha).astype(dt)
             u = moe.swiglu_up(_f32(ys[1]), limit).astype(dt)
-            return (_f32(g) * _f32(u)).astype(dt)
+            result: np.ndarray = (_f32(g) * _f32(u)).astype(dt)
+            return result
         return _silu_mul(ys[0], ys[1], dt, GATE_ACTS[act])
     if epilogue in ("combine", "combine_residual"):
         out = moe.combine(ys[0], args[2 + n_w]).astype(dt)

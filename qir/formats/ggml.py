@@ -189,15 +189,16 @@ def high_tiling(lo: int, hi: int) -> tuple[int, tuple[int, ...]]:
 def _pack_high(h: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """uint32 [..., K*hi/32] of the high bits h [..., K] (high_tiling)."""
     pos = high_tiling(lo, hi)[1]
-    return np.bitwise_or.reduce(
-        [_pack_bits((h >> k) & 1, tuple((b + k) % 32 for b in pos)) for k in range(hi)], axis=0
-    )
+    planes = [_pack_bits((h >> k) & 1, tuple((b + k) % 32 for b in pos)) for k in range(hi)]
+    result: np.ndarray = np.bitwise_or.reduce(planes, axis=0)
+    return result
 
 
 def _unpack_high(words: np.ndarray, lo: int, hi: int) -> np.ndarray:
     pos = high_tiling(lo, hi)[1]
     bits = [_unpack_bits(words, tuple((b + k) % 32 for b in pos), 1) << k for k in range(hi)]
-    return np.bitwise_or.reduce(bits, axis=0).astype(np.uint8)
+    result: np.ndarray = np.bitwise_or.reduce(bits, axis=0).astype(np.uint8)
+    return result
 
 
 # Q6_K's 6-bit codes, a group of 16 (two steps) in three words X0, X1, X2 (X0 X1 of a chunk's

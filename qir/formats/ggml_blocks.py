@@ -79,7 +79,8 @@ class Fields:
 def values(spec: Spec, q: np.ndarray) -> np.ndarray:
     """float32 value(q) of codes q."""
     if spec.table is not None:
-        return np.asarray(spec.table, dtype=np.float32)[q]
+        result: np.ndarray = np.asarray(spec.table, dtype=np.float32)[q]
+        return result
     return q.astype(np.float32) - np.float32(spec.zero)
 
 
@@ -99,7 +100,8 @@ def decode(spec: Spec, f: Fields) -> np.ndarray:
         assert f.dmin is not None and f.mn is not None
         dmin = _per_element(f.dmin.astype(np.float32), spec.block // spec.run)
         w = w - _per_element(dmin * f.mn.astype(np.float32), spec.run)
-    return w
+    result: np.ndarray = w
+    return result
 
 
 # ---- raw blocks <-> fields ------------------------------------------------------------------
@@ -134,9 +136,9 @@ def _bits_of_u32(h: np.ndarray, n: int) -> np.ndarray:
 
 
 def _u32_of_bits(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.arange(bits.shape[-1], dtype=np.uint32)).sum(
-        axis=-1, dtype=np.uint32
-    )
+    shifted = bits.astype(np.uint32) << np.arange(bits.shape[-1], dtype=np.uint32)
+    result: np.ndarray = shifted.sum(axis=-1, dtype=np.uint32)
+    return result
 
 
 def _crumbs(qs: np.ndarray, shifts: int) -> np.ndarray:
@@ -152,7 +154,8 @@ def _uncrumbs(q: np.ndarray, shifts: int) -> np.ndarray:
     lead = q.shape[:-1]
     x = q.reshape(*lead, -1, shifts, 32).astype(np.uint8)
     x = x << (np.arange(shifts, dtype=np.uint8) * width)[:, None]
-    return np.bitwise_or.reduce(x, axis=-2).reshape(*lead, -1)
+    result: np.ndarray = np.bitwise_or.reduce(x, axis=-2).reshape(*lead, -1)
+    return result
 
 
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +208,8 @@ def _trit_bytes(q: np.ndarray, n: int, width: int) -> np.ndarray:
     x = q.reshape(*lead, n, width).astype(np.uint16)
     v = (x * _TRITS[:n][::-1, None].astype(np.uint16)).sum(axis=-2) * (3 ** (5 - n))
     # ceil(v * 256 / 243): the byte whose first trit reads back as the most significant one
-    return ((v * 256 + 242) // 243).astype(np.uint8)
+    result: np.ndarray = ((v * 256 + 242) // 243).astype(np.uint8)
+    return result
 
 
 def parse(spec: Spec, raw: np.ndarray) -> Fields:
@@ -365,11 +369,13 @@ def _inv(d: np.ndarray) -> np.ndarray:
 
 def _nearest(table: tuple[int, ...], v: np.ndarray) -> np.ndarray:
     t = np.asarray(table, dtype=np.float32)
-    return np.abs(v[..., None] - t).argmin(axis=-1).astype(np.uint8)
+    result: np.ndarray = np.abs(v[..., None] - t).argmin(axis=-1).astype(np.uint8)
+    return result
 
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
-    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+    result: np.ndarray = np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+    return result
 
 
 def encode(spec: Spec, w: np.ndarray) -> Fields:

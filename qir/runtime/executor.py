@@ -74,7 +74,8 @@ def _logical_dtype(raw: Any, array: Any, declared: np.dtype[Any]) -> np.dtype[An
     dt = np.dtype(array.dtype)
     if declared.kind == "V" and dt.kind in "iu" and dt.itemsize == declared.itemsize:
         return declared
-    return dt
+    result: np.dtype = dt
+    return result
 
 
 class CompiledBlock:

@@ -515,7 +515,8 @@ class HostBackend:
         self, arena: np.ndarray, offset: int, shape: tuple[int, ...], dtype: Any
     ) -> np.ndarray:
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return arena[offset : offset + n].view(dtype).reshape(shape)
+        result: np.ndarray = arena[offset : offset + n].view(dtype).reshape(shape)
+        return result
 
     def copy_into(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="no")

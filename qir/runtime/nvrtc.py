@@ -210,7 +210,8 @@ def _nvrtc_error() -> type[Exception]:
         from cuda.core._utils.cuda_utils import NVRTCError
     except ImportError:
         return Exception
-    return NVRTCError
+    result: type[Exception] = NVRTCError
+    return result
 
 
 def _toolchain() -> tuple[Path, ...]:

@@ -27,7 +27,8 @@ class Leader:
         self, inputs: Mapping[str, Any], stream: Any = None, rows: str | None = None
     ) -> dict[str, Any]:
         self.comm.bcast(("run", dict(inputs), rows))
-        return self.compiled(inputs, stream, rows)
+        result: dict[str, Any] = self.compiled(inputs, stream, rows)
+        return result
 
     def capture(self, m: int, stream: Any = None, rows: str | None = None) -> Any:
         self.comm.bcast(("capture", m, rows))
