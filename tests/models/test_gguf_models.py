@@ -3,7 +3,8 @@ and llama_model_quantize; tests/data/oracle/gguf_*.py) read from their metadata 
 host float32 logits within 1e-3 of transformers' float32 forward of the same file, the same
 greedy ids through `qir generate`; llama.cpp's own logits as a second reference (its activations
 go through 8 and 16 bits: top-1 agreement and mean KL, llama.cpp's metric, bounded by what was
-measured). What the converter changed is undone exactly: the llama q/k rows and Gemma's norms
+measured); at f16 activations, a prefill through the GEMM and a decode against the reference
+backend. What the converter changed is undone exactly: the llama q/k rows and Gemma's norms
 equal the source model's."""
 
 from __future__ import annotations
