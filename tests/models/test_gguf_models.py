@@ -3,7 +3,8 @@ and llama_model_quantize; tests/data/oracle/gguf_*.py) read from their metadata 
 host float32 logits within 1e-3 of transformers' float32 forward of the same file, the same
 greedy ids through `qir generate`; llama.cpp's own logits as a second reference (its activations
 go through 8 and 16 bits: top-1 agreement and mean KL, llama.cpp's metric, bounded by what was
-measured). What the converter changed is undone exactly: the llama q/k rows and Gemma's norms
+measured); at f16 activations, a prefill through the GEMM and a decode against the reference
+backend. What the converter changed is undone exactly: the llama q/k rows and Gemma's norms
 equal the source model's."""
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from qir.dtypes import F16, F32
 from qir.models import Model, load
 from qir.models.blocks import build
 from qir.passes.manager import run_pipeline
-from tests.conftest import BACKENDS, DATA, max_rel
+from tests.conftest import BACKENDS, DATA, greedy_prefix, max_rel
 from tests.requires import requires
+from tests.runtime.test_layer_kernels import TOL, compiled
 
 F32_TOL = 1e-3
 # family -> the files transformers' goldens cover (tests/data/gguf_<family>/transformers.npz)
@@ -103,6 +105,51 @@ def test_q4_k_m_plans_one_launch_for_q_k_v_of_two_types(family):
     qkv = [n for n in names if f"_n{q}_{kv}_{kv}_" in n]  # launches of all three
     assert {n.split("_")[0] for n in qkv} == {"qgemv", "qgemm"}, names
     assert all(n.startswith(("qgemv_ggmlq4k_ggmlq6k_", "qgemm_ggmlq4k_ggmlq6k_")) for n in qkv)
+
+
+# f16 activations on the generated kernels against the reference backend's f16 numbers: a
+# layer within the layer tests' bound; the whole model's logits, after the layer, the final
+# norm and lm_head, measured up to 2.8e-3 (llama's Q4_K_M, 12 positions), bounded at 5e-3.
+F16_MODEL_TOL = 5e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["llama", "qwen3moe"])
+def test_q4_k_m_at_f16_prefills_through_the_mixed_type_gemm_as_the_reference_does(family, backend):
+    """The e2e tests above run f32 activations (GEMVs only, every position a row of its own);
+    at f16 a prefill of more tokens than the GEMV's 8 rows (12 here) takes the GEMM, whose
+    q/k/v launch decodes Q4_K and Q6_K tiles in one kernel (and qwen3moe's experts their
+    grouped GEMM). A layer at M = 1, 5, 12 and the model's prefill logits against the
+    reference backend at f16, then the model's greedy ids, each step's logits within the
+    bound, as far as the reference's top-2 margins are decided."""
+    path = DATA / f"gguf_{family}" / "model-Q4_K_M.gguf"
+    ck = load(path)
+    b = build(ck, "layer", ck.num_layers - 1, F16)
+    ours, ref = compiled(b, backend), compiled(b, "reference")
+    rng = np.random.default_rng(0)
+    for m in (1, 5, 12):
+        x = rng.standard_normal((m, ck.hidden_size)).astype(np.float16)
+        ours.reset_state()
+        ref.reset_state()
+        y, want = ours(b.inputs(x))["y"], ref(b.inputs(x))["y"]
+        assert max_rel(y, want) <= TOL[F16], m
+    model, reference = Model.load(path, backend=backend, act=F16), Model.load(path, act=F16)
+    assert model.compiled.plan is not None
+    names = {la.kernel.name for la in model.compiled.plan.launches}
+    assert any(n.startswith("qgemm_ggmlq4k_ggmlq6k_f16_") for n in names), names
+    if family == "qwen3moe":
+        assert any(n.startswith("moe_qgemm_ggmlq4k_f16_") for n in names), names
+    tokens = np.load(DATA / f"gguf_{family}" / "transformers.npz")["tokens"]
+    assert len(tokens) > 8
+    logits, want = model.logits(tokens), reference.logits(tokens)
+    assert max_rel(logits, want) <= F16_MODEL_TOL
+    assert (logits.argmax(-1) == want.argmax(-1)).all()
+    gen = model.generate(tokens, 8, do_sample=False)
+    ref_gen = reference.generate(tokens, 8, do_sample=False)
+    n = greedy_prefix(ref_gen.logits, gen.logits)  # measured: 8 for llama, 2 for qwen3moe
+    assert n >= 1
+    np.testing.assert_array_equal(gen.tokens[:n], ref_gen.tokens[:n])
+    assert max_rel(gen.logits[:n], ref_gen.logits[:n]) <= F16_MODEL_TOL
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
