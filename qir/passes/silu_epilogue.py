@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from qir.graph import Graph
-from qir.ops import GATE_ACTS, qlinear_layout
+from qir.ops import GATE_ACTS, layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TupleType
 
@@ -50,8 +50,8 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     graph = rw.graph
     q = graph.node(m["q"])
     operands = graph.operands(m["q"])
-    ins, ws, _ = qlinear_layout(len(operands), dict(q.attrs))
-    weights = operands[ws]
+    segments = layout(graph, m["q"])
+    ins, weights = segments["inputs"], operands[segments["weights"]]
     # Two different gets: the verifier allows one get per result, so i != j.
     i, j = graph.node(m["g"]).attr("index"), graph.node(m["u"]).attr("index")
     # The gets carry the names of the projections merge_parallel merged: listed once.

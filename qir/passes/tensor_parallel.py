@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import sinks_operand, spec
+from qir.ops import layout, spec
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
@@ -135,7 +135,7 @@ class TensorParallel:
         h0, h1, first, last = parts[r]
         fired = 4  # q, k, v and the caches
         self._split(graph, q, "out", h0 * head_dim, h1 * head_dim)
-        at = sinks_operand(dict(graph.node(a).attrs))
+        at = layout(graph, a).at("sinks")
         if at is not None:  # gpt-oss: a logit per query head, the rank's heads' like q's rows
             self._split_param(graph, a, at, h0, h1)
             fired += 1
