@@ -99,9 +99,9 @@ class OpSpec:
     reference: Callable[..., Any] | None = None
     # (graph, name, temps so far, m_tile, target) -> (launches, new temps): qir.codegen.lower
     lower: Callable[..., Any] | None = None
-    # (split: qir.passes.tensor_parallel.Split, graph, name) -> whether it split the node for
-    # its rank; ops without one are replicated
-    shard: Callable[..., Any] | None = None
+    # (qir.passes.tensor_parallel.TensorParallel, graph, name) -> the weights it sharded for the
+    # rank, splitting what the node roots (0: nothing); ops without a rule are replicated
+    shard: Callable[..., int] | None = None
 
     def layout(self, n_operands: int, attrs: Mapping[str, Any]) -> Layout:
         """Where this op's named operand segments sit for a node of these operands and attrs."""
@@ -1240,7 +1240,7 @@ def implement(
     *,
     reference: Callable[..., Any] | None = None,
     lower: Callable[..., Any] | None = None,
-    shard: Callable[..., Any] | None = None,
+    shard: Callable[..., int] | None = None,
 ) -> None:
     """Attach a defined op's interpreter reference, lowering or tensor-parallel rule (see
     OpSpec)."""

@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import layout, spec
+from qir.ops import implement, layout, spec
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
@@ -100,15 +100,11 @@ class TensorParallel:
             raise TensorParallelError(f"tensor_parallel: rank {r} of {n} ranks is out of range")
         if n == 1:
             return 0
-        fired = 0
-        for a in graph.of_op("attention"):
-            fired += self._attention(graph, a)
-        for d in graph.of_op("qlinear"):
-            fired += self._mlp(graph, d)
-        for d in graph.of_op("expert_qlinear"):
-            fired += self._experts(graph, d)
-        for s in graph.of_op("sample"):
-            fired += self._lm_head(graph, s)
+        # Each op's rule (OpSpec.shard) recognises the split it roots from its node: attention
+        # its heads, a qlinear an MLP's down, an expert qlinear a MoE's, sample the lm_head.
+        # The rules touch disjoint weights, so the graph's order is as good as any.
+        rooted = [(n, rule) for n, node in graph.items() if (rule := spec(node.op).shard)]
+        fired = sum(rule(self, graph, n) for n, rule in rooted)
         _reinfer(graph)
         graph.name = f"{graph.name}.rank{r}of{n}"
         return fired
@@ -500,3 +496,10 @@ def _reinfer(graph: Graph) -> None:
         if t != node.type:
             assert isinstance(t, TensorType | TupleType)
             graph.set_node(name, replace(node, type=t))
+
+
+# The splits' roots, attached to the op table as the interpreter and lowering attach theirs.
+implement("attention", shard=TensorParallel._attention)
+implement("qlinear", shard=TensorParallel._mlp)
+implement("expert_qlinear", shard=TensorParallel._experts)
+implement("sample", shard=TensorParallel._lm_head)
