@@ -20,6 +20,7 @@ from qir.graph import Graph, Node
 from qir.ops import (
     ACT_SCALE_ATTRS,
     W4A4_MAX_M,
+    Op,
     implement,
     layout,
     spec,
@@ -153,7 +154,7 @@ def dequantized(node: Node, weights: Weights) -> np.ndarray:
 def state_keys(graph: Graph) -> dict[str, TensorType]:
     """The graph's states (KV caches) by key, with their types."""
     out = {}
-    for name in graph.of_op("state"):
+    for name in graph.of_op(Op.STATE):
         node = graph.node(name)
         assert isinstance(node.type, TensorType)
         out[node.attr("key")] = node.type

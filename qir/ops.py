@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 from qir import dtypes, moe
@@ -18,6 +19,36 @@ from qir.types import QActType, QExperts, QWeight, TensorType, TupleType, ValueT
 
 class IRTypeError(QirError, TypeError):
     """An op got operands of the wrong shape, dtype or kind."""
+
+
+class Op(StrEnum):
+    """The built-in ops. A member is its name (Op.QLINEAR == "qlinear"), so the IR text and a
+    node's op stay strings and an op `register`ed later is keyed by its name alone."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    QLINEAR = "qlinear"
+    QUANTIZE_ACT = "quantize_act"
+    GET = "get"
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
+    SOFTCAP = "softcap"
+    MUL = "mul"
+    ADD = "add"
+    STATE = "state"
+    RMS_NORM = "rms_norm"
+    NORM_RESIDUAL = "norm_residual"
+    ROPE = "rope"
+    KV_APPEND = "kv_append"
+    ATTENTION = "attention"
+    EMBEDDING = "embedding"
+    SAMPLE = "sample"
+    ADJUST_LOGITS = "adjust_logits"
+    LOGPROBS = "logprobs"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    ROUTE = "route"
+    EXPERT_QLINEAR = "expert_qlinear"
 
 
 Infer = Callable[[Sequence[ValueType], Sequence[str], Mapping[str, Any]], ValueType]
@@ -602,7 +633,10 @@ def _attention_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
     )
 
 
-CACHE_SEGMENTS = {"kv_append": _kv_append_segments, "attention": _attention_segments}
+CACHE_SEGMENTS: dict[str, Callable[[Mapping[str, Any]], SegmentSizes]] = {
+    Op.KV_APPEND: _kv_append_segments,
+    Op.ATTENTION: _attention_segments,
+}
 
 
 def _cache_layout(op: str, types: Sequence[ValueType], attrs: Mapping[str, Any]) -> Layout:
@@ -1095,17 +1129,18 @@ def _quantize_act_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
     return (("x", 1), ("norm_inputs", 2 if "eps" in attrs else 0))
 
 
+# Keyed by name: a built-in op's key is its Op member, equal to the string.
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
-        OpSpec("input", 0, _infer_leaf, segments=()),
+        OpSpec(Op.INPUT, 0, _infer_leaf, segments=()),
         # A weight may carry its calibrated activation scale (W4A4 checkpoints), and the part of
         # a checkpoint weight a tensor-parallel rank holds (passes/tensor_parallel: shard).
         OpSpec(
-            "weight", 0, _infer_leaf, frozenset({"key", "shard"}) | ACT_SCALE_ATTRS, segments=()
+            Op.WEIGHT, 0, _infer_leaf, frozenset({"key", "shard"}) | ACT_SCALE_ATTRS, segments=()
         ),
         OpSpec(
-            "qlinear",
+            Op.QLINEAR,
             VARIADIC,
             _infer_qlinear,
             frozenset(
@@ -1126,41 +1161,41 @@ OPS: dict[str, OpSpec] = {
             segments=_qlinear_segments,
         ),
         OpSpec(
-            "quantize_act",
+            Op.QUANTIZE_ACT,
             VARIADIC,
             _infer_quantize_act,
             frozenset({"scheme", "eps"}) | ACT_SCALE_ATTRS,
             segments=_quantize_act_segments,
         ),
-        OpSpec("get", 1, _infer_get, frozenset({"index"}), segments=_X),
-        OpSpec("silu", 1, _infer_unary("silu"), elementwise=True, segments=_X),
+        OpSpec(Op.GET, 1, _infer_get, frozenset({"index"}), segments=_X),
+        OpSpec(Op.SILU, 1, _infer_unary("silu"), elementwise=True, segments=_X),
         # gelu with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP)
-        OpSpec("gelu_tanh", 1, _infer_unary("gelu_tanh"), elementwise=True, segments=_X),
+        OpSpec(Op.GELU_TANH, 1, _infer_unary("gelu_tanh"), elementwise=True, segments=_X),
         # tanh(x / cap) * cap (Gemma's final logit soft-capping)
-        OpSpec("softcap", 1, _infer_softcap, frozenset({"cap"}), elementwise=True, segments=_X),
-        OpSpec("mul", 2, _infer_binary("mul"), elementwise=True, segments=_AB),
-        OpSpec("add", 2, _infer_binary("add"), elementwise=True, segments=_AB),
+        OpSpec(Op.SOFTCAP, 1, _infer_softcap, frozenset({"cap"}), elementwise=True, segments=_X),
+        OpSpec(Op.MUL, 2, _infer_binary("mul"), elementwise=True, segments=_AB),
+        OpSpec(Op.ADD, 2, _infer_binary("add"), elementwise=True, segments=_AB),
         # A KV cache: persistent state named by `key`, written only by one kv_append.
-        OpSpec("state", 0, _infer_leaf, frozenset({"key"}), segments=()),
-        OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"}), segments=(("x", 1), ("w", 1))),
+        OpSpec(Op.STATE, 0, _infer_leaf, frozenset({"key"}), segments=()),
+        OpSpec(Op.RMS_NORM, 2, _infer_rms_norm, frozenset({"eps"}), segments=(("x", 1), ("w", 1))),
         # r + rms_norm(x, w): a norm before a residual add, one kernel (passes/norm_residual)
         OpSpec(
-            "norm_residual",
+            Op.NORM_RESIDUAL,
             3,
             _infer_norm_residual,
             frozenset({"eps", "fused"}),
             segments=(("x", 1), ("w", 1), ("residual", 1)),
         ),
-        OpSpec("rope", 2, _infer_rope, ROPE_ATTRS, segments=(("x", 1), ("positions", 1))),
+        OpSpec(Op.ROPE, 2, _infer_rope, ROPE_ATTRS, segments=(("x", 1), ("positions", 1))),
         OpSpec(
-            "kv_append",
+            Op.KV_APPEND,
             VARIADIC,
             _infer_kv_append,
             ROPE_ATTRS | {"page_size", "norm_eps", "window"},
             segments=_kv_append_segments,
         ),
         OpSpec(
-            "attention",
+            Op.ATTENTION,
             VARIADIC,
             _infer_attention,
             frozenset({"scale", "page_size", "norm_eps", "window", "softcap", "sinks"})
@@ -1168,20 +1203,20 @@ OPS: dict[str, OpSpec] = {
             segments=_attention_segments,
         ),
         OpSpec(
-            "embedding",
+            Op.EMBEDDING,
             2,
             _infer_embedding,
             frozenset({"dtype", "scale"}),
             segments=(("ids", 1), ("table", 1)),
         ),
         OpSpec(
-            "sample",
+            Op.SAMPLE,
             4,
             _infer_sample,
             segments=(("logits", 1), ("params", 1), ("seed", 1), ("positions", 1)),
         ),
         OpSpec(
-            "adjust_logits",
+            Op.ADJUST_LOGITS,
             6,
             _infer_adjust_logits,
             segments=(
@@ -1194,18 +1229,18 @@ OPS: dict[str, OpSpec] = {
             ),
         ),
         OpSpec(
-            "logprobs",
+            Op.LOGPROBS,
             3,
             _infer_logprobs,
             frozenset({"k"}),
             segments=(("logits", 1), ("next", 1), ("targets", 1)),
         ),
         # Collectives across the ranks of a tensor-parallel group (qir.collectives)
-        OpSpec("all_reduce", 1, _infer_all_reduce, frozenset({"ranks"}), segments=_X),
-        OpSpec("all_gather", 1, _infer_all_gather, frozenset({"axis", "ranks"}), segments=_X),
-        OpSpec("route", 1, _infer_route, frozenset({"k", "rule"}), segments=(("logits", 1),)),
+        OpSpec(Op.ALL_REDUCE, 1, _infer_all_reduce, frozenset({"ranks"}), segments=_X),
+        OpSpec(Op.ALL_GATHER, 1, _infer_all_gather, frozenset({"axis", "ranks"}), segments=_X),
+        OpSpec(Op.ROUTE, 1, _infer_route, frozenset({"k", "rule"}), segments=(("logits", 1),)),
         OpSpec(
-            "expert_qlinear",
+            Op.EXPERT_QLINEAR,
             VARIADIC,
             _infer_expert_qlinear,
             frozenset(

@@ -31,7 +31,7 @@ from qir.codegen.layer_kernels import (
 from qir.codegen.plan import ALL_M, Arg, Launch, results
 from qir.dtypes import F32
 from qir.graph import Graph
-from qir.ops import W4A4_MAX_M, layout
+from qir.ops import W4A4_MAX_M, Op, layout
 from qir.types import QWeight, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
@@ -51,7 +51,7 @@ def _int(d: object) -> int:
 def _cache(graph: Graph, op: str) -> CacheShape:
     """The cache a kv_append or attention reads, paged where it takes a block table."""
     operands = graph.operands(op)
-    kv_append = graph.node(op).op == "kv_append"
+    kv_append = graph.node(op).op == Op.KV_APPEND
     t = _tensor(graph, operands[0 if kv_append else 1])
     at = layout(graph, op).at("pages")
     pages = _tensor(graph, operands[at]).shape[1] if at is not None else 0
@@ -69,7 +69,7 @@ def _only_as_norm_source(graph: Graph, name: str) -> bool:
     return (
         bool(users)
         and all(v != name for _, v in graph.outputs)
-        and all(graph.node(u).op == "quantize_act" and graph.operands(u)[0] == name for u in users)
+        and all(graph.node(u).op == Op.QUANTIZE_ACT and graph.operands(u)[0] == name for u in users)
     )
 
 

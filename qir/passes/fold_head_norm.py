@@ -15,7 +15,7 @@ norm's result has other users, or when the reader already normalises.
 from __future__ import annotations
 
 from qir.graph import Graph
-from qir.ops import layout
+from qir.ops import Op, layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
@@ -48,7 +48,7 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 
 def _norm() -> Pat:
-    return Pat("rms_norm", (Pat(name="x"), Pat(name="w")), name="n", one_use=True, check=_per_head)
+    return Pat(Op.RMS_NORM, (Pat(name="x"), Pat(name="w")), name="n", one_use=True, check=_per_head)
 
 
 ANY = Pat()

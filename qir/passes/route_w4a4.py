@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import AttrValue, Graph, Node, make_attrs
-from qir.ops import ACT_SCALE_ATTRS, operands
+from qir.ops import ACT_SCALE_ATTRS, Op, operands
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 from qir.types import QActType, QExperts, QWeight, TensorType, WeightFormat
 
@@ -126,8 +126,8 @@ class RouteW4A4:
         return True
 
     def run(self, graph: Graph) -> int:
-        rule = Rule("route_w4a4", Pat("qlinear", check=self._routable), self._route)
+        rule = Rule("route_w4a4", Pat(Op.QLINEAR, check=self._routable), self._route)
         experts = Rule(
-            "route_w4a4", Pat("expert_qlinear", check=self._routable_experts), self._route_experts
+            "route_w4a4", Pat(Op.EXPERT_QLINEAR, check=self._routable_experts), self._route_experts
         )
         return apply_rules(graph, [rule, experts])

@@ -62,13 +62,13 @@ from dataclasses import dataclass, replace
 
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import implement, layout, spec
+from qir.ops import Op, implement, layout, spec
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
 # norms (Qwen3, Gemma 3) and RoPE, which the split by heads leaves unchanged.
-_PER_HEAD = ("rope", "rms_norm")
-GATE_ACTS = ("silu", "gelu_tanh")
+_PER_HEAD = (Op.ROPE, Op.RMS_NORM)
+GATE_ACTS = (Op.SILU, Op.GELU_TANH)
 
 
 class TensorParallelError(QirError, ValueError):
@@ -123,7 +123,9 @@ class TensorParallel:
         append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
         kv = [_projection(graph, graph.operands(append)[i], append) for i in (2, 3)]
         outs = [
-            o for o in graph.users(a) if graph.node(o).op == "qlinear" and graph.operands(o)[0] == a
+            o
+            for o in graph.users(a)
+            if graph.node(o).op == Op.QLINEAR and graph.operands(o)[0] == a
         ]
         for o in outs:
             _plain(graph, o)
@@ -242,7 +244,7 @@ class TensorParallel:
         rows, then an all_reduce, the residual in rank 0's combine only."""
         h = graph.operands(down)[0]
         node = graph.node(down)
-        if graph.node(h).op != "expert_qlinear" or graph.node(h).attr("epilogue") != "silu_mul":
+        if graph.node(h).op != Op.EXPERT_QLINEAR or graph.node(h).attr("epilogue") != "silu_mul":
             return 0
         epilogue = node.attr("epilogue")
         if epilogue not in ("combine", "combine_residual") or node.attr("kernel") is not None:
@@ -270,7 +272,7 @@ class TensorParallel:
         Returns the weights split (0 where `y`'s residual is no shared expert)."""
         s = graph.operands(y)[-1]
         node = graph.node(s)
-        if node.op != "expert_qlinear" or node.attr("epilogue") != "combine_residual":
+        if node.op != Op.EXPERT_QLINEAR or node.attr("epilogue") != "combine_residual":
             return 0
         pair = _gate_up(graph, graph.operands(s)[0])
         if pair is None or node.attr("kernel") is not None:
@@ -291,9 +293,9 @@ class TensorParallel:
         value = graph.operands(sample)[0]
         # softcap is elementwise (it applies to each rank's part); adjust_logits takes the
         # gathered rows, as the draw does
-        while graph.node(value).op in ("softcap", "adjust_logits"):
+        while graph.node(value).op in (Op.SOFTCAP, Op.ADJUST_LOGITS):
             value = graph.operands(value)[0]
-        if graph.node(value).op != "qlinear":
+        if graph.node(value).op != Op.QLINEAR:
             raise TensorParallelError(
                 f"tensor_parallel: %{sample} samples %{value}, not an lm_head qlinear"
             )
@@ -387,7 +389,7 @@ class TensorParallel:
         the residual epilogue folds it into the projection's launch (no add launch per rank).
         Where the sum goes elsewhere first (Gemma's post-norm), the add stays after it."""
         users = graph.users(reduce)
-        if len(users) != 1 or graph.use_count(reduce) != 1 or graph.node(users[0]).op != "add":
+        if len(users) != 1 or graph.use_count(reduce) != 1 or graph.node(users[0]).op != Op.ADD:
             return
         add = users[0]
         (p,) = graph.operands(reduce)
@@ -424,7 +426,7 @@ def _projection(graph: Graph, value: str, reader: str) -> str:
     """The qlinear whose result reaches `reader` through per-head ops only."""
     while graph.node(value).op in _PER_HEAD:
         value = graph.operands(value)[0]
-    if graph.node(value).op != "qlinear":
+    if graph.node(value).op != Op.QLINEAR:
         raise TensorParallelError(
             f"tensor_parallel: %{reader} reads %{value} ({graph.node(value).op}), not a q/k/v "
             "projection; run the pass on the unfused block"
@@ -435,13 +437,13 @@ def _projection(graph: Graph, value: str, reader: str) -> str:
 
 def _gate_up(graph: Graph, h: str) -> tuple[str, str] | None:
     """The gate and up qlinears of h = act(gate) * up; None for any other h."""
-    if graph.node(h).op != "mul":
+    if graph.node(h).op != Op.MUL:
         return None
     act, up = graph.operands(h)
     if graph.node(act).op not in GATE_ACTS:
         return None
     gate = graph.operands(act)[0]
-    if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
+    if graph.node(gate).op != Op.QLINEAR or graph.node(up).op != Op.QLINEAR:
         return None
     return gate, up
 
