@@ -50,10 +50,9 @@ def _int(d: object) -> int:
 
 def _cache(graph: Graph, op: str) -> CacheShape:
     """The cache a kv_append or attention reads, paged where it takes a block table."""
-    operands = graph.operands(op)
-    kv_append = graph.node(op).op == Op.KV_APPEND
-    t = _tensor(graph, operands[0 if kv_append else 1])
-    at = layout(graph, op).at("pages")
+    operands, segments = graph.operands(op), layout(graph, op)
+    t = _tensor(graph, operands[segments["k_cache"]][0])
+    at = segments.at("pages")
     pages = _tensor(graph, operands[at]).shape[1] if at is not None else 0
     page = graph.node(op).attr("page_size") or 0
     window = graph.node(op).attr("window") or 0
@@ -109,10 +108,11 @@ def _cache_args(graph: Graph, name: str) -> tuple[HeadNorm | None, tuple[Arg, ..
     node = graph.node(name)
     segments = layout(graph, name)
     at = segments.at("norm")
-    sinks = segments.at("sinks") if "sinks" in segments.spans else None
+    # the parameter vectors (kv_append has no sinks)
+    params = {segments.at(s) for s in ("norm", "sinks") if s in segments.spans} - {None}
     operands = graph.operands(name)
     args = tuple(
-        Arg("weight", o, "weight") if i in (at, sinks) else Arg("value", o)
+        Arg("weight", o, "weight") if i in params else Arg("value", o)
         for i, o in enumerate(operands)
     )
     if at is None:

@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import Op, implement, layout, spec
+from qir.ops import Op, implement, layout, operands, spec
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
@@ -113,7 +113,7 @@ class TensorParallel:
 
     def _attention(self, graph: Graph, a: str) -> int:
         r = self.rank
-        q_value, k_cache = graph.operands(a)[:2]
+        q_value, k_cache = operands(graph, a, "q") + operands(graph, a, "k_cache")
         cache = graph.node(k_cache).type
         assert isinstance(cache, TensorType)
         kv_heads, head_dim = cache.shape[1], cache.shape[2]
@@ -121,7 +121,8 @@ class TensorParallel:
         q = _projection(graph, q_value, a)
         heads = _out(graph, q) // head_dim
         append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
-        kv = [_projection(graph, graph.operands(append)[i], append) for i in (2, 3)]
+        kv = [_projection(graph, value, append) for value in operands(graph, append, "k")]
+        kv += [_projection(graph, value, append) for value in operands(graph, append, "v")]
         outs = [
             o
             for o in graph.users(a)
@@ -139,8 +140,8 @@ class TensorParallel:
             fired += 1
         for p in kv:
             self._split(graph, p, "out", first * head_dim, last * head_dim)
-        for i in (0, 1):  # the caches hold the rank's KV heads
-            state = graph.operands(append)[i]
+        # the caches hold the rank's KV heads
+        for state in (*operands(graph, append, "k_cache"), *operands(graph, append, "v_cache")):
             t = graph.node(state).type
             assert isinstance(t, TensorType)
             shape = (t.shape[0], last - first, head_dim)
