@@ -19,7 +19,7 @@ import numpy as np
 from qir.dtypes import F32
 from qir.graph import Graph
 from qir.interpret import Weights, evaluate
-from qir.ops import W4A4_MAX_M
+from qir.ops import W4A4_MAX_M, Op
 from qir.passes.manager import PassOptions, run_pipeline
 from qir.types import QActType, TensorType, TupleType
 
@@ -62,9 +62,9 @@ def audit(
     routed_graph, _ = run_pipeline(graph, ("route_w4a4",), options=PassOptions(tier))
     routed = [
         n
-        for n in routed_graph.of_op("qlinear")
+        for n in routed_graph.of_op(Op.QLINEAR)
         if isinstance(routed_graph.node(routed_graph.operands(n)[0]).type, QActType)
-    ] + [n for n in routed_graph.of_op("expert_qlinear") if routed_graph.node(n).attr("act_quant")]
+    ] + [n for n in routed_graph.of_op(Op.EXPERT_QLINEAR) if routed_graph.node(n).attr("act_quant")]
     if not routed or any(a.shape[0] > W4A4_MAX_M for a in inputs.values()):
         return []
     y4 = evaluate(routed_graph, inputs, weights)

@@ -21,6 +21,7 @@ import networkx as nx
 from qir.codegen.plan import ALL_M, Launch, Plan
 from qir.errors import UsageError
 from qir.graph import Graph
+from qir.ops import Op
 from qir.types import QExperts, QWeight
 
 SUFFIXES = (".dot", ".svg", ".png")
@@ -46,7 +47,7 @@ def _format(graph: Graph, name: str) -> str:
     t = graph.node(name).type
     if isinstance(t, (QWeight, QExperts)):
         return t.format.tag()
-    if graph.node(name).op in ("qlinear", "expert_qlinear"):
+    if graph.node(name).op in (Op.QLINEAR, Op.EXPERT_QLINEAR):
         tags = {
             w.format.tag()
             for o in graph.operands(name)

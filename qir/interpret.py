@@ -20,11 +20,9 @@ from qir.graph import Graph, Node
 from qir.ops import (
     ACT_SCALE_ATTRS,
     W4A4_MAX_M,
-    cache_operands,
-    expert_layout,
+    Op,
     implement,
-    qlinear_layout,
-    sinks_operand,
+    layout,
     spec,
 )
 from qir.types import QExperts, QWeight, TensorType, TupleType
@@ -156,7 +154,7 @@ def dequantized(node: Node, weights: Weights) -> np.ndarray:
 def state_keys(graph: Graph) -> dict[str, TensorType]:
     """The graph's states (KV caches) by key, with their types."""
     out = {}
-    for name in graph.of_op("state"):
+    for name in graph.of_op(Op.STATE):
         node = graph.node(name)
         assert isinstance(node.type, TensorType)
         out[node.attr("key")] = node.type
@@ -231,7 +229,8 @@ def _qlinear(
         )
         ys = _qlinear(inner, [h, *args[3:]], biases)
         return (*(ys if isinstance(ys, tuple) else (ys,)), h)
-    ins, ws, extras = qlinear_layout(len(args), attrs)
+    segments = spec("qlinear").layout(len(args), attrs)
+    ins, ws, extras = segments["inputs"], segments["weights"], segments["residual"]
     m = args[0].shape[0]
     t = node.type.elements[0] if isinstance(node.type, TupleType) else node.type
     assert isinstance(t, TensorType)
@@ -304,11 +303,11 @@ def _pages(
 ) -> np.ndarray | None:
     """int64 [M, S]: where row m's positions 0..S-1 sit in a paged cache (S: the positions a
     block table holds): table[m, p // page_size] * page_size + p % page_size. None without a
-    block table (qir.ops.cache_operands), where position p is row p. Positions (the operand
+    block table (segment pages), where position p is row p. Positions (the operand
     before the block table; -1 for a padding row) must fit, and so must the pages a row reads
     or writes; `positions_at`: the positions' operand (kv_append's 4, attention's 3)."""
     positions = args[positions_at]
-    at = cache_operands(node.op, dict(node.attrs))[0]
+    at = spec(node.op).layout(len(args), dict(node.attrs)).at("pages")
     if at is None:
         _check_span(node, positions, cache.shape[0], f"the KV cache of {cache.shape[0]} rows")
         return None
@@ -338,7 +337,7 @@ def kv_append(node: Node, args: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
     kc, vc, k, v, positions = args[:5]
     attrs = dict(node.attrs)
     rows = _pages(node, args, kc, 4)
-    norm = cache_operands("kv_append", attrs)[1]
+    norm = spec("kv_append").layout(len(args), attrs).at("norm")
     if norm is not None:
         k = rms_norm(k, args[norm], node.attr("norm_eps")).astype(kc.dtype)
     if "rope_type" in attrs:
@@ -361,7 +360,8 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
     attrs = dict(node.attrs)
     rows = _pages(node, args, kc, 3)
     m, (_, kv_heads, d) = q.shape[0], kc.shape
-    norm = cache_operands("attention", attrs)[1]
+    segments = spec("attention").layout(len(args), attrs)
+    norm = segments.at("norm")
     if norm is not None:
         q = rms_norm(q, args[norm], node.attr("norm_eps")).astype(q.dtype)
     if "rope_type" in attrs:
@@ -375,7 +375,7 @@ def attention(node: Node, args: list[np.ndarray]) -> np.ndarray:
         groups = [(np.flatnonzero(which.ravel() == i), t) for i, t in enumerate(tables)]
     scale = np.float32(node.attr("scale"))
     window, cap = node.attr("window"), node.attr("softcap")
-    at = sinks_operand(attrs)
+    at = segments.at("sinks")
     # [1, kv_heads, group, 1], as the scores' heads
     sinks = None if at is None else _f32(args[at]).reshape(1, kv_heads, -1, 1)
     for members, where in groups:
@@ -499,7 +499,7 @@ def expert_input_scales(graph: Graph, name: str, weights: Weights) -> ActScales:
     the producer calibrated both on that input)."""
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
-    ws = expert_layout(types, dict(graph.node(name).attrs))[0]
+    ws = layout(graph, name)["weights"]
     first = types[ws][0]
     assert isinstance(first, QExperts)
     attr = first.format.act_scale_attr()
@@ -627,7 +627,7 @@ def _layer(fn: Callable[[Node, list[np.ndarray]], np.ndarray]) -> Callable[..., 
 
 
 def _qlinear_ref(run: Run, name: str, node: Node, args: list[Any]) -> Any:
-    ws = qlinear_layout(len(args), dict(node.attrs))[1]
+    ws = layout(run.graph, name)["weights"]
     return _qlinear(node, args, [run.biases[w] for w in run.graph.operands(name)[ws]])
 
 
@@ -644,7 +644,7 @@ def _quantize_act_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.nd
 def _expert_qlinear_ref(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
     graph = run.graph
     ops = graph.operands(name)
-    ws = expert_layout([graph.node(o).type for o in ops], dict(node.attrs))[0]
+    ws = layout(graph, name)["weights"]
     scales = expert_input_scales(graph, name, run.weights) if node.attr("act_quant") else None
     return expert_qlinear(node, args, [run.biases[w] for w in ops[ws]], scales)
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 from qir import dtypes, moe
 from qir.errors import QirError
+from qir.graph import Graph
 from qir.rope import ATTRS as ROPE_ATTRS
 from qir.rope import rope_problem
 from qir.types import QActType, QExperts, QWeight, TensorType, TupleType, ValueType
@@ -19,29 +21,140 @@ class IRTypeError(QirError, TypeError):
     """An op got operands of the wrong shape, dtype or kind."""
 
 
+class Op(StrEnum):
+    """The built-in ops. A member is its name (Op.QLINEAR == "qlinear"), so the IR text and a
+    node's op stay strings and an op `register`ed later is keyed by its name alone."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    QLINEAR = "qlinear"
+    QUANTIZE_ACT = "quantize_act"
+    GET = "get"
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
+    SOFTCAP = "softcap"
+    MUL = "mul"
+    ADD = "add"
+    STATE = "state"
+    RMS_NORM = "rms_norm"
+    NORM_RESIDUAL = "norm_residual"
+    ROPE = "rope"
+    KV_APPEND = "kv_append"
+    ATTENTION = "attention"
+    EMBEDDING = "embedding"
+    SAMPLE = "sample"
+    ADJUST_LOGITS = "adjust_logits"
+    LOGPROBS = "logprobs"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    ROUTE = "route"
+    EXPERT_QLINEAR = "expert_qlinear"
+
+
 Infer = Callable[[Sequence[ValueType], Sequence[str], Mapping[str, Any]], ValueType]
 
 
 VARIADIC = -1
 
+# An op's named operand segments in order, each (name, count): a count of 0 leaves an optional
+# segment out, and one segment of VARIADIC count takes what the others leave (MLIR's operand
+# segments). Where the roles depend on attributes (a prologue's extra inputs, a paged cache's
+# block table) the op declares a function of its attributes.
+SegmentSizes = Sequence[tuple[str, int]]
+Segments = SegmentSizes | Callable[[Mapping[str, Any]], SegmentSizes]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each named operand segment of one node sits among its operands."""
+
+    op: str
+    spans: Mapping[str, slice]
+
+    def __getitem__(self, segment: str) -> slice:
+        try:
+            return self.spans[segment]
+        except KeyError:
+            raise IRTypeError(
+                f"{self.op} has no operand segment {segment!r}; known: {', '.join(self.spans)}"
+            ) from None
+
+    def at(self, segment: str) -> int | None:
+        """The index of a segment of at most one operand; None where it is left out."""
+        span = self[segment]
+        assert span.stop - span.start <= 1, f"{self.op}: {segment} is not a single operand"
+        return span.start if span.stop > span.start else None
+
+    @property
+    def size(self) -> int:
+        """The operands the segments take (where none is variadic, the op's operand count)."""
+        return max((s.stop for s in self.spans.values()), default=0)
+
+
+def layout_of(op: str, sizes: SegmentSizes, n_operands: int) -> Layout:
+    """The segments laid out over n_operands: those before the variadic one from the front, those
+    after it from the back."""
+    counts = [n for _, n in sizes]
+    variadic = counts.index(VARIADIC) if VARIADIC in counts else len(counts)
+    spans: dict[str, slice] = {}
+    at = 0
+    for name, n in sizes[:variadic]:
+        spans[name] = slice(at, at + n)
+        at += n
+    end = n_operands
+    for name, n in reversed(sizes[variadic + 1 :]):
+        spans[name] = slice(end - n, end)
+        end -= n
+    if variadic < len(sizes):
+        spans[sizes[variadic][0]] = slice(at, end)
+    return Layout(op, {name: spans[name] for name, _ in sizes})
+
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op: its arity, attribute schema and type inference here, and the two ways it runs,
-    which the interpreter (`reference`) and lowering (`lower`) dispatch through instead of
-    keying on its name. A built-in op's reference and lowering are attached with `implement` by
-    the modules that hold them (qir.interpret, qir.codegen.lower), which this module must not
-    import; a new op brings both on the spec it `register`s."""
+    """One op: its arity, named operand segments, attribute schema and type inference here, and
+    the ways it runs, which the interpreter (`reference`), lowering (`lower`) and the
+    tensor-parallel split (`shard`) dispatch through instead of keying on its name. A built-in
+    op's reference, lowering and shard rule are attached with `implement` by the modules that
+    hold them (qir.interpret, qir.codegen.lower, qir.passes.tensor_parallel), which this module
+    must not import; a new op brings them on the spec it `register`s."""
 
     name: str
     arity: int
     infer: Infer
     attrs: frozenset[str] = frozenset()
     elementwise: bool = False
+    # Its operands' roles by name (see Segments); without, one variadic segment "operands"
+    segments: Segments = (("operands", VARIADIC),)
     # (run: qir.interpret.Run, name, node, args) -> the node's value
     reference: Callable[..., Any] | None = None
     # (graph, name, temps so far, m_tile, target) -> (launches, new temps): qir.codegen.lower
     lower: Callable[..., Any] | None = None
+    # (qir.passes.tensor_parallel.TensorParallel, graph, name) -> the weights it sharded for the
+    # rank, splitting what the node roots (0: nothing); ops without a rule are replicated
+    shard: Callable[..., int] | None = None
+
+    def layout(self, n_operands: int, attrs: Mapping[str, Any]) -> Layout:
+        """Where this op's named operand segments sit for a node of these operands and attrs."""
+        sizes = self.segments(attrs) if callable(self.segments) else self.segments
+        return layout_of(self.name, sizes, n_operands)
+
+
+def layout(graph: Graph, name: str) -> Layout:
+    """Node `name`'s operand segments."""
+    node = graph.node(name)
+    return spec(node.op).layout(len(graph.operands(name)), dict(node.attrs))
+
+
+def operands(graph: Graph, name: str, segment: str) -> tuple[str, ...]:
+    """The values in one named operand segment of node `name` (empty where it is left out)."""
+    return tuple(graph.operands(name)[layout(graph, name)[segment]])
+
+
+def operand(graph: Graph, name: str, segment: str) -> str | None:
+    """The value of a single-operand segment of node `name`, or None where it is left out."""
+    at = layout(graph, name).at(segment)
+    return None if at is None else graph.operands(name)[at]
 
 
 def _desc(name: str, t: ValueType) -> str:
@@ -156,8 +269,8 @@ EPILOGUES = ("residual", "silu_mul", "softcap")
 GATE_ACTS = ("silu", "gelu_tanh")
 
 
-def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, slice, slice]:
-    """Where a qlinear's inputs, weights and epilogue operands sit among its operands.
+def _qlinear_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
+    """A qlinear's operands: its inputs, its weights, then its epilogue's.
 
     inputs: x, or (g, u) with prologue silu_mul (the kernel reads silu(g) * u as its input, or
     act(g) * u with the node's `act`: GATE_ACTS), or
@@ -171,12 +284,8 @@ def qlinear_layout(n_operands: int, attrs: Mapping[str, Any]) -> tuple[slice, sl
     """
     prologue = attrs.get("prologue")
     n_in = 4 if prologue == "norm_residual" else 2 if prologue in PROLOGUES else 1
-    n_extra = 1 if attrs.get("epilogue") == "residual" else 0
-    return (
-        slice(0, n_in),
-        slice(n_in, n_operands - n_extra),
-        slice(n_operands - n_extra, n_operands),
-    )
+    residual = 1 if attrs.get("epilogue") == "residual" else 0
+    return (("inputs", n_in), ("weights", VARIADIC), ("residual", residual))
 
 
 def _check_takes_act(op: str, scheme: str, name: str, w: QWeight | QExperts, what: str) -> None:
@@ -221,7 +330,8 @@ def _infer_projections(
             raise IRTypeError(f"qlinear: unknown act {act!r}; known: {', '.join(GATE_ACTS)}")
         if "silu_mul" not in (prologue, epilogue):
             raise IRTypeError(f"qlinear: act {act!r} needs a silu_mul prologue or epilogue")
-    _, ws, extras = qlinear_layout(len(types), attrs)
+    segments = layout_of("qlinear", _qlinear_segments(attrs), len(types))
+    ws = segments["weights"]
     if ws.stop - ws.start < 1:
         raise IRTypeError(f"qlinear: {len(types)} operands leave no weight")
     if isinstance(types[0], QActType):
@@ -295,10 +405,11 @@ def _infer_projections(
     if epilogue == "residual":
         if len(results) != 1:
             raise IRTypeError("qlinear epilogue residual: needs exactly one weight")
-        r = _activation("qlinear", names, types, extras.start)
+        at = segments["residual"].start
+        r = _activation("qlinear", names, types, at)
         if r != results[0]:
             raise IRTypeError(
-                f"qlinear epilogue residual: {_desc(names[extras.start], r)} does not match "
+                f"qlinear epilogue residual: {_desc(names[at], r)} does not match "
                 f"the result {results[0]}"
             )
     return results[0] if len(results) == 1 else TupleType(tuple(results))
@@ -494,32 +605,50 @@ def _infer_row_norm(
     return x
 
 
-def cache_operands(op: str, attrs: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """Where kv_append's / attention's optional operands sit after their fixed ones (5 and 4):
-    the block table (with attribute page_size), then the head-norm weight (with norm_eps)."""
-    at = 5 if op == "kv_append" else 4
-    pages = at if attrs.get("page_size") is not None else None
-    norm = at + (pages is not None) if attrs.get("norm_eps") is not None else None
-    return pages, norm
+def _kv_append_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
+    """kv_append's fixed operands, then the block table (with attribute page_size) and the
+    head-norm weight (with norm_eps)."""
+    return (
+        ("k_cache", 1),
+        ("v_cache", 1),
+        ("k", 1),
+        ("v", 1),
+        ("positions", 1),
+        ("pages", 1 if attrs.get("page_size") is not None else 0),
+        ("norm", 1 if attrs.get("norm_eps") is not None else 0),
+    )
 
 
-def sinks_operand(attrs: Mapping[str, Any]) -> int | None:
-    """Where attention's sinks (attribute sinks true) sit: after its other optional operands."""
-    if not attrs.get("sinks"):
-        return None
-    pages, norm = cache_operands("attention", attrs)
-    return 4 + (pages is not None) + (norm is not None)
+def _attention_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
+    """attention's fixed operands, then the block table (with attribute page_size), the
+    head-norm weight (with norm_eps) and the sinks (with sinks true)."""
+    return (
+        ("q", 1),
+        ("k_cache", 1),
+        ("v_cache", 1),
+        ("positions", 1),
+        ("pages", 1 if attrs.get("page_size") is not None else 0),
+        ("norm", 1 if attrs.get("norm_eps") is not None else 0),
+        ("sinks", 1 if attrs.get("sinks") else 0),
+    )
 
 
-def _count_operands(op: str, types: Sequence[ValueType], attrs: Mapping[str, Any]) -> None:
-    pages, norm = cache_operands(op, attrs)
-    want = (5 if op == "kv_append" else 4) + (pages is not None) + (norm is not None)
-    want += op == "attention" and sinks_operand(attrs) is not None
-    if len(types) != want:
+CACHE_SEGMENTS: dict[str, Callable[[Mapping[str, Any]], SegmentSizes]] = {
+    Op.KV_APPEND: _kv_append_segments,
+    Op.ATTENTION: _attention_segments,
+}
+
+
+def _cache_layout(op: str, types: Sequence[ValueType], attrs: Mapping[str, Any]) -> Layout:
+    """A kv_append's or attention's segments, its operand count checked against them."""
+    segments = layout_of(op, CACHE_SEGMENTS[op](attrs), len(types))
+    if len(types) != segments.size:
         raise IRTypeError(
-            f"{op}: takes {want} operands (a block table with page_size, a head-norm weight "
-            f"with norm_eps{', sinks with sinks' if op == 'attention' else ''}), got {len(types)}"
+            f"{op}: takes {segments.size} operands (a block table with page_size, a head-norm "
+            f"weight with norm_eps{', sinks with sinks' if op == 'attention' else ''}), got "
+            f"{len(types)}"
         )
+    return segments
 
 
 def _head_norm(
@@ -527,11 +656,12 @@ def _head_norm(
     names: Sequence[str],
     types: Sequence[ValueType],
     attrs: Mapping[str, Any],
+    segments: Layout,
     head_dim: int,
 ) -> None:
     """The per-head RMSNorm prologue of attention (q) and kv_append (k): a weight [head_dim]
-    (see cache_operands), with attribute norm_eps."""
-    at = cache_operands(op, attrs)[1]
+    (segment norm), with attribute norm_eps."""
+    at = segments.at("norm")
     if at is None:
         return
     w = _checked(op, names, types, at, param_problem)
@@ -579,15 +709,15 @@ def _check_paging(
     names: Sequence[str],
     types: Sequence[ValueType],
     cache: TensorType,
-    at: int,
+    segments: Layout,
     attrs: Mapping[str, Any],
 ) -> None:
-    """A paged op's block table (operand `at`) and page_size, against its cache: without a
+    """A paged op's block table (segment pages) and page_size, against its cache: without a
     table the cache holds one sequence, position p at row p; with one it is a pool of pages of
     page_size rows, and row m's position p sits at row table[m, p // page_size] * page_size
     + p % page_size. A row at position -1 is padding: nothing is written or read for it."""
-    page = attrs.get("page_size")
-    if page is None:
+    page, at = attrs.get("page_size"), segments.at("pages")
+    if page is None or at is None:
         return
     _checked(op, names, types, at, table_problem)
     capacity = cache.shape[0]
@@ -611,7 +741,11 @@ def cache_room(cache: TensorType, table: ValueType | None, attrs: Mapping[str, A
 
 
 def _check_window(
-    op: str, types: Sequence[ValueType], cache: TensorType, attrs: Mapping[str, Any]
+    op: str,
+    types: Sequence[ValueType],
+    cache: TensorType,
+    segments: Layout,
+    attrs: Mapping[str, Any],
 ) -> None:
     """A sliding window (attribute window = W): attention reads positions p - W + 1..p, and a
     sequence's cache is a ring: position p sits at p % room (cache_room), so it holds the last
@@ -619,7 +753,7 @@ def _check_window(
     w = attrs.get("window")
     if w is None:
         return
-    pages = cache_operands(op, attrs)[0]
+    pages = segments.at("pages")
     room = cache_room(cache, None if pages is None else types[pages], attrs)
     if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= room:
         raise IRTypeError(
@@ -636,13 +770,13 @@ def _infer_kv_append(
     prologue (its attributes) rotates k as it is written; a head-norm prologue (k_norm
     [head_dim], norm_eps) normalises each head of k first. With a window (a sliding layer's)
     the cache is a ring (_check_window)."""
-    _count_operands("kv_append", types, attrs)
+    segments = _cache_layout("kv_append", types, attrs)
     cache = _caches("kv_append", names, types, 0, 1)
-    _check_paging("kv_append", names, types, cache, 5, attrs)
-    _check_window("kv_append", types, cache, attrs)
+    _check_paging("kv_append", names, types, cache, segments, attrs)
+    _check_window("kv_append", types, cache, segments, attrs)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
-    _head_norm("kv_append", names, types, attrs, head_dim)
+    _head_norm("kv_append", names, types, attrs, segments, head_dim)
     for i in (2, 3):
         t = _activation("kv_append", names, types, i)
         if t.shape[1] != kv_heads * head_dim or t.dtype != cache.dtype:
@@ -668,15 +802,15 @@ def _infer_attention(
     ring (_check_window). With `softcap` (Gemma 2's attn_logit_softcapping) each scaled score s
     becomes tanh(s / softcap) * softcap before the softmax. With sinks (f32[heads], attribute sinks), head h's softmax has one
     more logit, sinks[h], in its denominator and none of the values (gpt-oss)."""
-    _count_operands("attention", types, attrs)
+    segments = _cache_layout("attention", types, attrs)
     q = _activation("attention", names, types, 0)
     cache = _caches("attention", names, types, 1, 2)
-    _check_paging("attention", names, types, cache, 4, attrs)
-    _check_window("attention", types, cache, attrs)
+    _check_paging("attention", names, types, cache, segments, attrs)
+    _check_window("attention", types, cache, segments, attrs)
     _checked("attention", names, types, 3, index_problem)
     _, kv_heads, head_dim = cache.shape
     assert isinstance(kv_heads, int) and isinstance(head_dim, int)
-    _head_norm("attention", names, types, attrs, head_dim)
+    _head_norm("attention", names, types, attrs, segments, head_dim)
     heads = _heads("attention", names[0], q, head_dim)
     if heads % kv_heads or q.dtype != cache.dtype:
         raise IRTypeError(
@@ -693,7 +827,7 @@ def _infer_attention(
         raise IRTypeError(
             f"attention: sinks must be true (with a sinks operand), got {attrs['sinks']!r}"
         )
-    at = sinks_operand(attrs)
+    at = segments.at("sinks")
     if at is not None:
         sinks = types[at]
         if sinks != TensorType((heads,), dtypes.F32):
@@ -861,14 +995,19 @@ def _infer_route(
     return TupleType((TensorType((BATCH, k), INDEX_DTYPE), TensorType((BATCH, k), dtypes.F32)))
 
 
-def expert_layout(types: Sequence[ValueType], attrs: Mapping[str, Any]) -> tuple[slice, int]:
-    """Where an expert qlinear's weights sit among its operands (after the input x, or x and
-    the norm's weight with prologue rms_norm; before the ids), and the ids' index."""
-    start = 2 if attrs.get("prologue") == "rms_norm" else 1
-    end = start
-    while end < len(types) and isinstance(types[end], QExperts):
-        end += 1
-    return slice(start, end), end
+def _expert_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
+    """An expert qlinear's operands: x (and the norm's weight with prologue rms_norm), the
+    stacked weights (gate and up with epilogue silu_mul), the router's ids, and with a combine
+    epilogue the router's weights (and the residual with combine_residual)."""
+    epilogue = attrs.get("epilogue")
+    return (
+        ("x", 1),
+        ("norm", 1 if attrs.get("prologue") == "rms_norm" else 0),
+        ("weights", VARIADIC),
+        ("ids", 1),
+        ("router_weights", 1 if epilogue in ("combine", "combine_residual") else 0),
+        ("residual", 1 if epilogue == "combine_residual" else 0),
+    )
 
 
 def _infer_expert_qlinear(
@@ -917,20 +1056,20 @@ def _infer_expert_qlinear(
             raise IRTypeError(f"{op}: {key} goes with act swiglu_clamp (and it needs one)")
         if v is not None and (not isinstance(v, float) or not v > 0):
             raise IRTypeError(f"{op}: {key} must be a positive float, got {v!r}")
-    ws, at = expert_layout(types, attrs)
     want = 2 if epilogue == "silu_mul" else 1
-    if ws.stop - ws.start != want:
+    segments = layout_of(op, _expert_segments(attrs), len(types))
+    ws, at = segments["weights"], segments["ids"].start
+    rw, residual = segments.at("router_weights"), segments.at("residual")
+    if ws.stop - ws.start != want or any(
+        not isinstance(types[i], QExperts) for i in range(ws.start, ws.stop)
+    ):
         raise IRTypeError(
-            f"{op}: takes {want} stacked expert weight(s) after the input"
+            f"{op}: epilogue {epilogue} takes {len(types) - (ws.stop - ws.start) + want} "
+            f"operands (input, {want} stacked expert weight(s)"
             + (" (gate, up)" if want == 2 else "")
-            + f", got {ws.stop - ws.start}"
-        )
-    extras = {"combine": 1, "combine_residual": 2}.get(epilogue or "", 0)
-    if len(types) != at + 1 + extras:
-        raise IRTypeError(
-            f"{op}: epilogue {epilogue} takes {at + 1 + extras} operands (input, weights, ids"
-            + (", weights" if extras else "")
-            + (", residual" if extras == 2 else "")
+            + ", ids"
+            + (", weights" if rw is not None else "")
+            + (", residual" if residual is not None else "")
             + f"), got {len(types)}"
         )
     ids = _checked(op, names, types, at, lambda t: slots_problem(t, INDEX_DTYPE))
@@ -962,33 +1101,46 @@ def _infer_expert_qlinear(
         _check_act_rule(op, attrs, "act_quant")
         _check_takes_act(op, scheme, names[ws.start], first, "experts")
     per_slot = TensorType((BATCH, k, first.out_features), x.dtype)
-    if not extras:
+    if rw is None:
         return per_slot
-    if types[at + 1] != TensorType((BATCH, k), dtypes.F32):
+    if types[rw] != TensorType((BATCH, k), dtypes.F32):
         raise IRTypeError(
-            f"{op}: operand {at + 1} ({_desc(names[at + 1], types[at + 1])}) must be the "
+            f"{op}: operand {rw} ({_desc(names[rw], types[rw])}) must be the "
             f"router's weights f32[{BATCH}, {k}]"
         )
     out = TensorType((BATCH, first.out_features), x.dtype)
-    if extras == 2:
-        r = _activation(op, names, types, at + 2)
+    if residual is not None:
+        r = _activation(op, names, types, residual)
         if r != out:
             raise IRTypeError(
-                f"{op} epilogue combine_residual: {_desc(names[at + 2], r)} does not match the "
+                f"{op} epilogue combine_residual: {_desc(names[residual], r)} does not match the "
                 f"result {out}"
             )
     return out
 
 
+# The segments of the one- and two-operand ops
+_X = (("x", 1),)
+_AB = (("a", 1), ("b", 1))
+
+
+def _quantize_act_segments(attrs: Mapping[str, Any]) -> SegmentSizes:
+    """x, or with an rms_norm prologue (attribute eps) xn and the norm's operands x and w."""
+    return (("x", 1), ("norm_inputs", 2 if "eps" in attrs else 0))
+
+
+# Keyed by name: a built-in op's key is its Op member, equal to the string.
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
-        OpSpec("input", 0, _infer_leaf),
+        OpSpec(Op.INPUT, 0, _infer_leaf, segments=()),
         # A weight may carry its calibrated activation scale (W4A4 checkpoints), and the part of
         # a checkpoint weight a tensor-parallel rank holds (passes/tensor_parallel: shard).
-        OpSpec("weight", 0, _infer_leaf, frozenset({"key", "shard"}) | ACT_SCALE_ATTRS),
         OpSpec(
-            "qlinear",
+            Op.WEIGHT, 0, _infer_leaf, frozenset({"key", "shard"}) | ACT_SCALE_ATTRS, segments=()
+        ),
+        OpSpec(
+            Op.QLINEAR,
             VARIADIC,
             _infer_qlinear,
             frozenset(
@@ -1006,50 +1158,89 @@ OPS: dict[str, OpSpec] = {
                 }
             )
             | ACT_SCALE_ATTRS,
+            segments=_qlinear_segments,
         ),
         OpSpec(
-            "quantize_act",
+            Op.QUANTIZE_ACT,
             VARIADIC,
             _infer_quantize_act,
             frozenset({"scheme", "eps"}) | ACT_SCALE_ATTRS,
+            segments=_quantize_act_segments,
         ),
-        OpSpec("get", 1, _infer_get, frozenset({"index"})),
-        OpSpec("silu", 1, _infer_unary("silu"), elementwise=True),
+        OpSpec(Op.GET, 1, _infer_get, frozenset({"index"}), segments=_X),
+        OpSpec(Op.SILU, 1, _infer_unary("silu"), elementwise=True, segments=_X),
         # gelu with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP)
-        OpSpec("gelu_tanh", 1, _infer_unary("gelu_tanh"), elementwise=True),
+        OpSpec(Op.GELU_TANH, 1, _infer_unary("gelu_tanh"), elementwise=True, segments=_X),
         # tanh(x / cap) * cap (Gemma's final logit soft-capping)
-        OpSpec("softcap", 1, _infer_softcap, frozenset({"cap"}), elementwise=True),
-        OpSpec("mul", 2, _infer_binary("mul"), elementwise=True),
-        OpSpec("add", 2, _infer_binary("add"), elementwise=True),
+        OpSpec(Op.SOFTCAP, 1, _infer_softcap, frozenset({"cap"}), elementwise=True, segments=_X),
+        OpSpec(Op.MUL, 2, _infer_binary("mul"), elementwise=True, segments=_AB),
+        OpSpec(Op.ADD, 2, _infer_binary("add"), elementwise=True, segments=_AB),
         # A KV cache: persistent state named by `key`, written only by one kv_append.
-        OpSpec("state", 0, _infer_leaf, frozenset({"key"})),
-        OpSpec("rms_norm", 2, _infer_rms_norm, frozenset({"eps"})),
+        OpSpec(Op.STATE, 0, _infer_leaf, frozenset({"key"}), segments=()),
+        OpSpec(Op.RMS_NORM, 2, _infer_rms_norm, frozenset({"eps"}), segments=(("x", 1), ("w", 1))),
         # r + rms_norm(x, w): a norm before a residual add, one kernel (passes/norm_residual)
-        OpSpec("norm_residual", 3, _infer_norm_residual, frozenset({"eps", "fused"})),
-        OpSpec("rope", 2, _infer_rope, ROPE_ATTRS),
         OpSpec(
-            "kv_append",
+            Op.NORM_RESIDUAL,
+            3,
+            _infer_norm_residual,
+            frozenset({"eps", "fused"}),
+            segments=(("x", 1), ("w", 1), ("residual", 1)),
+        ),
+        OpSpec(Op.ROPE, 2, _infer_rope, ROPE_ATTRS, segments=(("x", 1), ("positions", 1))),
+        OpSpec(
+            Op.KV_APPEND,
             VARIADIC,
             _infer_kv_append,
             ROPE_ATTRS | {"page_size", "norm_eps", "window"},
+            segments=_kv_append_segments,
         ),
         OpSpec(
-            "attention",
+            Op.ATTENTION,
             VARIADIC,
             _infer_attention,
             frozenset({"scale", "page_size", "norm_eps", "window", "softcap", "sinks"})
             | ROPE_ATTRS,
+            segments=_attention_segments,
         ),
-        OpSpec("embedding", 2, _infer_embedding, frozenset({"dtype", "scale"})),
-        OpSpec("sample", 4, _infer_sample),
-        OpSpec("adjust_logits", 6, _infer_adjust_logits),
-        OpSpec("logprobs", 3, _infer_logprobs, frozenset({"k"})),
-        # Collectives across the ranks of a tensor-parallel group (qir.collectives)
-        OpSpec("all_reduce", 1, _infer_all_reduce, frozenset({"ranks"})),
-        OpSpec("all_gather", 1, _infer_all_gather, frozenset({"axis", "ranks"})),
-        OpSpec("route", 1, _infer_route, frozenset({"k", "rule"})),
         OpSpec(
-            "expert_qlinear",
+            Op.EMBEDDING,
+            2,
+            _infer_embedding,
+            frozenset({"dtype", "scale"}),
+            segments=(("ids", 1), ("table", 1)),
+        ),
+        OpSpec(
+            Op.SAMPLE,
+            4,
+            _infer_sample,
+            segments=(("logits", 1), ("params", 1), ("seed", 1), ("positions", 1)),
+        ),
+        OpSpec(
+            Op.ADJUST_LOGITS,
+            6,
+            _infer_adjust_logits,
+            segments=(
+                ("logits", 1),
+                ("penalties", 1),
+                ("tokens", 1),
+                ("counts", 1),
+                ("bias", 1),
+                ("allow", 1),
+            ),
+        ),
+        OpSpec(
+            Op.LOGPROBS,
+            3,
+            _infer_logprobs,
+            frozenset({"k"}),
+            segments=(("logits", 1), ("next", 1), ("targets", 1)),
+        ),
+        # Collectives across the ranks of a tensor-parallel group (qir.collectives)
+        OpSpec(Op.ALL_REDUCE, 1, _infer_all_reduce, frozenset({"ranks"}), segments=_X),
+        OpSpec(Op.ALL_GATHER, 1, _infer_all_gather, frozenset({"axis", "ranks"}), segments=_X),
+        OpSpec(Op.ROUTE, 1, _infer_route, frozenset({"k", "rule"}), segments=(("logits", 1),)),
+        OpSpec(
+            Op.EXPERT_QLINEAR,
             VARIADIC,
             _infer_expert_qlinear,
             frozenset(
@@ -1066,6 +1257,7 @@ OPS: dict[str, OpSpec] = {
                     "act_quant",
                 }
             ),
+            segments=_expert_segments,
         ),
     )
 }
@@ -1079,11 +1271,21 @@ def register(op: OpSpec) -> None:
 
 
 def implement(
-    op: str, *, reference: Callable[..., Any] | None = None, lower: Callable[..., Any] | None = None
+    op: str,
+    *,
+    reference: Callable[..., Any] | None = None,
+    lower: Callable[..., Any] | None = None,
+    shard: Callable[..., int] | None = None,
 ) -> None:
-    """Attach a defined op's interpreter reference or lowering (see OpSpec)."""
+    """Attach a defined op's interpreter reference, lowering or tensor-parallel rule (see
+    OpSpec)."""
     was = spec(op)
-    OPS[op] = replace(was, reference=reference or was.reference, lower=lower or was.lower)
+    OPS[op] = replace(
+        was,
+        reference=reference or was.reference,
+        lower=lower or was.lower,
+        shard=shard or was.shard,
+    )
 
 
 def spec(op: str) -> OpSpec:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from qir.errors import QirError
 from qir.graph import CycleError, Graph, Node
-from qir.ops import VARIADIC, IRTypeError, cache_problem, input_problem, param_problem, spec
+from qir.ops import VARIADIC, IRTypeError, Op, cache_problem, input_problem, param_problem, spec
 from qir.types import QExperts, QWeight, ValueType
 
 
@@ -26,9 +26,9 @@ def verify(graph: Graph) -> None:
     multi, states = [], []
     for name in order:
         node = graph.node(name)
-        if node.op in ("qlinear", "kv_append"):
+        if node.op in (Op.QLINEAR, Op.KV_APPEND):
             multi.append(name)
-        elif node.op == "state":
+        elif node.op == Op.STATE:
             states.append(name)
         if todo is not None and name not in todo:
             continue
@@ -47,7 +47,7 @@ def verify(graph: Graph) -> None:
             )
     for name in multi:
         indices = [
-            graph.node(u).attr("index") for u in graph.users(name) if graph.node(u).op == "get"
+            graph.node(u).attr("index") for u in graph.users(name) if graph.node(u).op == Op.GET
         ]
         if len(indices) != len(set(indices)):
             raise VerifyError(f"%{name}: two gets of the same result")
@@ -69,12 +69,12 @@ def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueT
     unknown = {k for k, _ in node.attrs} - s.attrs
     if unknown:
         raise VerifyError(f"%{name} = {node.op}: unknown attributes {sorted(unknown)}")
-    if node.op == "input":
+    if node.op == Op.INPUT:
         problem = input_problem(node.type)
         if problem:
             raise VerifyError(f"%{name}: input {node.type} {problem}")
         return
-    if node.op == "weight":
+    if node.op == Op.WEIGHT:
         quantized = isinstance(node.type, (QWeight, QExperts))
         plain = not quantized and param_problem(node.type) is None
         if not (quantized or plain) or not node.attr("key"):
@@ -82,7 +82,7 @@ def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueT
                 f"%{name}: weight needs a key and a qweight, experts or 1-D parameter type"
             )
         return
-    if node.op == "state":
+    if node.op == Op.STATE:
         problem = cache_problem(node.type)
         if problem or not node.attr("key"):
             raise VerifyError(f"%{name}: state needs a key and a KV cache type ({problem})")
@@ -98,10 +98,10 @@ def _check(name: str, node: Node, operands: tuple[str, ...], types: tuple[ValueT
 def _check_state_reads(graph: Graph, name: str, node: Node, operands: tuple[str, ...]) -> None:
     """States are read only as a kv_append's caches (operands 0 and 1), which are states."""
     for i, o in enumerate(operands):
-        if graph.node(o).op == "state" and (node.op != "kv_append" or i > 1):
+        if graph.node(o).op == Op.STATE and (node.op != Op.KV_APPEND or i > 1):
             raise VerifyError(
                 f"%{name} = {node.op}: reads state %{o}; a state must be read by exactly one "
                 "kv_append (as its cache)"
             )
-    if node.op == "kv_append" and any(graph.node(o).op != "state" for o in operands[:2]):
+    if node.op == Op.KV_APPEND and any(graph.node(o).op != Op.STATE for o in operands[:2]):
         raise VerifyError(f"%{name}: kv_append writes state values only (its caches)")

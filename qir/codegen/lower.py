@@ -38,7 +38,7 @@ from qir.codegen.plan import (
 from qir.codegen.quantize_act import QuantizeActSpec, act_quant_mode
 from qir.errors import Unsupported
 from qir.graph import AttrValue, Graph
-from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, implement, qlinear_layout, spec
+from qir.ops import ACT_SCALE_ATTRS, W4A4_MAX_M, implement, layout, spec
 from qir.target import DEFAULT, Target
 from qir.types import QActType, QWeight, TensorType, TupleType
 
@@ -58,7 +58,8 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
     node = graph.node(name)
     attrs = dict(node.attrs)
     operands = graph.operands(name)
-    ins, ws, extras = qlinear_layout(len(operands), attrs)
+    segments = layout(graph, name)
+    ins, ws, extras = segments["inputs"], segments["weights"], segments["residual"]
     weights = tuple(t for w in operands[ws] if isinstance(t := graph.node(w).type, QWeight))
     if isinstance(node.type, TupleType):
         by_index = {graph.node(u).attr("index"): u for u in graph.users(name)}

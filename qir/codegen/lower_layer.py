@@ -31,7 +31,7 @@ from qir.codegen.layer_kernels import (
 from qir.codegen.plan import ALL_M, Arg, Launch, results
 from qir.dtypes import F32
 from qir.graph import Graph
-from qir.ops import W4A4_MAX_M, cache_operands, sinks_operand
+from qir.ops import W4A4_MAX_M, Op, layout
 from qir.types import QWeight, TensorType
 
 Lowered = tuple[list[Launch], dict[str, TensorType]]
@@ -50,10 +50,9 @@ def _int(d: object) -> int:
 
 def _cache(graph: Graph, op: str) -> CacheShape:
     """The cache a kv_append or attention reads, paged where it takes a block table."""
-    operands = graph.operands(op)
-    kv_append = graph.node(op).op == "kv_append"
-    t = _tensor(graph, operands[0 if kv_append else 1])
-    at = cache_operands(graph.node(op).op, dict(graph.node(op).attrs))[0]
+    operands, segments = graph.operands(op), layout(graph, op)
+    t = _tensor(graph, operands[segments["k_cache"]][0])
+    at = segments.at("pages")
     pages = _tensor(graph, operands[at]).shape[1] if at is not None else 0
     page = graph.node(op).attr("page_size") or 0
     window = graph.node(op).attr("window") or 0
@@ -69,7 +68,7 @@ def _only_as_norm_source(graph: Graph, name: str) -> bool:
     return (
         bool(users)
         and all(v != name for _, v in graph.outputs)
-        and all(graph.node(u).op == "quantize_act" and graph.operands(u)[0] == name for u in users)
+        and all(graph.node(u).op == Op.QUANTIZE_ACT and graph.operands(u)[0] == name for u in users)
     )
 
 
@@ -107,11 +106,13 @@ def _cache_args(graph: Graph, name: str) -> tuple[HeadNorm | None, tuple[Arg, ..
     """A kv_append's or attention's head-norm prologue, if any, and its operands as kernel
     arguments in order (the values; the block table; the norm's weight)."""
     node = graph.node(name)
-    at = cache_operands(node.op, dict(node.attrs))[1]
-    sinks = sinks_operand(dict(node.attrs)) if node.op == "attention" else None
+    segments = layout(graph, name)
+    at = segments.at("norm")
+    # the parameter vectors (kv_append has no sinks)
+    params = {segments.at(s) for s in ("norm", "sinks") if s in segments.spans} - {None}
     operands = graph.operands(name)
     args = tuple(
-        Arg("weight", o, "weight") if i in (at, sinks) else Arg("value", o)
+        Arg("weight", o, "weight") if i in params else Arg("value", o)
         for i, o in enumerate(operands)
     )
     if at is None:
@@ -143,7 +144,7 @@ def lower_attention(graph: Graph, name: str) -> Lowered:
     cache = _cache(graph, name)
     heads = _int(_tensor(graph, name).shape[1]) // cache.head_dim
     norm, reads = _cache_args(graph, name)
-    sinks = sinks_operand(dict(node.attrs)) is not None
+    sinks = layout(graph, name).at("sinks") is not None
     spec = AttentionSpec(
         cache,
         heads,

@@ -15,7 +15,7 @@ from qir.codegen.moe_gemm import lower_grouped
 from qir.codegen.plan import ALL_M, DEFAULT_M_TILE, Arg, Launch, results
 from qir.codegen.quantize_act import MODES
 from qir.graph import Graph
-from qir.ops import W4A4_MAX_M, expert_layout
+from qir.ops import W4A4_MAX_M, layout
 from qir.target import Target
 from qir.types import QExperts, TensorType
 
@@ -45,7 +45,8 @@ def lower_expert_qlinear(
     node = graph.node(name)
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
-    ws, at = expert_layout(types, dict(node.attrs))
+    segments = layout(graph, name)
+    ws, at = segments["weights"], segments["ids"].start
     experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
     ids = operands[at]
     top = tensor_of(graph, ids).shape[1]

@@ -26,7 +26,7 @@ from qir.codegen.plan import Arg, Launch
 from qir.codegen.render import common_header, render
 from qir.dtypes import I32, DType
 from qir.graph import Graph
-from qir.ops import expert_layout
+from qir.ops import layout
 from qir.target import Target
 from qir.types import QExperts, TensorType
 
@@ -207,7 +207,8 @@ def lower_grouped(
     node = graph.node(name)
     operands = graph.operands(name)
     types = [graph.node(o).type for o in operands]
-    ws, at = expert_layout(types, dict(node.attrs))
+    segments = layout(graph, name)
+    ws, at = segments["weights"], segments["ids"].start
     experts = tuple(t for t in types[ws] if isinstance(t, QExperts))
     ids = operands[at]
     ids_t, x_t, out_t = (graph.node(v).type for v in (ids, operands[0], name))

@@ -11,7 +11,7 @@ from typing import Literal
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.graph import Graph
-from qir.ops import expert_layout
+from qir.ops import operand
 from qir.target import DEFAULT, Target
 from qir.types import QActType, QExperts, QWeight, TensorType, ValueType
 
@@ -116,9 +116,9 @@ class Plan:
 def experts_per_row(graph: Graph, weight: str) -> int:
     """k: the experts each row chooses, for stacked experts `weight` (its readers' ids)."""
     for user in graph.users(weight):
-        operands = graph.operands(user)
-        types = [graph.node(o).type for o in operands]
-        ids = graph.node(operands[expert_layout(types, dict(graph.node(user).attrs))[1]]).type
+        at = operand(graph, user, "ids")
+        assert at is not None
+        ids = graph.node(at).type
         if isinstance(ids, TensorType) and isinstance(ids.shape[1], int):
             return ids.shape[1]
     return 1

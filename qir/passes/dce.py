@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import Graph
+from qir.ops import Op
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,13 @@ class DCE:
 
     def run(self, graph: Graph) -> int:
         live = {value for _, value in graph.outputs}
-        live |= {n for n in graph.g if graph.node(n).op == "kv_append"}
+        live |= {n for n in graph.g if graph.node(n).op == Op.KV_APPEND}
         work = list(live)
         while work:
             for o in graph.operands(work.pop()):
                 if o not in live:
                     live.add(o)
                     work.append(o)
-        dead = [n for n in graph.g if n not in live and graph.node(n).op != "input"]
+        dead = [n for n in graph.g if n not in live and graph.node(n).op != Op.INPUT]
         graph.remove_all(dead)
         return len(dead)

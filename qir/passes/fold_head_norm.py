@@ -15,7 +15,7 @@ norm's result has other users, or when the reader already normalises.
 from __future__ import annotations
 
 from qir.graph import Graph
-from qir.ops import sinks_operand
+from qir.ops import Op, layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
@@ -41,14 +41,14 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     eps = graph.node(m["n"]).attr("eps")
     operands = [m["x"] if o == m["n"] else o for o in graph.operands(m.root)]
     # the norm weight goes before attention's sinks, the last optional operand
-    at = len(operands) - (sinks_operand(dict(node.attrs)) is not None)
+    at = layout(graph, m.root)["norm"].start
     operands.insert(at, m["w"])
     rw.redefine(m.root, node.with_attrs(norm_eps=eps), operands)
     return True
 
 
 def _norm() -> Pat:
-    return Pat("rms_norm", (Pat(name="x"), Pat(name="w")), name="n", one_use=True, check=_per_head)
+    return Pat(Op.RMS_NORM, (Pat(name="x"), Pat(name="w")), name="n", one_use=True, check=_per_head)
 
 
 ANY = Pat()

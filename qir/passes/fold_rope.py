@@ -12,6 +12,7 @@ different positions, or when the reader already rotates.
 from __future__ import annotations
 
 from qir.graph import Graph
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
@@ -28,7 +29,7 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 
 def _rope() -> Pat:
-    return Pat("rope", (Pat(name="x"), Pat(name="pos")), name="r", one_use=True)
+    return Pat(Op.ROPE, (Pat(name="x"), Pat(name="pos")), name="r", one_use=True)
 
 
 ANY = Pat()

@@ -19,7 +19,7 @@ activation scales (not merged: one launch reads one quantized input).
 from __future__ import annotations
 
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import ACT_SCALE_ATTRS, GATE_ACTS
+from qir.ops import ACT_SCALE_ATTRS, GATE_ACTS, Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import QWeight, TensorType, TupleType
 
@@ -28,7 +28,7 @@ def _plain_qlinear_users(graph: Graph, x: str) -> list[str]:
     users = []
     for u in graph.users(x):
         node = graph.node(u)
-        if node.op == "qlinear" and not node.attrs and graph.operands(u)[0] == x:
+        if node.op == Op.QLINEAR and not node.attrs and graph.operands(u)[0] == x:
             users.append(u)
     return users
 
@@ -60,7 +60,7 @@ def _gated_partner(graph: Graph, u: str) -> str | None:
     if act is None or graph.node(act).op not in GATE_ACTS:
         return None
     mul = _sole_user(graph, act)
-    if mul is None or graph.node(mul).op != "mul":
+    if mul is None or graph.node(mul).op != Op.MUL:
         return None
     others = [o for o in graph.operands(mul) if o != act]
     if len(others) != 1 or _sole_user(graph, others[0]) != mul:

@@ -13,12 +13,13 @@ output (its launch would run anyway: fusing would save nothing).
 from __future__ import annotations
 
 from qir.graph import Graph
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _only_quantized(graph: Graph, value: str) -> bool:
     return all(v != value for _, v in graph.outputs) and all(
-        graph.node(u).op == "quantize_act" for u in graph.users(value)
+        graph.node(u).op == Op.QUANTIZE_ACT for u in graph.users(value)
     )
 
 
@@ -34,8 +35,8 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 RULE = Rule(
     "norm_act_quant",
     Pat(
-        "quantize_act",
-        (Pat("rms_norm", (Pat(name="x"), Pat(name="w")), name="xn", check=_only_quantized),),
+        Op.QUANTIZE_ACT,
+        (Pat(Op.RMS_NORM, (Pat(name="x"), Pat(name="w")), name="xn", check=_only_quantized),),
     ),
     _fold,
 )

@@ -22,15 +22,17 @@ reader that already has a prologue or quantizes its input.
 from __future__ import annotations
 
 from qir.graph import Graph
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
 def _reads_as_input(graph: Graph, user: str, value: str) -> bool:
     node = graph.node(user)
     operands = graph.operands(user)
-    takes = node.op == "qlinear" or (
+    takes = node.op == Op.QLINEAR or (
         # the expert kernels that read a row per token; a combine's input is a row per slot
-        node.op == "expert_qlinear" and node.attr("epilogue") not in ("combine", "combine_residual")
+        node.op == Op.EXPERT_QLINEAR
+        and node.attr("epilogue") not in ("combine", "combine_residual")
     )
     return (
         takes
@@ -44,7 +46,7 @@ def _reads_as_input(graph: Graph, user: str, value: str) -> bool:
 def _candidate(graph: Graph, name: str) -> bool:
     xn = graph.operands(name)[0]
     return (
-        graph.node(xn).op == "rms_norm"
+        graph.node(xn).op == Op.RMS_NORM
         and all(v != xn for _, v in graph.outputs)
         and all(_reads_as_input(graph, u, xn) for u in graph.users(xn))
     )
@@ -61,8 +63,8 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     return True
 
 
-RULE = Rule("norm_prologue", Pat("qlinear", check=_candidate), _fold)
-EXPERTS_RULE = Rule("norm_prologue", Pat("expert_qlinear", check=_candidate), _fold)
+RULE = Rule("norm_prologue", Pat(Op.QLINEAR, check=_candidate), _fold)
+EXPERTS_RULE = Rule("norm_prologue", Pat(Op.EXPERT_QLINEAR, check=_candidate), _fold)
 
 
 NORM_PROLOGUE = RulePass("norm_prologue", (RULE, EXPERTS_RULE))

@@ -12,6 +12,7 @@ Does not handle: a norm with other users (its result must exist anyway).
 from __future__ import annotations
 
 from qir.graph import Node
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
@@ -25,9 +26,9 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 
 def _pattern(norm_second: bool) -> Pat:
-    norm = Pat("rms_norm", name="norm", one_use=True)
+    norm = Pat(Op.RMS_NORM, name="norm", one_use=True)
     r = Pat(name="r")
-    return Pat("add", (r, norm) if norm_second else (norm, r))
+    return Pat(Op.ADD, (r, norm) if norm_second else (norm, r))
 
 
 RULES = (

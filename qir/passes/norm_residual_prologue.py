@@ -15,6 +15,7 @@ on a qlinear whose rms_norm prologue reads anything else.
 from __future__ import annotations
 
 from qir.graph import Graph, Node
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType, TupleType
 
@@ -22,7 +23,7 @@ from qir.types import TensorType, TupleType
 def _reads_through_prologue(graph: Graph, user: str, value: str) -> bool:
     node = graph.node(user)
     return (
-        node.op == "qlinear"
+        node.op == Op.QLINEAR
         and node.attr("prologue") == "rms_norm"
         and graph.operands(user)[0] == value
     )
@@ -33,7 +34,7 @@ def _candidate(graph: Graph, name: str) -> bool:
         return False
     h = graph.operands(name)[0]
     return (
-        graph.node(h).op == "norm_residual"
+        graph.node(h).op == Op.NORM_RESIDUAL
         and sum(_reads_through_prologue(graph, u, h) for u in graph.users(h)) == 1
     )
 
@@ -66,7 +67,7 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     return True
 
 
-RULE = Rule("norm_residual_prologue", Pat("qlinear", check=_candidate), _fold)
+RULE = Rule("norm_residual_prologue", Pat(Op.QLINEAR, check=_candidate), _fold)
 
 
 NORM_RESIDUAL_PROLOGUE = RulePass("norm_residual_prologue", (RULE,))

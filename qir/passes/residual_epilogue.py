@@ -12,6 +12,7 @@ operands are both such qlinears twice over (the second operand is fused first).
 from __future__ import annotations
 
 from qir.graph import Graph
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
@@ -32,9 +33,9 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 
 def _pattern(q_second: bool) -> Pat:
-    q = Pat("qlinear", name="q", one_use=True, check=_single_without_epilogue)
+    q = Pat(Op.QLINEAR, name="q", one_use=True, check=_single_without_epilogue)
     r = Pat(name="r")
-    return Pat("add", (r, q) if q_second else (q, r))
+    return Pat(Op.ADD, (r, q) if q_second else (q, r))
 
 
 RULES = (

@@ -12,9 +12,9 @@ and the operands of those users. The driver re-visits every node that could read
 made, redefined, re-pointed or swept (or whose uses changed), in program order of the graph the
 pass started from, and visits nothing else again: a rule that looks further must not be used.
 
-    Pat("qlinear", (Pat(name="h", op="mul", one_use=True,
-                        operands=(Pat("silu", (Pat(name="g"),), one_use=True), Pat(name="u"))),
-                    Pat(name="w")))
+    Pat(Op.QLINEAR, (Pat(name="h", op=Op.MUL, one_use=True,
+                         operands=(Pat(Op.SILU, (Pat(name="g"),), one_use=True), Pat(name="u"))),
+                     Pat(name="w")))
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qir.graph import Graph, Node, OrderKey
+from qir.ops import Op
 
 # A rule set that keeps firing (two rules undoing each other) is a bug: stop after this many
 # rewrites per node of the graph.
@@ -120,7 +121,7 @@ class Rewriter:
             if (
                 v in self.graph
                 and self.graph.use_count(v) == 0
-                and self.graph.node(v).op not in ("input", "weight")
+                and self.graph.node(v).op not in (Op.INPUT, Op.WEIGHT)
             ):
                 operands = self.graph.operands(v)
                 work.extend(operands)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qir.graph import AttrValue, Graph, Node, make_attrs
-from qir.ops import ACT_SCALE_ATTRS, qlinear_layout
+from qir.ops import ACT_SCALE_ATTRS, Op, operands
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, apply_rules
 from qir.types import QActType, QExperts, QWeight, TensorType, WeightFormat
 
@@ -35,9 +35,7 @@ MAX_K = 32768
 
 
 def _weights(graph: Graph, value: str) -> list[str]:
-    node = graph.node(value)
-    _, ws, _ = qlinear_layout(len(graph.operands(value)), dict(node.attrs))
-    return list(graph.operands(value)[ws])
+    return list(operands(graph, value, "weights"))
 
 
 def _scale_rule(graph: Graph, weights: list[str]) -> dict[str, AttrValue]:
@@ -128,8 +126,8 @@ class RouteW4A4:
         return True
 
     def run(self, graph: Graph) -> int:
-        rule = Rule("route_w4a4", Pat("qlinear", check=self._routable), self._route)
+        rule = Rule("route_w4a4", Pat(Op.QLINEAR, check=self._routable), self._route)
         experts = Rule(
-            "route_w4a4", Pat("expert_qlinear", check=self._routable_experts), self._route_experts
+            "route_w4a4", Pat(Op.EXPERT_QLINEAR, check=self._routable_experts), self._route_experts
         )
         return apply_rules(graph, [rule, experts])

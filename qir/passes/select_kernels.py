@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from qir.dtypes import F32
 from qir.graph import AttrValue, Graph, Node
-from qir.ops import expert_layout, qlinear_layout
+from qir.ops import Op
+from qir.ops import operands as segment
 from qir.types import QActType, QExperts, QWeight, TensorType, TupleType
 
 FAMILIES = ("gemv", "gemv|gemm", "gemm")
@@ -52,13 +53,11 @@ def gemm_from_m(graph: Graph, name: str) -> int | None:
     if out.dtype == F32:
         return None
     operands = graph.operands(name)
-    if node.op == "expert_qlinear":  # the grouped GEMM from the same M as a plain one
-        types = [graph.node(o).type for o in operands]
-        w = types[expert_layout(types, dict(node.attrs))[0].start]
+    if node.op == Op.EXPERT_QLINEAR:  # the grouped GEMM from the same M as a plain one
+        w = graph.node(segment(graph, name, "weights")[0]).type
         assert isinstance(w, QExperts)
         return GEMM_FROM_M[w.format.fragment]
-    _, ws, _ = qlinear_layout(len(operands), dict(node.attrs))
-    w = graph.node(operands[ws][0]).type
+    w = graph.node(segment(graph, name, "weights")[0]).type
     assert isinstance(w, QWeight)
     a4 = isinstance(graph.node(operands[0]).type, QActType) or node.attr("act_quant") is not None
     return GEMM_FROM_M[w.format.fragment + (" w4a4" if a4 else "")]
@@ -82,7 +81,7 @@ class SelectKernels:
     def run(self, graph: Graph) -> int:
         fired = 0
         for name, node in graph.items():
-            if node.op in ("qlinear", "expert_qlinear") and node.attr("kernel") is None:
+            if node.op in (Op.QLINEAR, Op.EXPERT_QLINEAR) and node.attr("kernel") is None:
                 first = gemm_from_m(graph, name)
                 if first is not None and self.gemm_from_m is not None:
                     first = self.gemm_from_m

@@ -10,6 +10,7 @@ input_global_scale round differently, so they are different rules).
 from __future__ import annotations
 
 from qir.graph import Graph
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
@@ -36,5 +37,5 @@ def _share(rw: Rewriter, m: Match) -> bool:
     return True
 
 
-RULE = Rule("share_act_quant", Pat("quantize_act", check=_has_earlier_twin), _share)
+RULE = Rule("share_act_quant", Pat(Op.QUANTIZE_ACT, check=_has_earlier_twin), _share)
 SHARE_ACT_QUANT = RulePass("share_act_quant", (RULE,))

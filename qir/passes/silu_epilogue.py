@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from qir.graph import Graph
-from qir.ops import GATE_ACTS, qlinear_layout
+from qir.ops import GATE_ACTS, Op, layout
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TupleType
 
@@ -50,8 +50,8 @@ def _fold(rw: Rewriter, m: Match) -> bool:
     graph = rw.graph
     q = graph.node(m["q"])
     operands = graph.operands(m["q"])
-    ins, ws, _ = qlinear_layout(len(operands), dict(q.attrs))
-    weights = operands[ws]
+    segments = layout(graph, m["q"])
+    ins, weights = segments["inputs"], operands[segments["weights"]]
     # Two different gets: the verifier allows one get per result, so i != j.
     i, j = graph.node(m["g"]).attr("index"), graph.node(m["u"]).attr("index")
     # The gets carry the names of the projections merge_parallel merged: listed once.
@@ -67,10 +67,10 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 
 
 def _pattern(silu_first: bool, gate: str = "silu") -> Pat:
-    q = Pat("qlinear", name="q", check=_pair)
-    g = Pat(gate, (Pat("get", (q,), name="g", one_use=True),), name="silu", one_use=True)
-    u = Pat("get", (Pat(name="q"),), name="u", one_use=True)
-    return Pat("mul", (g, u) if silu_first else (u, g))
+    q = Pat(Op.QLINEAR, name="q", check=_pair)
+    g = Pat(gate, (Pat(Op.GET, (q,), name="g", one_use=True),), name="silu", one_use=True)
+    u = Pat(Op.GET, (Pat(name="q"),), name="u", one_use=True)
+    return Pat(Op.MUL, (g, u) if silu_first else (u, g))
 
 
 RULES = tuple(

@@ -16,7 +16,7 @@ A gelu_tanh in the silu's place (Gemma's MLP) fuses the same way, the node's `ac
 from __future__ import annotations
 
 from qir.graph import Graph
-from qir.ops import GATE_ACTS
+from qir.ops import GATE_ACTS, Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 
 
@@ -42,8 +42,8 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 def _pattern(silu_first: bool, gate: str = "silu") -> Pat:
     silu = Pat(gate, (Pat(name="g"),), name="act", one_use=True)
     u = Pat(name="u")
-    product = Pat("mul", (silu, u) if silu_first else (u, silu), one_use=True)
-    return Pat("qlinear", (product, Pat("weight", name="w")), check=_bare)
+    product = Pat(Op.MUL, (silu, u) if silu_first else (u, silu), one_use=True)
+    return Pat(Op.QLINEAR, (product, Pat(Op.WEIGHT, name="w")), check=_bare)
 
 
 RULES = tuple(

@@ -10,6 +10,7 @@ Does not handle: a multi-output qlinear, or one that already has an epilogue.
 from __future__ import annotations
 
 from qir.graph import Graph
+from qir.ops import Op
 from qir.passes.rewrite import Match, Pat, Rewriter, Rule, RulePass
 from qir.types import TensorType
 
@@ -36,7 +37,7 @@ def _fold(rw: Rewriter, m: Match) -> bool:
 RULES = (
     Rule(
         "softcap_epilogue",
-        Pat("softcap", (Pat("qlinear", name="q", one_use=True, check=_single_without_epilogue),)),
+        Pat(Op.SOFTCAP, (Pat(Op.QLINEAR, name="q", one_use=True, check=_single_without_epilogue),)),
         _fold,
     ),
 )

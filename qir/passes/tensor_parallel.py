@@ -62,13 +62,13 @@ from dataclasses import dataclass, replace
 
 from qir.errors import QirError
 from qir.graph import Graph, Node, make_attrs
-from qir.ops import sinks_operand, spec
+from qir.ops import Op, implement, layout, operands, spec
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 # Ops a projection's result passes through on its way to attention or kv_append: per-head
 # norms (Qwen3, Gemma 3) and RoPE, which the split by heads leaves unchanged.
-_PER_HEAD = ("rope", "rms_norm")
-GATE_ACTS = ("silu", "gelu_tanh")
+_PER_HEAD = (Op.ROPE, Op.RMS_NORM)
+GATE_ACTS = (Op.SILU, Op.GELU_TANH)
 
 
 class TensorParallelError(QirError, ValueError):
@@ -100,15 +100,11 @@ class TensorParallel:
             raise TensorParallelError(f"tensor_parallel: rank {r} of {n} ranks is out of range")
         if n == 1:
             return 0
-        fired = 0
-        for a in graph.of_op("attention"):
-            fired += self._attention(graph, a)
-        for d in graph.of_op("qlinear"):
-            fired += self._mlp(graph, d)
-        for d in graph.of_op("expert_qlinear"):
-            fired += self._experts(graph, d)
-        for s in graph.of_op("sample"):
-            fired += self._lm_head(graph, s)
+        # Each op's rule (OpSpec.shard) recognises the split it roots from its node: attention
+        # its heads, a qlinear an MLP's down, an expert qlinear a MoE's, sample the lm_head.
+        # The rules touch disjoint weights, so the graph's order is as good as any.
+        rooted = [(n, rule) for n, node in graph.items() if (rule := spec(node.op).shard)]
+        fired = sum(rule(self, graph, n) for n, rule in rooted)
         _reinfer(graph)
         graph.name = f"{graph.name}.rank{r}of{n}"
         return fired
@@ -117,7 +113,7 @@ class TensorParallel:
 
     def _attention(self, graph: Graph, a: str) -> int:
         r = self.rank
-        q_value, k_cache = graph.operands(a)[:2]
+        q_value, k_cache = operands(graph, a, "q") + operands(graph, a, "k_cache")
         cache = graph.node(k_cache).type
         assert isinstance(cache, TensorType)
         kv_heads, head_dim = cache.shape[1], cache.shape[2]
@@ -125,9 +121,12 @@ class TensorParallel:
         q = _projection(graph, q_value, a)
         heads = _out(graph, q) // head_dim
         append = graph.operands(k_cache)[0]  # k_cache is `get` of the kv_append
-        kv = [_projection(graph, graph.operands(append)[i], append) for i in (2, 3)]
+        kv = [_projection(graph, value, append) for value in operands(graph, append, "k")]
+        kv += [_projection(graph, value, append) for value in operands(graph, append, "v")]
         outs = [
-            o for o in graph.users(a) if graph.node(o).op == "qlinear" and graph.operands(o)[0] == a
+            o
+            for o in graph.users(a)
+            if graph.node(o).op == Op.QLINEAR and graph.operands(o)[0] == a
         ]
         for o in outs:
             _plain(graph, o)
@@ -135,14 +134,14 @@ class TensorParallel:
         h0, h1, first, last = parts[r]
         fired = 4  # q, k, v and the caches
         self._split(graph, q, "out", h0 * head_dim, h1 * head_dim)
-        at = sinks_operand(dict(graph.node(a).attrs))
+        at = layout(graph, a).at("sinks")
         if at is not None:  # gpt-oss: a logit per query head, the rank's heads' like q's rows
             self._split_param(graph, a, at, h0, h1)
             fired += 1
         for p in kv:
             self._split(graph, p, "out", first * head_dim, last * head_dim)
-        for i in (0, 1):  # the caches hold the rank's KV heads
-            state = graph.operands(append)[i]
+        # the caches hold the rank's KV heads
+        for state in (*operands(graph, append, "k_cache"), *operands(graph, append, "v_cache")):
             t = graph.node(state).type
             assert isinstance(t, TensorType)
             shape = (t.shape[0], last - first, head_dim)
@@ -246,7 +245,7 @@ class TensorParallel:
         rows, then an all_reduce, the residual in rank 0's combine only."""
         h = graph.operands(down)[0]
         node = graph.node(down)
-        if graph.node(h).op != "expert_qlinear" or graph.node(h).attr("epilogue") != "silu_mul":
+        if graph.node(h).op != Op.EXPERT_QLINEAR or graph.node(h).attr("epilogue") != "silu_mul":
             return 0
         epilogue = node.attr("epilogue")
         if epilogue not in ("combine", "combine_residual") or node.attr("kernel") is not None:
@@ -274,7 +273,7 @@ class TensorParallel:
         Returns the weights split (0 where `y`'s residual is no shared expert)."""
         s = graph.operands(y)[-1]
         node = graph.node(s)
-        if node.op != "expert_qlinear" or node.attr("epilogue") != "combine_residual":
+        if node.op != Op.EXPERT_QLINEAR or node.attr("epilogue") != "combine_residual":
             return 0
         pair = _gate_up(graph, graph.operands(s)[0])
         if pair is None or node.attr("kernel") is not None:
@@ -295,9 +294,9 @@ class TensorParallel:
         value = graph.operands(sample)[0]
         # softcap is elementwise (it applies to each rank's part); adjust_logits takes the
         # gathered rows, as the draw does
-        while graph.node(value).op in ("softcap", "adjust_logits"):
+        while graph.node(value).op in (Op.SOFTCAP, Op.ADJUST_LOGITS):
             value = graph.operands(value)[0]
-        if graph.node(value).op != "qlinear":
+        if graph.node(value).op != Op.QLINEAR:
             raise TensorParallelError(
                 f"tensor_parallel: %{sample} samples %{value}, not an lm_head qlinear"
             )
@@ -391,7 +390,7 @@ class TensorParallel:
         the residual epilogue folds it into the projection's launch (no add launch per rank).
         Where the sum goes elsewhere first (Gemma's post-norm), the add stays after it."""
         users = graph.users(reduce)
-        if len(users) != 1 or graph.use_count(reduce) != 1 or graph.node(users[0]).op != "add":
+        if len(users) != 1 or graph.use_count(reduce) != 1 or graph.node(users[0]).op != Op.ADD:
             return
         add = users[0]
         (p,) = graph.operands(reduce)
@@ -428,7 +427,7 @@ def _projection(graph: Graph, value: str, reader: str) -> str:
     """The qlinear whose result reaches `reader` through per-head ops only."""
     while graph.node(value).op in _PER_HEAD:
         value = graph.operands(value)[0]
-    if graph.node(value).op != "qlinear":
+    if graph.node(value).op != Op.QLINEAR:
         raise TensorParallelError(
             f"tensor_parallel: %{reader} reads %{value} ({graph.node(value).op}), not a q/k/v "
             "projection; run the pass on the unfused block"
@@ -439,13 +438,13 @@ def _projection(graph: Graph, value: str, reader: str) -> str:
 
 def _gate_up(graph: Graph, h: str) -> tuple[str, str] | None:
     """The gate and up qlinears of h = act(gate) * up; None for any other h."""
-    if graph.node(h).op != "mul":
+    if graph.node(h).op != Op.MUL:
         return None
     act, up = graph.operands(h)
     if graph.node(act).op not in GATE_ACTS:
         return None
     gate = graph.operands(act)[0]
-    if graph.node(gate).op != "qlinear" or graph.node(up).op != "qlinear":
+    if graph.node(gate).op != Op.QLINEAR or graph.node(up).op != Op.QLINEAR:
         return None
     return gate, up
 
@@ -500,3 +499,10 @@ def _reinfer(graph: Graph) -> None:
         if t != node.type:
             assert isinstance(t, TensorType | TupleType)
             graph.set_node(name, replace(node, type=t))
+
+
+# The splits' roots, attached to the op table as the interpreter and lowering attach theirs.
+implement("attention", shard=TensorParallel._attention)
+implement("qlinear", shard=TensorParallel._mlp)
+implement("expert_qlinear", shard=TensorParallel._experts)
+implement("sample", shard=TensorParallel._lm_head)
