@@ -48,6 +48,11 @@ class Backend(Protocol):
         thread: a block's kernels are prepared in parallel, then loaded in order."""
         ...
 
+    def prepare_many(self, kernels: Sequence[Kernel], done: Callable[[Kernel], None]) -> int:
+        """`prepare` each of the distinct `kernels` (in parallel, as the backend sees fit),
+        calling `done(kernel)` after each; returns the threads used."""
+        ...
+
     def launch(
         self, loaded: Any, grid: tuple[int, int, int], args: Sequence[Any], stream: Any = None
     ) -> None: ...

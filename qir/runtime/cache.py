@@ -191,7 +191,7 @@ class KernelCache:
         """The disk level: the entry for `key`, built by `build()` on a miss. `what` names the
         compiler in the log lines ("host g++", "nvrtc sm_90"); `counted`: the build is a
         kernel's (`compiles`, which the compile summaries report)."""
-        path = self.root / namespace / f"{name}-{key[:32]}{ext}"
+        path = self._path(namespace, name, key, ext)
         payload = read_entry(path)
         if payload is not None:
             return Artifact(path, payload)
@@ -214,6 +214,20 @@ class KernelCache:
                 self.compiles += counted
             log.debug("%s %s (%s) in %.2f s", verb[1], name, what, time.perf_counter() - t0)
             return Artifact(self._store(namespace, path, payload, executable), payload)
+
+    def peek(self, namespace: str, name: str, key: str, ext: str) -> Artifact | None:
+        """The disk entry for `key` if there is a sound one (here or in the fallback directory),
+        without waiting for a lock or building anything."""
+        path = self._path(namespace, name, key, ext)
+        fallback = [] if self._fallback is None else [self._fallback / namespace / path.name]
+        for entry in (path, *fallback):
+            payload = read_entry(entry)
+            if payload is not None:
+                return Artifact(entry, payload)
+        return None
+
+    def _path(self, namespace: str, name: str, key: str, ext: str) -> Path:
+        return self.root / namespace / f"{name}-{key[:32]}{ext}"
 
     def _store(self, namespace: str, path: Path, payload: bytes, executable: bool) -> Path:
         if self._fallback is None:

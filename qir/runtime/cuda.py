@@ -34,6 +34,7 @@ from qir.interpret import BindError
 from qir.runtime.backend_api import BoundLaunch, InStream
 from qir.runtime.cache import KernelCache
 from qir.runtime.errors import BackendUnavailable, CompileError
+from qir.runtime.loading import prepare_all
 from qir.runtime.nvrtc import available as nvrtc_available
 from qir.runtime.nvrtc import compile_cubin, kernel_include_dir
 from qir.runtime.toolkit import cuda_include_dirs
@@ -104,6 +105,15 @@ class CudaBackend:
         no device). CuPy's RawModule compiles as it loads, so that path prepares nothing."""
         if self._compile == self._cubin_via_cache:
             compile_cubin(kernel, self.arch, self.cache)
+
+    def prepare_many(self, kernels: Sequence[Kernel], done: Callable[[Kernel], None]) -> int:
+        """`prepare` the distinct `kernels` on the compile threads, one NVRTC call each."""
+
+        def one(kernel: Kernel) -> None:
+            self.prepare(kernel)
+            done(kernel)
+
+        return prepare_all(one, kernels)
 
     def _load(self, kernel: Kernel) -> CudaKernel:
         with self.device:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ from qir.runtime.backend_api import BoundLaunch, InStream
 from qir.runtime.cache import HOST, Artifact, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.host_pch import PrecompiledHeader
+from qir.runtime.host_units import Member, plan_units, unit_source
+from qir.runtime.loading import compile_jobs, prepare_all
 from qir.runtime.toolkit import cuda_include_dirs, toolkit_fingerprint
 
 HEADER = Path(__file__).parent / "include" / "qir_host.h"
@@ -85,6 +88,7 @@ SANITIZE_FLAGS = (
     "-fno-omit-frame-pointer",
 )
 _INT32 = (-(2**31), 2**31 - 1)
+log = logging.getLogger("qir.runtime")
 
 
 # Every kernel library built from one header uses one runtime (worker pool and fiber stacks),
@@ -92,6 +96,9 @@ _INT32 = (-(2**31), 2**31 - 1)
 # adopts a runtime of the same hash.
 _RUNTIMES: dict[int, tuple[int, ctypes.CDLL]] = {}  # ABI -> (the shared Runtime*, its library)
 _RUNTIMES_LOCK = threading.Lock()
+# Kernels built in one unit (host_units) share one library, which their cache entries each
+# hold: loaded once per process (by the payload's digest), however many of them are used.
+_LIBRARIES: dict[bytes, ctypes.CDLL] = {}
 
 
 def _header_abi() -> str:
@@ -232,9 +239,9 @@ class HostBackend:
 
     # -- compile -------------------------------------------------------------------------------
 
-    def _flags(self, kernel: Kernel, build: Path, precompiled: bool = True) -> list[str]:
+    def _flags(self, kernel: str, build: Path, precompiled: bool = True) -> list[str]:
         mode = (
-            (*self._sanitize_flags, f"-DQIR_HOST_RUNNER=qir_launch_{kernel.name}")
+            (*self._sanitize_flags, f"-DQIR_HOST_RUNNER=qir_launch_{kernel}")
             if self.sanitize
             else self._so_flags
         )
@@ -282,12 +289,46 @@ class HostBackend:
             if not self.sanitize:
                 self._runtime_library()
 
+    def prepare_many(self, kernels: Sequence[Kernel], done: Callable[[Kernel], None]) -> int:
+        """`prepare` each of the distinct `kernels`, calling `done(kernel)` after each: the cold
+        ones build as units of several kernels (host_units: the precompiled header loaded and
+        the shared helpers generated once per unit), about one unit per compile thread.
+        Returns the threads used."""
+        cold = []
+        for k in kernels:
+            if not self.cache.holds(self._spec(k)):
+                entry = self.cache.peek(HOST, k.name, self._key(k), self._ext)
+                if entry is None:
+                    cold.append(k)
+                    continue
+                self._prepared[k] = entry
+            done(k)
+        jobs = max(1, min(compile_jobs(), len(cold)))
+        members = [Member(k.name, self.source(k), host_headers(k, self.unroll)) for k in cold]
+        # Sanitizer builds define a per-kernel runner macro: one kernel per build.
+        units = [[i] for i in range(len(cold))] if self.sanitize else plan_units(members, jobs)
+
+        def build(unit: list[int]) -> None:
+            payload = self._compile_unit([members[i] for i in unit]) if len(unit) > 1 else None
+            for i in unit:
+                k = cold[i]
+                self._prepared[k] = self._entry(k, None if payload is None else lambda: payload)
+                done(k)
+            if cold and not self.sanitize:
+                self._runtime_library()
+
+        return prepare_all(build, units) if units else 1
+
     def _load(self, kernel: Kernel) -> HostKernel:
         entry = self._prepared.pop(kernel, None) or self._entry(kernel)
         if self.sanitize:
             return HostKernel(kernel, entry.path, None)
         try:
-            lib = ctypes.CDLL(str(entry.path))
+            digest = hashlib.sha256(entry.payload).digest()
+            with _RUNTIMES_LOCK:
+                lib = _LIBRARIES.get(digest)
+                if lib is None:
+                    lib = _LIBRARIES[digest] = ctypes.CDLL(str(entry.path))
             getattr(lib, f"qir_launch_{kernel.name}")
             _share_runtime(lib, self._runtime_library)
         except (OSError, AttributeError) as e:
@@ -295,14 +336,22 @@ class HostBackend:
             raise RuntimeError(f"{kernel.name}: cannot load {entry.path}: {e}") from e
         return HostKernel(kernel, entry.path, lib)
 
-    def _entry(self, kernel: Kernel) -> Artifact:
-        source = self.source(kernel)
+    @property
+    def _ext(self) -> str:
+        return ".exe" if self.sanitize else ".so"
+
+    def _key(self, kernel: Kernel) -> str:
+        return key(self.key_parts(kernel, self.source(kernel)))
+
+    def _entry(self, kernel: Kernel, built: Callable[[], bytes] | None = None) -> Artifact:
+        """The kernel's cache entry; on a miss, `built()` (a unit's library holding it) or a
+        build of the kernel alone."""
         return self.cache.fetch(
             HOST,
             kernel.name,
-            key(self.key_parts(kernel, source)),
-            ".exe" if self.sanitize else ".so",
-            lambda: self._compile(kernel, source),
+            self._key(kernel),
+            self._ext,
+            built or (lambda: self._compile(kernel, self.source(kernel))),
             what="host g++",
             executable=self.sanitize,
         )
@@ -340,13 +389,32 @@ class HostBackend:
                 self._runtime_path = entry.path
             return self._runtime_path
 
+    def _compile_unit(self, members: Sequence[Member]) -> bytes | None:
+        """One library holding every member, or None when g++ refuses the unit (each member
+        then builds alone, and a real error is reported against its own source)."""
+        first = members[0]
+        headers = tuple(dict(h for m in members for h in m.headers).items())
+        name = f"unit{len(members)}_{first.name}"
+        try:
+            return self._gxx(name, unit_source(members), headers, first.name)
+        except CompileError as e:
+            log.debug("%s: built one by one (%s)", name, str(e).splitlines()[0])
+            return None
+
     def _compile(self, kernel: Kernel, source: str) -> bytes:
-        with tempfile.TemporaryDirectory(prefix=f"qir-{kernel.name}-") as tmp:
+        return self._gxx(kernel.name, source, host_headers(kernel, self.unroll), kernel.name)
+
+    def _gxx(
+        self, name: str, source: str, headers: tuple[tuple[str, str], ...], kernel: str
+    ) -> bytes:
+        """`source` (its `headers` beside it) built by g++ in this backend's mode; `kernel`
+        names the sanitizer runner's kernel."""
+        with tempfile.TemporaryDirectory(prefix=f"qir-{name}-") as tmp:
             build = Path(tmp)
-            for name, text in host_headers(kernel, self.unroll):
-                (build / name).parent.mkdir(parents=True, exist_ok=True)
-                (build / name).write_text(text)
-            cu, out = build / f"{kernel.name}.cu", build / "kernel.out"
+            for header, text in headers:
+                (build / header).parent.mkdir(parents=True, exist_ok=True)
+                (build / header).write_text(text)
+            cu, out = build / f"{name}.cu", build / "kernel.out"
             cu.write_text(source)
             cmd = [CXX, *self._flags(kernel, build), str(cu), "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -357,9 +425,7 @@ class HostBackend:
                 if proc.returncode == 0:
                     self._pch.discard()
             if proc.returncode != 0:
-                raise CompileError(
-                    kernel.name, "g++", proc.stderr.strip(), source, filename=cu.name
-                )
+                raise CompileError(name, "g++", proc.stderr.strip(), source, filename=cu.name)
             return out.read_bytes()
 
     # -- launch --------------------------------------------------------------------------------

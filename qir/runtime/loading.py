@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from qir.runtime.backend_api import Backend
 from qir.types import QExperts, QWeight, TensorType
 
 log = logging.getLogger("qir.runtime")
+T = TypeVar("T")
 
 
 def upload_weights(plan: Plan, backend: Backend, weights: Weights) -> dict[str, dict[str, Any]]:
@@ -63,9 +64,10 @@ def compile_jobs() -> int:
     return jobs
 
 
-def prepare_all(prepare: Callable[[Kernel], object], kernels: Sequence[Kernel]) -> int:
-    """`prepare` every kernel on up to `compile_jobs()` threads; re-raises the first failure
-    (in `kernels` order) once all have finished. Returns the threads used."""
+def prepare_all(prepare: Callable[[T], object], kernels: Sequence[T]) -> int:
+    """`prepare` every kernel (or group of kernels) on up to `compile_jobs()` threads;
+    re-raises the first failure (in `kernels` order) once all have finished. Returns the
+    threads used."""
     jobs = max(1, min(compile_jobs(), len(kernels)))
     if jobs == 1:
         for k in kernels:
@@ -91,12 +93,11 @@ def load_kernels(backend: Backend, kernels: Sequence[Kernel]) -> list[Any]:
     before, t0 = backend.cache.compiles, time.perf_counter()
     progress = Progress(log, "compiling kernels", len(distinct))
 
-    def prepare(k: Kernel) -> None:
-        backend.prepare(k)
+    def done(k: Kernel) -> None:
         progress.step(show=backend.cache.compiles > before)  # a warm load draws no bar
 
     try:
-        jobs = prepare_all(prepare, distinct) if len(distinct) > 1 else 1
+        jobs = backend.prepare_many(distinct, done)
         loaded = [backend.load(k) for k in kernels]
     except BaseException:
         progress.finish(None)

@@ -47,7 +47,7 @@ def warm(plans: Mapping[str, Sequence[Kernel]], root: Path | None = None) -> lis
         _check_writable(cache)
         before, t0 = cache.compiles, time.perf_counter()
         log.info("warming %d kernels for %s ...", len(distinct), target)
-        prepare_all(prepare, distinct)
+        prepare(distinct)
         # A cache that cannot be written keeps its builds in a directory deleted at exit:
         # for a warm that is a failure, not a fallback.
         _check_writable(cache)
@@ -71,11 +71,14 @@ def _check_writable(cache: KernelCache) -> None:
         )
 
 
-def _preparer(target: str, root: Path | None) -> tuple[KernelCache, Callable[[Kernel], object]]:
+def _preparer(
+    target: str, root: Path | None
+) -> tuple[KernelCache, Callable[[Sequence[Kernel]], object]]:
+    """The cache a target's kernels go to, and what compiles a list of them into it."""
     if target == HOST:
         from qir.runtime.host import HostBackend
 
         be = HostBackend(cache_dir=root)
-        return be.cache, be.prepare
+        return be.cache, partial(be.prepare_many, done=lambda k: None)
     cache = KernelCache.at(root)
-    return cache, partial(compile_cubin, arch=check_arch(target), cache=cache)
+    return cache, partial(prepare_all, partial(compile_cubin, arch=check_arch(target), cache=cache))

@@ -83,6 +83,6 @@ def test_a_damaged_precompiled_header_is_replaced_not_fatal(
 
 def test_sanitized_builds_parse_the_header_itself(tmp_path: Path) -> None:
     be = HostBackend(cache_dir=tmp_path, sanitize=True)
-    flags = be._flags(axpy("axpy_a"), tmp_path)
+    flags = be._flags("axpy_a", tmp_path)
     assert Path(flags[flags.index("-include") + 1]) == host_mod.HEADER
     assert not gch_files(tmp_path)
