@@ -17,6 +17,7 @@ from qir.models import Model
 from qir.models.goldens import embedded_checkpoints
 from tests.conftest import BACKENDS, DATA, rel_err
 from tests.requires import have, requires
+from tests.runtime.test_cache import seeded
 
 CKPT = DATA / "mlx_affine4_g64_S"
 
@@ -29,7 +30,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_run_mlp_writes_float32_y_matching_golden(tmp_path, backend, monkeypatch):
-    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QIR_CACHE_DIR", str(seeded(cache) if backend == "host" else cache))
     golden = np.load(CKPT / "golden.npz")
     np.save(tmp_path / "x.npy", golden["x.M5"])
     out = tmp_path / "out.npz"

@@ -20,10 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Sibling test modules: pytest puts this directory on sys.path (no __init__.py here).
-from test_host import GEMV
-from test_nvrtc import HALF_SUM
-
 from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.runtime import cache as cache_mod
@@ -34,6 +30,8 @@ from qir.runtime.errors import CompileError
 from qir.runtime.host import HostBackend, HostKernel
 from qir.runtime.loading import compile_jobs, load_kernels
 from tests.requires import requires
+from tests.runtime.test_host import GEMV
+from tests.runtime.test_nvrtc import HALF_SUM
 
 needs_gxx = requires("gxx")
 needs_nvrtc = requires("nvrtc")
@@ -50,9 +48,15 @@ def _session_pch() -> Path:
 def seeded(root: Path) -> Path:
     """`root`, a fresh cache root, holding the session's precompiled header: these tests are
     about kernel entries, and the header (its own namespace, tests/runtime/test_host_pch.py)
-    would cost each of them seconds of g++ again."""
-    shutil.copytree(_session_pch(), root / cache_mod.PCH, dirs_exist_ok=True)
+    would cost each of them seconds of g++ again. Hard links: a cache replaces a file by
+    renaming a new one over it, never by writing into it, so the session's copy stays whole."""
+    shutil.copytree(_session_pch(), root / cache_mod.PCH, dirs_exist_ok=True, copy_function=_link)
     return root
+
+
+def _link(src: str, dst: str) -> None:
+    if not os.path.exists(dst):  # seeded twice
+        os.link(src, dst)
 
 
 def run_gemv(k: HostKernel) -> np.ndarray:

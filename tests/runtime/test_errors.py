@@ -21,6 +21,7 @@ from qir.runtime.host import HostBackend
 from qir.runtime.nvrtc import compile_cubin
 from qir.runtime.toolkit import toolkit_fingerprint
 from tests.requires import requires
+from tests.runtime.test_cache import seeded
 
 BAD_LINE = "  y[i] = undeclared_thing * 2.0f;"
 SOURCE = "\n".join(
@@ -54,7 +55,7 @@ def _check(e: CompileError, compiler: str, position: str) -> None:
 @requires("gxx")
 def test_gxx_error_shows_kernel_message_and_numbered_lines(tmp_path: Path) -> None:
     with pytest.raises(CompileError) as info:
-        HostBackend(cache_dir=tmp_path).load(TYPO)
+        HostBackend(cache_dir=seeded(tmp_path)).load(TYPO)
     _check(info.value, "g++", r"typo_kernel\.cu:5:\d+: error")
 
 

@@ -22,6 +22,7 @@ from qir.runtime.cuda import CudaBackend
 from qir.runtime.loading import load_kernels
 from qir.runtime.nvrtc import check_arch
 from tests.requires import requires
+from tests.runtime.test_cache import seeded
 from tests.runtime.test_cuda import fake_cupy
 from tests.runtime.test_executor import needs_gxx
 
@@ -56,7 +57,7 @@ print(json.dumps({"compiles": cache.compiles}))
 def test_a_warmed_cache_serves_a_later_process_without_compiling(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("QIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QIR_CACHE_DIR", str(seeded(tmp_path)))
     argv = ["-q", "cache", "warm", str(CKPT), "--arch", "sm_90", "--host", "--blocks", "qkv"]
     assert main(argv) == 0
     out = [line.rsplit(" (", 1)[0] for line in capsys.readouterr().out.splitlines()]
