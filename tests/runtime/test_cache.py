@@ -38,19 +38,28 @@ needs_nvrtc = requires("nvrtc")
 
 
 @cache
-def _session_pch() -> Path:
-    """The session cache's precompiled qir_host.h (built by loading a kernel there)."""
+def _session_cache() -> Path:
+    """The session cache, holding its precompiled qir_host.h and the host runtime library
+    (both built by loading a kernel there)."""
     be = HostBackend()
     be.load(GEMV)
-    return be.cache.root / cache_mod.PCH
+    return be.cache.root
 
 
-def seeded(root: Path) -> Path:
-    """`root`, a fresh cache root, holding the session's precompiled header: these tests are
-    about kernel entries, and the header (its own namespace, tests/runtime/test_host_pch.py)
-    would cost each of them seconds of g++ again. Hard links: a cache replaces a file by
-    renaming a new one over it, never by writing into it, so the session's copy stays whole."""
-    shutil.copytree(_session_pch(), root / cache_mod.PCH, dirs_exist_ok=True, copy_function=_link)
+def seeded(root: Path, runtime: bool = True) -> Path:
+    """`root`, a fresh cache root, holding the session's precompiled header and (with
+    `runtime`) its host runtime library: these tests are about kernel entries, and those two
+    (tests/runtime/test_host_pch.py has the header's) would cost each of them seconds of g++
+    again. Hard links: a cache replaces a file by renaming a new one over it, never by writing
+    into it, so the session's copies stay whole."""
+    session = _session_cache()
+    shutil.copytree(
+        session / cache_mod.PCH, root / cache_mod.PCH, dirs_exist_ok=True, copy_function=_link
+    )
+    if runtime:
+        (root / cache_mod.HOST).mkdir(parents=True, exist_ok=True)
+        for lib in (session / cache_mod.HOST).glob(f"{host_mod.RUNTIME}-*.so"):
+            _link(str(lib), str(root / cache_mod.HOST / lib.name))
     return root
 
 
@@ -317,7 +326,7 @@ def test_lock_held_past_the_timeout_is_ignored(
     be = HostBackend(cache_dir=seeded(tmp_path))
     be.cache.lock_timeout = 0.2
     lock = lock_path(tmp_path)
-    lock.parent.mkdir(parents=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a second open file description: conflicts with ours
     try:
