@@ -43,14 +43,10 @@ class Backend(Protocol):
 
     def load(self, kernel: Kernel) -> Any: ...
 
-    def prepare(self, kernel: Kernel) -> None:
-        """Compile `kernel` into the caches without loading it. Must be safe to call from any
-        thread: a block's kernels are prepared in parallel, then loaded in order."""
-        ...
-
     def prepare_many(self, kernels: Sequence[Kernel], done: Callable[[Kernel], None]) -> int:
-        """`prepare` each of the distinct `kernels` (in parallel, as the backend sees fit),
-        calling `done(kernel)` after each; returns the threads used."""
+        """Compile the distinct `kernels` into the caches without loading them (in parallel, as
+        the backend sees fit), calling `done(kernel)` after each; returns the threads used. A
+        block's kernels are prepared so, then loaded in order on the calling thread."""
         ...
 
     def launch(

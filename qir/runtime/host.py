@@ -223,7 +223,7 @@ class HostBackend:
         self._so_flags = (f"-O{opt}", *SO_FLAGS, *KERNEL_FLAGS, *MODES[mode])
         self._runtime_flags = (f"-O{opt}", *SO_FLAGS, *MODES[mode])
         self._sanitize_flags = (*SANITIZE_FLAGS, *MODES[mode])
-        # Entries prepare() fetched (compiled or read and checksummed), for load() to take
+        # Entries prepare_many() fetched (compiled or read and checksummed), for load() to take
         # instead of reading them again.
         self._prepared: dict[Kernel, Artifact] = {}
         self._runtime_path: Path | None = None
@@ -281,23 +281,17 @@ class HostBackend:
         """The in-memory cache's key: one loaded library per kernel and build mode."""
         return (self.name, self.sanitize, self._so_flags, self._sanitize_flags, self.unroll, kernel)
 
-    def prepare(self, kernel: Kernel) -> None:
-        """Compile `kernel` into the disk cache without loading it (and the runtime library its
-        load needs: a warmed cache holds it too); safe on any thread."""
-        if not self.cache.holds(self._spec(kernel)):
-            self._prepared[kernel] = self._entry(kernel)
-            if not self.sanitize:
-                self._runtime_library()
-
     def prepare_many(self, kernels: Sequence[Kernel], done: Callable[[Kernel], None]) -> int:
-        """`prepare` each of the distinct `kernels`, calling `done(kernel)` after each: the cold
-        ones build as units of several kernels (host_units: the precompiled header loaded and
-        the shared helpers generated once per unit), about one unit per compile thread.
-        Returns the threads used."""
-        cold = []
+        """Compile the distinct `kernels` into the disk cache without loading them (and the
+        runtime library their loads need: a warmed cache holds it too), calling `done(kernel)`
+        after each; safe on any thread. The cold ones build as units of several kernels
+        (host_units: the precompiled header loaded and the shared helpers generated once per
+        unit), about one unit per compile thread. Returns the threads used."""
+        cold, keys = [], {}
         for k in kernels:
             if not self.cache.holds(self._spec(k)):
-                entry = self.cache.peek(HOST, k.name, self._key(k), self._ext)
+                keys[k] = self._key(k)
+                entry = self.cache.peek(HOST, k.name, keys[k], self._ext)
                 if entry is None:
                     cold.append(k)
                     continue
@@ -312,7 +306,8 @@ class HostBackend:
             payload = self._compile_unit([members[i] for i in unit]) if len(unit) > 1 else None
             for i in unit:
                 k = cold[i]
-                self._prepared[k] = self._entry(k, None if payload is None else lambda: payload)
+                built = None if payload is None else lambda: payload
+                self._prepared[k] = self._entry(k, built, keys[k])
                 done(k)
             if cold and not self.sanitize:
                 self._runtime_library()
@@ -343,13 +338,15 @@ class HostBackend:
     def _key(self, kernel: Kernel) -> str:
         return key(self.key_parts(kernel, self.source(kernel)))
 
-    def _entry(self, kernel: Kernel, built: Callable[[], bytes] | None = None) -> Artifact:
-        """The kernel's cache entry; on a miss, `built()` (a unit's library holding it) or a
-        build of the kernel alone."""
+    def _entry(
+        self, kernel: Kernel, built: Callable[[], bytes] | None = None, key: str | None = None
+    ) -> Artifact:
+        """The kernel's cache entry (at `key`, when the caller has it); on a miss, `built()` (a
+        unit's library holding it) or a build of the kernel alone."""
         return self.cache.fetch(
             HOST,
             kernel.name,
-            self._key(kernel),
+            key or self._key(kernel),
             self._ext,
             built or (lambda: self._compile(kernel, self.source(kernel))),
             what="host g++",

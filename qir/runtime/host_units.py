@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"][^>"]+[>"]', re.MULTILINE)
 _DIRECTIVE = re.compile(r"^[ \t]*#.*$", re.MULTILINE)
@@ -78,33 +78,39 @@ def unit_source(members: Sequence[Member]) -> str:
     return "\n".join([*head, ""]) + "".join(parts)
 
 
-def compatible(members: Sequence[Member]) -> bool:
-    """Whether the members can build as one unit: distinct names (their entry points are
-    global), one key, and no header name with two texts."""
-    names = [m.name for m in members]
-    headers: dict[str, str] = {}
-    for m in members:
-        for name, text in m.headers:
-            if headers.setdefault(name, text) != text:
-                return False
-    keys = {unit_key(m) for m in members}
-    return len(members) == 1 or (
-        len(set(names)) == len(names) and len(keys) == 1 and None not in keys
-    )
+@dataclass
+class _Group:
+    key: Hashable | None
+    members: list[int] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def admits(self, key: Hashable | None, m: Member) -> bool:
+        """Whether `m` (of `key`) builds with this group: one key (never None), distinct names
+        (the entry points are global) and no header name with two texts."""
+        return (
+            key is not None
+            and key == self.key
+            and m.name not in self.names
+            and all(self.headers.get(name, text) == text for name, text in m.headers)
+        )
 
 
 def plan_units(members: Sequence[Member], units: int) -> list[list[int]]:
     """The members (by index) in about `units` groups that can each build as one: grouped by
     key (and header texts, and names), then each group cut into parts of near-equal source
     length, largest first so a thread pool finishes them together."""
-    groups: list[list[int]] = []
+    found: list[_Group] = []
     for i, m in enumerate(members):
-        for g in groups:
-            if compatible([*(members[j] for j in g), m]):
-                g.append(i)
-                break
-        else:
-            groups.append([i])
+        key = unit_key(m)
+        group = next((g for g in found if g.admits(key, m)), None)
+        if group is None:
+            group = _Group(key)
+            found.append(group)
+        group.members.append(i)
+        group.names.add(m.name)
+        group.headers.update(m.headers)
+    groups = [g.members for g in found]
     total = sum(len(m.source) for m in members) or 1
     out: list[list[int]] = []
     for g in groups:
