@@ -148,10 +148,12 @@ inline Worker* worker() { return self().block->worker; }
 // threads and stacks are a per-process resource: host.py hands every library loaded after the
 // first the first one's `Runtime` (qir_host_share), so a process has one worker pool and one
 // set of fiber stacks per OS thread however many kernels it loads. Only code that carries no
-// per-library state crosses libraries: the pool runs the caller's function pointer, and a
-// fiber's outermost frame (`fiber_main`, the owner's) calls the current kernel's `entry`; the
-// kernel's own scheduler (its threadIdx, its `__shared__`) always runs the kernel library's
-// code. A library whose QIR_HOST_ABI or struct sizes differ keeps its own Runtime.
+// per-library state crosses libraries: the pool runs the caller's function pointer, a fiber's
+// outermost frame (`fiber_main`, the owner's) calls the current kernel's `entry`, and on x86-64
+// the owner's scheduler (`Runtime::launch`: blocks, fibers, barriers' bookkeeping) runs a
+// kernel library's launches, whose threads find their coordinates on their own stacks and keep
+// their `__shared__` in their library's thread-locals. A library whose QIR_HOST_ABI or struct
+// sizes differ keeps its own Runtime.
 
 // A saved execution context: a fiber's, or (index kSched) the OS thread's own. On x86-64 a
 // switch is a stack-pointer swap (`swap_sp`: the callee-saved registers pushed on the old stack,
@@ -260,6 +262,9 @@ struct Runtime {
   void (*run)(unsigned helpers, void (*fn)(void*), void* arg);
   // The calling OS thread's fibers, at least n of them ready; nullptr when stacks cannot be had.
   Fibers* (*fibers)(unsigned n);
+  // One launch of `body` (qir_host::launch), its error, if any, copied to `error`.
+  int (*launch)(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args,
+                int loops, char* error);
 };
 
 // The worker pool and fiber stacks. Kernel libraries that host.py builds define
@@ -444,8 +449,12 @@ inline void run(unsigned helpers, void (*fn)(void*), void* arg) {
   Pool::get().run(helpers, fn, arg);
 }
 
+int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args,
+           int loops, char* error);  // qir_host_launch.h
+
 inline Runtime& runtime() {
-  static Runtime r{QIR_HOST_ABI, sizeof(Runtime), sizeof(Fibers), &own::run, &own::fibers};
+  static Runtime r{QIR_HOST_ABI, sizeof(Runtime), sizeof(Fibers), &own::run, &own::fibers,
+                   &own::launch};
   return r;
 }
 
