@@ -18,7 +18,7 @@ import pytest
 from qir.cli import main
 from qir.models import Model
 from tests.requires import import_or_skip
-from tests.serving.conftest import FIXTURE, NAME, Served, serve
+from tests.serving.conftest import ACT, FIXTURE, NAME, Served, serve
 
 jsonschema = import_or_skip("jsonschema", "jsonschema")
 
@@ -30,6 +30,7 @@ def qir_run_logits(tokens: list[int], tmp_path: Path) -> np.ndarray:
     out = tmp_path / f"run{len(tokens)}.npz"
     ids = ",".join(map(str, tokens))
     argv = ["run", str(FIXTURE), "--block", "model", "--tokens", ids, "--backend", "host"]
+    argv += ["--act-dtype", ACT.name]  # as the server computes
     assert main([*argv, "--out", str(out)]) == 0
     z = np.load(out)["logits"].astype(np.float64)
     z -= z.max(-1, keepdims=True)
