@@ -26,7 +26,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qir.models import Model
-from qir.serving.server import listen
 from qir.serving.timeouts import Timeouts
 from tests.serving.conftest import API_KEY, NAME, Served, serve
 
@@ -308,6 +307,8 @@ def test_connections_send_without_waiting_for_acks() -> None:
     """The listening socket makes asyncio set TCP_NODELAY on every connection it accepts:
     without it a response written as headers then body waited for the client's delayed ACK
     (40 ms a response on a kept-alive connection; schemathesis' run spent 75 s of 95 so)."""
+    from qir.serving.server import listen  # uvicorn's: not on the GPU machine's image
+
     sock = listen("127.0.0.1", 0)
     nodelay: list[int] = []
 
