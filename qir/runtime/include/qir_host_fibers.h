@@ -449,8 +449,8 @@ inline void run(unsigned helpers, void (*fn)(void*), void* arg) {
   Pool::get().run(helpers, fn, arg);
 }
 
-int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args,
-           int loops, char* error);  // qir_host_launch.h
+inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args,
+                  int loops, char* error);  // defined in qir_host_launch.h
 
 inline Runtime& runtime() {
   static Runtime r{QIR_HOST_ABI, sizeof(Runtime), sizeof(Fibers), &own::run, &own::fibers,
