@@ -100,7 +100,7 @@ def _answer_gguf(backend: str) -> None:
     try:
         path = smollm2()
         model = Model.load(path, backend=backend, act=act)
-        how = f", {model.act.name} activations" if act else ""
+        how = ", f32 activations" if act else ""
         print(f"\n{path.name} (a real model, read from the GGUF{how}) answers {CHAT_PROMPT!r}:")
         for piece in model.chat(messages, SMOLLM2_TOKENS, stream=True, do_sample=False):
             print(piece, end="", flush=True)

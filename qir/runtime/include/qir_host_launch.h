@@ -420,7 +420,7 @@ inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(vo
 
 // A kernel library's launches run on the runtime library's scheduler, which every kernel's
 // build would otherwise compile again (Worker's run, run_block, fiber_entry: 0.13 s of g++ per
-// library, a third of a small kernel's build). Where a fiber finds itself through a
+// library at -O1). Where a fiber finds itself through a
 // thread-local (QIR_HOST_SELF_TLS), that thread-local is the library's own, so the library
 // schedules its own threads.
 inline int launch(const unsigned* grid3, const unsigned* block3, void (*body)(void*), void* args,
