@@ -47,6 +47,9 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 # CI's skip policy (tests/skip_policy.py) is not the GPU machine's: there the test modules of
 # what its image lacks skip, and a dry run from `make test` must see them skip too.
 unset QIR_CI
+# Every stage's processes (and stage 1's 8 workers, each collecting the whole suite) reuse the
+# bytecode the first one compiled, as the Makefile lets them (8 s of a collection here).
+unset PYTHONDONTWRITEBYTECODE
 PYTHON="${PYTHON:-python3}" STAGES="${STAGES:-}" GPU_TESTS="${GPU_TESTS:-tests}"
 # A dry run's limits only catch a hang; its host kernels build at -O1 without the unroll
 # pragmas, as the tests' do.
