@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Python may cache compiled modules: where PYTHONDONTWRITEBYTECODE is set (this project's
-# machines set it), every process compiled every module it imported from source, numpy's and
-# transformers' included (uv installs no .pyc): 0.8 s of each `qir` command's start, 8 s of each
-# pytest worker's collection, and the test suite starts hundreds of Python processes.
+# Python may cache compiled modules: where PYTHONDONTWRITEBYTECODE is set (it is on the 2-core
+# machine this was measured on), every process compiled every module it imported from source,
+# numpy's and transformers' included (uv installs no .pyc): 0.7 s of each `qir` command's start
+# (93 of them in the CLI, MPI, docs and serve test files alone), 8 s of each pytest worker's
+# collection.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test lint typecheck install install-test gpu-dry-run gate docs
