@@ -29,8 +29,8 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -204,16 +204,59 @@ class KernelCache:
                 payload = read_entry(self._fallback / namespace / path.name)
                 if payload is not None:
                     return Artifact(self._fallback / namespace / path.name, payload)
-            # Debug: a block's batch of compiles is one info line (loading.load_kernels).
-            # Uncounted builds (the host's runtime library) say "building": not a kernel.
-            verb = ("compiling", "compiled") if counted else ("building", "built")
-            log.debug("%s %s (%s) ...", verb[0], name, what)
-            t0 = time.perf_counter()
-            payload = build()
-            with self._mutex:  # builds run on several threads
-                self.compiles += counted
-            log.debug("%s %s (%s) in %.2f s", verb[1], name, what, time.perf_counter() - t0)
-            return Artifact(self._store(namespace, path, payload, executable), payload)
+            return self._build(namespace, path, name, build, what, executable, counted)
+
+    def _build(
+        self,
+        namespace: str,
+        path: Path,
+        name: str,
+        build: Callable[[], bytes],
+        what: str,
+        executable: bool,
+        counted: bool,
+    ) -> Artifact:
+        """`build()` stored at `path`, whose lock the caller holds."""
+        # Debug: a block's batch of compiles is one info line (loading.load_kernels).
+        # Uncounted builds (the host's runtime library) say "building": not a kernel.
+        verb = ("compiling", "compiled") if counted else ("building", "built")
+        log.debug("%s %s (%s) ...", verb[0], name, what)
+        t0 = time.perf_counter()
+        payload = build()
+        with self._mutex:  # builds run on several threads
+            self.compiles += counted
+        log.debug("%s %s (%s) in %.2f s", verb[1], name, what, time.perf_counter() - t0)
+        return Artifact(self._store(namespace, path, payload, executable), payload)
+
+    @contextmanager
+    def claim(
+        self, namespace: str, entries: Sequence[tuple[str, str, str]]
+    ) -> Iterator[list[Artifact | None]]:
+        """The disk entries (name, key, ext) locked together, for a build that makes several at
+        once (a host unit): yields each one's sound entry, or None where it is the caller's to
+        build (`build_claimed`) while the claim lasts (`fetch` of a claimed entry would wait on its
+        own lock). Two processes or threads that want overlapping entries (the ranks of a
+        tensor-parallel model on one machine, whose shards often share shapes) so build each
+        once; the locks are taken in path order, so claims never wait on each other in a
+        cycle."""
+        paths = sorted({self._path(namespace, *e) for e in entries})
+        with ExitStack() as held:
+            for path in paths:
+                held.enter_context(self._lock(path))
+            yield [self.peek(namespace, *e) for e in entries]
+
+    def build_claimed(
+        self,
+        namespace: str,
+        entry: tuple[str, str, str],
+        build: Callable[[], bytes],
+        what: str,
+        executable: bool = False,
+    ) -> Artifact:
+        """A claimed entry (name, key, ext; see `claim`) built by `build()` and stored, as
+        `fetch` builds a missing one."""
+        path = self._path(namespace, *entry)
+        return self._build(namespace, path, entry[0], build, what, executable, True)
 
     def peek(self, namespace: str, name: str, key: str, ext: str) -> Artifact | None:
         """The disk entry for `key` if there is a sound one (here or in the fallback directory),

@@ -306,12 +306,22 @@ class HostBackend:
         units = [[i] for i in range(len(cold))] if self.sanitize else plan_units(members, jobs)
 
         def build(unit: list[int]) -> None:
-            payload = self._compile_unit([members[i] for i in unit]) if len(unit) > 1 else None
-            for i in unit:
-                k = cold[i]
-                built = None if payload is None else lambda: payload
-                self._prepared[k] = self._entry(k, built, keys[k])
-                done(k)
+            entries = [(cold[i].name, keys[cold[i]], self._ext) for i in unit]
+            # Claimed together: another thread or process (a rank of the same model, whose
+            # shard has these shapes too) builds none of them meanwhile, nor did one before.
+            with self.cache.claim(HOST, entries) as found:
+                todo = [members[i] for i, entry in zip(unit, found, strict=True) if entry is None]
+                payload = self._compile_unit(todo) if len(todo) > 1 else None
+                for i, entry, spec in zip(unit, found, entries, strict=True):
+                    k = cold[i]
+                    if entry is None:
+                        alone = partial(self._compile, k, members[i].source)
+                        built = alone if payload is None else partial(bytes, payload)
+                        entry = self.cache.build_claimed(
+                            HOST, spec, built, "host g++", executable=self.sanitize
+                        )
+                    self._prepared[k] = entry
+                    done(k)
             if cold and not self.sanitize:
                 self._runtime_library()
 
@@ -341,17 +351,14 @@ class HostBackend:
     def _key(self, kernel: Kernel) -> str:
         return key(self.key_parts(kernel, self.source(kernel)))
 
-    def _entry(
-        self, kernel: Kernel, built: Callable[[], bytes] | None = None, key: str | None = None
-    ) -> Artifact:
-        """The kernel's cache entry (at `key`, when the caller has it); on a miss, `built()` (a
-        unit's library holding it) or a build of the kernel alone."""
+    def _entry(self, kernel: Kernel) -> Artifact:
+        """The kernel's cache entry; on a miss, a build of the kernel alone."""
         return self.cache.fetch(
             HOST,
             kernel.name,
-            key or self._key(kernel),
+            self._key(kernel),
             self._ext,
-            built or (lambda: self._compile(kernel, self.source(kernel))),
+            lambda: self._compile(kernel, self.source(kernel)),
             what="host g++",
             executable=self.sanitize,
         )

@@ -5,7 +5,10 @@ kernels one by one, and a real error still names its own kernel."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,3 +147,47 @@ def test_a_block_built_in_units_gives_the_bytes_of_kernels_built_alone(
     for m, together, alone in zip(sizes, outs["1"], outs["64"], strict=True):
         for name, value in together.items():
             assert value.tobytes() == alone[name].tobytes(), (m, name)
+
+
+@requires("gxx")
+def test_ranks_that_want_the_same_cold_kernels_build_them_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two backends on one cache (the ranks of a tensor-parallel model on one machine: their
+    shards often have the same shapes) preparing the same cold kernels at once: one g++ run
+    builds them, the other rank reads the entries. A set of which some are built compiles the
+    rest only."""
+    monkeypatch.setenv("QIR_COMPILE_JOBS", "1")
+    root = seeded(tmp_path)
+    kernels = [affine("rank_a", 3, 1), affine("rank_b", 5, 2)]
+    runs: list[list[str]] = []
+    gxx = HostBackend._gxx
+
+    def counted(self: HostBackend, name: str, *rest: Any) -> bytes:
+        runs.append([n for n in ("rank_a", "rank_b", "rank_c") if f" {n}(" in rest[0]])
+        return gxx(self, name, *rest)
+
+    monkeypatch.setattr(HostBackend, "_gxx", counted)
+    HostBackend(cache_dir=root)._runtime_library()  # not what this test counts
+    runs.clear()
+    ranks = [HostBackend(cache_dir=root) for _ in range(2)]
+    start = threading.Barrier(2)
+
+    def prepare(be: HostBackend) -> list[str]:
+        start.wait()
+        done: list[str] = []
+        be.prepare_many(kernels, lambda k: done.append(k.name))
+        return done
+
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(prepare, ranks))
+    assert runs == [["rank_a", "rank_b"]], runs  # one unit, once
+    assert all(sorted(d) == ["rank_a", "rank_b"] for d in done)
+    assert ranks[0].cache.compiles == 2  # one cache object per root: both ranks' count
+    for be in ranks:
+        y = np.zeros(8, np.int32)
+        be.launch(be.load(kernels[1]), (1, 1, 1), [y, 8])
+        np.testing.assert_array_equal(y, np.arange(8) * 5 + 2)
+    more = [kernels[0], affine("rank_c", 7, 0)]
+    HostBackend(cache_dir=root).prepare_many(more, lambda k: None)
+    assert runs[1:] == [["rank_c"]], runs
