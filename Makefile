@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # collection.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test lint typecheck install install-test gpu-dry-run gate docs
+.PHONY: demo test lint typecheck install install-test gpu-dry-run gate docs nvrtc-record
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,12 @@ gpu-dry-run: install-test
 gate: install-test
 	$(BIN)/python scripts/ptxas_record.py --fresh
 	QIR_GATE=all $(BIN)/python -m pytest -q -n auto tests/runtime/test_compile_gate.py
+
+# The suite's NVRTC builds and nvdisasm listings (tests/nvrtc_record.py), recorded from a run of
+# the whole suite: run it with a change to a template, a lowering or qir's CUDA headers, and
+# commit the record with it (a stale record costs CI time, never a result).
+nvrtc-record: install-test
+	$(BIN)/python scripts/nvrtc_record.py
 
 # The documentation site (docs/, mkdocs.yml) in site/; `make test` builds it too (tests/test_docs.py).
 docs: install-test

@@ -21,6 +21,7 @@ from qir.formats.mx import Mxfp4, Mxfp8
 from qir.formats.nvfp4 import Nvfp4
 from qir.graph import Graph
 from qir.types import QWeight
+from tests import nvrtc_record
 from tests.requires import requires
 
 # CI fails on skips that its machine should not take (QIR_CI=1): tests/skip_policy.py
@@ -189,6 +190,8 @@ def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
         # The workers keep the cores busy: a load's cold kernels build as one g++ unit (the
         # header loaded and the shared helpers generated once, qir/runtime/host_units.py).
         mp.setenv("QIR_COMPILE_JOBS", "1")
+    # NVRTC's builds and nvdisasm's listings of exactly what the suite compiles, recorded.
+    nvrtc_record.install(mp)
     yield
     mp.undo()
 
