@@ -1,8 +1,9 @@
 """The test suite's NVRTC builds and nvdisasm listings, recorded in tests/data/nvrtc_record.zip.
 
-NVRTC and nvdisasm were about 110 s of the suite's CPU time on two cores (the cost tables, the
-targets' dumps, the cache warm-ups: ~100 kernels at ~0.8 s of NVRTC each, ~60 listings at ~0.5 s
-of nvdisasm), run on every CI machine for the same inputs. A cubin and ptxas' log are a
+NVRTC was ~80 s of the suite's CPU time on two cores (py-spy; 106 builds: the cost tables, the
+targets' dumps, the cache warm-ups) and nvdisasm most of the rest of the cost tests (57
+listings), the same work on every CI machine: test_resources.py and test_targets.py at -n 2
+take 121 s of CPU with neither recorded, 69 s with the builds, 37 s with both. A cubin and ptxas' log are a
 function of what `nvrtc.key_parts` names (the source, qir's headers, the options, the arch, the
 NVRTC build and the CUDA headers' fingerprint) and nothing else, and a listing of the cubin and
 the nvdisasm build, so a build or listing whose key is in the record was made by that same tool
@@ -17,7 +18,6 @@ records nothing and reads nothing.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import zipfile
@@ -61,17 +61,9 @@ def _build_name(kernel: Kernel, arch: str) -> str:
 
 
 def lookup(kernel: Kernel, arch: str, path: Path | None = None) -> nvrtc.CubinResult | None:
+    """A recorded build, in the compile cache's payload (nvrtc._pack)."""
     blob = _read(_build_name(kernel, arch), path)
-    if blob is None:
-        return None
-    n = int.from_bytes(blob[:4], "little")
-    log = json.loads(blob[4 : 4 + n])["log"]
-    return nvrtc.CubinResult(blob[4 + n :], arch, kernel.name, log)
-
-
-def _blob(result: nvrtc.CubinResult) -> bytes:
-    head = json.dumps({"kernel": result.kernel, "log": result.log}).encode()
-    return len(head).to_bytes(4, "little") + head + result.cubin
+    return None if blob is None else nvrtc._unpack(blob, arch, kernel.name)
 
 
 @cache
@@ -93,7 +85,7 @@ def hooked(compile_: Callable[..., nvrtc.CubinResult]) -> Callable[..., nvrtc.Cu
     def compile_recorded(kernel: Kernel, arch: str, toolkit: Any) -> nvrtc.CubinResult:
         if mode == "write":
             result = compile_(kernel, arch, toolkit)
-            _keep(_build_name(kernel, arch), _blob(result))
+            _keep(_build_name(kernel, arch), nvrtc._pack(result))
             return result
         return lookup(kernel, arch) or compile_(kernel, arch, toolkit)
 

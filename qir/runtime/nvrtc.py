@@ -181,16 +181,19 @@ def _cached_cubin(store: KernelCache, kernel: Kernel, arch: str) -> CubinResult:
         lambda: _pack(_compile(kernel, arch, toolkit)),
         what=f"nvrtc {arch}",
     )
-    (n,) = _PAYLOAD_HEAD.unpack_from(entry.payload)
-    meta = json.loads(entry.payload[_PAYLOAD_HEAD.size : _PAYLOAD_HEAD.size + n])
-    cubin = entry.payload[_PAYLOAD_HEAD.size + n :]
-    return CubinResult(cubin, arch, kernel.name, meta["log"])
+    return _unpack(entry.payload, arch, kernel.name)
 
 
 def _pack(result: CubinResult) -> bytes:
     meta = {"log": result.log}  # every figure is read back from ptxas' own log
     head = json.dumps(meta).encode()
     return _PAYLOAD_HEAD.pack(len(head)) + head + result.cubin
+
+
+def _unpack(payload: bytes, arch: str, kernel: str) -> CubinResult:
+    (n,) = _PAYLOAD_HEAD.unpack_from(payload)
+    meta = json.loads(payload[_PAYLOAD_HEAD.size : _PAYLOAD_HEAD.size + n])
+    return CubinResult(payload[_PAYLOAD_HEAD.size + n :], arch, kernel, meta["log"])
 
 
 def available() -> bool:
