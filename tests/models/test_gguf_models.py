@@ -219,6 +219,7 @@ def smollm2_tokenizer() -> Any:
 
 
 @requires("smollm2")
+@pytest.mark.usefixtures("launch_heavy")
 @pytest.mark.parametrize("name", list(SMOLLM2_PROMPTS))
 def test_smollm2_generates_as_transformers_does_at_f32(
     name, smollm2_golden, smollm2_tokenizer, tmp_path, capsys

@@ -13,7 +13,7 @@ import pytest
 from qir.dtypes import F32
 from qir.models import Model
 from qir.serving import Engine, Request, Stream
-from tests.conftest import DATA
+from tests.conftest import DATA, LAUNCH_HEAVY_OPT
 
 FIXTURE = DATA / "mlx_affine4_g64_S"  # Metaspace BPE, [INST] chat template, greedy by default
 # The served model computes in f32 (the checkpoint's own bf16 is `qir serve`'s default): these
@@ -50,7 +50,9 @@ def serve(
     """The fixture (or a variant of it) served (options: create_app's)."""
     from qir.serving.http import background, create_app
 
-    engine = Engine.load(fixture, backend="host", act=ACT, max_queue=max_queue, max_seq=max_seq)
+    with pytest.MonkeyPatch.context() as mp:  # the backend reads it as the engine loads
+        mp.setenv("QIR_HOST_OPT", LAUNCH_HEAVY_OPT)  # ~1700 requests' launches
+        engine = Engine.load(fixture, backend="host", act=ACT, max_queue=max_queue, max_seq=max_seq)
     served = Served("", engine)
     submit = engine.submit
 
