@@ -7,25 +7,53 @@ This module is not a format (it registers nothing); `qir.formats` imports it lik
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+
+def _group(bits: int) -> tuple[int, int]:
+    """A group of the stream: its codes and its words (32 3-bit codes fill 3 words exactly;
+    a code never straddles two groups), so every code of a row is a column operation."""
+    g = math.gcd(bits, 32)
+    return 32 // g, bits // g
 
 
 def unpack_codes(words: np.ndarray, bits: int, in_features: int) -> np.ndarray:
     """uint32 codes [O, in_features] from rows of little-endian `bits`-wide bitstreams."""
-    words = np.ascontiguousarray(words, dtype="<u4").astype(np.uint64)
-    # A code may straddle two words: read each code from the 64-bit pair (word k, word k+1).
-    padded = np.concatenate([words, np.zeros((words.shape[0], 1), np.uint64)], axis=1)
-    start = np.arange(in_features, dtype=np.uint64) * np.uint64(bits)
-    k = (start // np.uint64(32)).astype(np.intp)
-    pair = padded[:, k] | (padded[:, k + 1] << np.uint64(32))
-    mask = np.uint64((1 << bits) - 1)
-    result: np.ndarray = ((pair >> (start % np.uint64(32))) & mask).astype(np.uint32)
+    words = np.ascontiguousarray(words, dtype="<u4")
+    per, span = _group(bits)
+    rows, n = words.shape
+    if -(-in_features * bits // 32) > n:
+        raise ValueError(f"{n} words of {bits}-bit codes hold fewer than {in_features} codes")
+    if n % span:  # the row's last group, zero-filled
+        words = np.concatenate([words, np.zeros((rows, span - n % span), words.dtype)], axis=1)
+    blocks = words.reshape(rows, -1, span)
+    codes = np.empty((rows, blocks.shape[1], per), np.uint32)
+    mask = np.uint32((1 << bits) - 1)
+    for j in range(per):
+        k, s = divmod(j * bits, 32)
+        code = blocks[:, :, k] >> np.uint32(s)
+        if s + bits > 32:  # its high bits open the next word
+            code |= blocks[:, :, k + 1] << np.uint32(32 - s)
+        codes[:, :, j] = code & mask
+    result: np.ndarray = codes.reshape(rows, -1)[:, :in_features]
     return result
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of unpack_codes: uint32 words [O, I*bits/32]."""
-    rows = q.shape[0]
-    bit_planes = (q[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
-    packed = np.packbits(bit_planes.astype(np.uint8).reshape(rows, -1), axis=1, bitorder="little")
-    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
+    """Inverse of unpack_codes: uint32 words [O, ceil(I*bits/32)] (a code's bits above `bits`
+    are dropped)."""
+    per, span = _group(bits)
+    rows, n = q.shape
+    q = np.ascontiguousarray(q, dtype=np.uint32)
+    if n % per:
+        q = np.concatenate([q, np.zeros((rows, per - n % per), np.uint32)], axis=1)
+    blocks = q.reshape(rows, -1, per) & np.uint32((1 << bits) - 1)
+    words = np.zeros((rows, blocks.shape[1], span), np.uint32)
+    for j in range(per):
+        k, s = divmod(j * bits, 32)
+        words[:, :, k] |= blocks[:, :, j] << np.uint32(s)
+        if s + bits > 32:
+            words[:, :, k + 1] |= blocks[:, :, j] >> np.uint32(32 - s)
+    return np.ascontiguousarray(words.reshape(rows, -1)[:, : -(-n * bits // 32)])

@@ -121,6 +121,24 @@ def test_pack_codes_bit_order(bits: int) -> None:
     np.testing.assert_array_equal(unpack_codes(words, bits, 64), q)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("width", [1, 11, 40, 100])
+def test_codes_of_a_ragged_width_round_trip_bit_by_bit(bits: int, width: int) -> None:
+    """Widths that end inside a word or inside a group of words (3-bit codes: 32 a group of 3
+    words): the last word is zero-filled, each code at stream bits [j*bits, (j+1)*bits)."""
+    rng = np.random.default_rng(width)
+    q = rng.integers(0, 1 << bits, size=(2, width), dtype=np.uint32)
+    words = pack_codes(q | np.uint32(1 << bits), bits)  # bits above `bits` are dropped
+    assert words.shape == (2, -(-width * bits // 32)) and words.flags.c_contiguous
+    stream = [[(int(w) >> b) & 1 for w in row for b in range(32)] for row in words]
+    for r in range(2):
+        codes = [sum(stream[r][j * bits + b] << b for b in range(bits)) for j in range(width)]
+        assert codes == q[r].tolist() and not any(stream[r][width * bits :])
+    np.testing.assert_array_equal(unpack_codes(words, bits, width), q)
+    with pytest.raises(ValueError, match=f"fewer than {width + 32} codes"):
+        unpack_codes(words, bits, width + 32)
+
+
 def _reference_codes(w: np.ndarray, bits: int, group: int) -> np.ndarray:
     """docs/formats.md's MLX quantizer step by step on float32 scalars, one group at a time."""
     f32 = np.float32
