@@ -46,11 +46,14 @@ def moe_graph(
     rule: str = "softmax_topk_norm",
     router_scale: float = 1.0,
     norm: bool = False,
+    with_weights: bool = True,
 ) -> tuple[Graph, Weights]:
     """y = x + moe(x): a dense router (in the activation type), `rule` choosing k of `experts`,
     gate/up with silu(g) * u, down combined with the router's weights and the residual x.
     `norm`: the router and gate/up read rms_norm(x, w) (a decoder layer's post-attention norm,
-    w a bf16 vector), the residual is still x. Outputs y, the logits and the ids."""
+    w a bf16 vector), the residual is still x. Outputs y, the logits and the ids. Without
+    `with_weights` the experts get no weights (the graph alone is what lowering reads;
+    quantizing 3 x 8 random experts at a checkpoint's shapes takes seconds)."""
     b = Builder("moe")
     weights: Weights = {}
     r = x = b.input("x", ("M", hidden), act)
@@ -69,8 +72,10 @@ def moe_graph(
         "up": (inter, hidden),
         "down": (hidden, inter),
     }.items():
-        qe, bufs = random_experts(rng, experts, o, i, fmt)
-        weights[name] = bufs
+        if with_weights:
+            qe, weights[name] = random_experts(rng, experts, o, i, fmt)
+        else:
+            qe = QExperts(QWeight(fmt, o, i), experts)
         ws[name] = b.weight(name, qe, name=f"w_{name}")
     h = b.expert_qlinear(x, (ws["gate"], ws["up"]), ids, name="h")
     y = b.expert_qlinear(h, ws["down"], ids, rw, r, name="y")

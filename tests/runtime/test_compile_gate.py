@@ -336,7 +336,8 @@ def moe(fmt: WeightFormat) -> Callable[[str], list[Kernel]]:
 
     def make() -> Graph:
         rng = np.random.default_rng(0)
-        return moe_graph(rng, CHECKPOINT.hidden, CHECKPOINT.inter, 8, 2, fmt, act, norm=True)[0]
+        args = (rng, CHECKPOINT.hidden, CHECKPOINT.inter, 8, 2, fmt, act)
+        return moe_graph(*args, norm=True, with_weights=False)[0]
 
     def keep(la: Launch) -> bool:
         name = la.kernel.name
