@@ -64,32 +64,39 @@ PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 PHILOX_ROUNDS = 10
 
 
-def philox4x32(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """Philox4x32-10 of uint32 counters [..., 4] under uint32 keys [..., 2]: uint32 [..., 4]."""
-    c = [counter[..., i].astype(np.uint64) for i in range(4)]
-    k = [key[..., i].astype(np.uint64) for i in range(2)]
-    mask = np.uint64(0xFFFFFFFF)
+def _philox(c: tuple[int, int, int, int], k: tuple[int, int]) -> tuple[int, int, int, int]:
+    """One Philox4x32-10 block on Python ints (a draw needs one: numpy's per-call overhead on
+    one-element arrays made it ~20x slower)."""
+    c0, c1, c2, c3 = c
+    k0, k1 = k
     for r in range(PHILOX_ROUNDS):
         if r:
-            k = [(k[i] + np.uint64(PHILOX_W[i])) & mask for i in range(2)]
-        p0 = np.uint64(PHILOX_M[0]) * c[0]
-        p1 = np.uint64(PHILOX_M[1]) * c[2]
-        c = [
-            (p1 >> np.uint64(32)) ^ c[1] ^ k[0],
-            p1 & mask,
-            (p0 >> np.uint64(32)) ^ c[3] ^ k[1],
-            p0 & mask,
-        ]
-    return np.stack(c, axis=-1).astype(np.uint32)
+            k0, k1 = (k0 + PHILOX_W[0]) & 0xFFFFFFFF, (k1 + PHILOX_W[1]) & 0xFFFFFFFF
+        p0, p1 = PHILOX_M[0] * c0, PHILOX_M[1] * c2
+        c0, c1, c2, c3 = (
+            (p1 >> 32) ^ c1 ^ k0,
+            p1 & 0xFFFFFFFF,
+            (p0 >> 32) ^ c3 ^ k1,
+            p0 & 0xFFFFFFFF,
+        )
+    return c0, c1, c2, c3
+
+
+def philox4x32(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Philox4x32-10 of uint32 counters [..., 4] under uint32 keys [..., 2]: uint32 [..., 4]."""
+    counter, key = np.asarray(counter, np.uint32), np.asarray(key, np.uint32)
+    shape = np.broadcast_shapes(counter.shape[:-1], key.shape[:-1])
+    cs = np.broadcast_to(counter, (*shape, 4)).reshape(-1, 4).tolist()
+    ks = np.broadcast_to(key, (*shape, 2)).reshape(-1, 2).tolist()
+    out = [_philox(tuple(c), tuple(k)) for c, k in zip(cs, ks, strict=True)]
+    return np.array(out, np.uint32).reshape(*shape, 4)
 
 
 def random_bits(seed: int, position: int) -> int:
     """The 64 random bits of a row at `position` drawn with `seed` (its low 64 bits: a
     negative seed is taken two's-complement)."""
-    counter = np.array([[position & 0xFFFFFFFF, 0, 0, 0]], np.uint32)
-    key = np.array([[seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF]], np.uint32)
-    x = philox4x32(counter, key)[0]
-    return int(x[0]) << 32 | int(x[1])
+    x = _philox((position & 0xFFFFFFFF, 0, 0, 0), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    return x[0] << 32 | x[1]
 
 
 def ordered(s: np.ndarray) -> np.ndarray:
