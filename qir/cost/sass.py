@@ -142,9 +142,10 @@ def _is_pred(tok: str) -> bool:
     return re.fullmatch(r"!?(U?P\d|U?PT)", tok) is not None
 
 
-def _reg_names(tok: str, width: int) -> list[str]:
+@lru_cache(maxsize=1 << 16)  # a listing's operands repeat; the dataflow reads each many times
+def _reg_names(tok: str, width: int) -> tuple[str, ...]:
     """Registers an operand names: R4 as a destination of width 4 is R4..R7; "R6.64" is R6, R7."""
-    names = []
+    names: list[str] = []
     for m in _REG.finditer(tok):
         name, mods = m.group(1), m.group(2)
         if name in _ZERO or _is_pred(name):
@@ -154,7 +155,7 @@ def _reg_names(tok: str, width: int) -> list[str]:
         prefix = "UR" if name.startswith("UR") else "R"
         base = int(name[len(prefix) :])
         names += [f"{prefix}{base + j}" for j in range(n)]
-    return names
+    return tuple(names)
 
 
 @cache
