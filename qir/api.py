@@ -14,7 +14,7 @@ from qir.codegen.plan import DEFAULT_M_TILE, Plan
 from qir.collectives import Comm
 from qir.errors import UsageError
 from qir.graph import Graph
-from qir.interpret import Weights, empty_state, interpret
+from qir.interpret import Kept, Weights, empty_state, interpret
 from qir.passes.manager import PassOptions, PassRecord, run_pipeline
 from qir.runtime.backend import BACKENDS, get_backend, resolve_target
 from qir.runtime.executor import CapturedBatches, CapturedBlock, CompiledBlock
@@ -38,6 +38,8 @@ class Compiled:
     # The reference backend's states (KV caches) by key; kernel backends keep theirs on the
     # device (CompiledBlock.state).
     _state: dict[str, Any] = field(default_factory=dict)
+    # ... and its weights, dequantized at the first run (as a kernel backend uploads them once).
+    _dequantized: dict[str, Kept] = field(default_factory=dict)
 
     def __call__(
         self, inputs: Mapping[str, Any], stream: Any = None, rows: str | None = None
@@ -51,7 +53,9 @@ class Compiled:
         if self._exec is None:
             if not self._state:
                 self._state = empty_state(self.graph)
-            return interpret(self.graph, inputs, self.weights, self._state, self.comm)
+            return interpret(
+                self.graph, inputs, self.weights, self._state, self.comm, self._dequantized
+            )
         return self._exec.run(inputs, stream, rows)
 
     def reset_state(self) -> None:

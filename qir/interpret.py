@@ -28,6 +28,8 @@ from qir.ops import (
 from qir.types import QExperts, QWeight, TensorType, TupleType
 
 Weights = Mapping[str, Mapping[str, np.ndarray]]
+# A weight node's dequantized value and its bias (evaluate's `kept`).
+Kept = tuple[np.ndarray, np.ndarray | None]
 
 
 class BindError(QirError, ValueError):
@@ -436,13 +438,17 @@ def evaluate(
     weights: Weights,
     state: MutableMapping[str, np.ndarray] | None = None,
     comm: collectives.Comm | None = None,
+    kept: MutableMapping[str, Kept] | None = None,
 ) -> dict[str, Any]:
     """Every value of the graph (weights dequantized, tuples as tuples), by value name.
 
     `state`: the KV caches by key; a run reads them and stores the caches its kv_appends wrote
     back into the mapping (it is the block's state, not an input). Missing keys start empty
     (zeros); None: every state starts empty and nothing is kept. `comm`: this rank's end of
-    its tensor-parallel group (qir.collectives), where the graph has collectives over ranks."""
+    its tensor-parallel group (qir.collectives), where the graph has collectives over ranks.
+    `kept`: each weight node's dequantized value and bias by node name, from earlier runs of
+    this graph on these weights (read-only arrays), filled in by this one: a caller that runs
+    the same block again (a generation's steps) dequantizes each weight once."""
     bind_inputs(graph, inputs)
     env: dict[str, Any] = {}
     biases: dict[str, np.ndarray | None] = {}
@@ -451,7 +457,7 @@ def evaluate(
     for key, value in states.items():
         if key in declared and value.shape != declared[key].concrete({}):
             raise BindError(f"state {key!r}: shape {list(value.shape)}, expected {declared[key]}")
-    run = Run(graph, inputs, weights, env, biases, states, {}, comm)
+    run = Run(graph, inputs, weights, env, biases, states, {}, comm, kept)
     for name, node in graph.items():
         reference = spec(node.op).reference
         if reference is None:
@@ -597,12 +603,25 @@ class Run:
     states: Mapping[str, np.ndarray]
     written: dict[str, np.ndarray]  # the caches kv_appends wrote, by state key
     comm: collectives.Comm | None
+    kept: MutableMapping[str, Kept] | None  # evaluate's
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _weight(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
-    value = dequantized(node, run.weights)  # checks the buffers, the bias's among them
-    run.biases[name] = bias(node, run.weights)
-    return value
+    got = run.kept.get(name) if run.kept is not None else None
+    if got is None:
+        # dequantized checks the buffers, the bias's among them
+        got = dequantized(node, run.weights), bias(node, run.weights)
+        if run.kept is not None:  # read-only views (a dense weight may be the caller's array)
+            got = _read_only(got[0]), None if got[1] is None else _read_only(got[1])
+            run.kept[name] = got
+    run.biases[name] = got[1]
+    return got[0]
 
 
 def _state(run: Run, name: str, node: Node, args: list[Any]) -> np.ndarray:
@@ -691,7 +710,8 @@ def interpret(
     weights: Weights,
     state: MutableMapping[str, np.ndarray] | None = None,
     comm: collectives.Comm | None = None,
+    kept: MutableMapping[str, Kept] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The block's outputs, by output name (see `evaluate` for `state` and `comm`)."""
-    env = evaluate(graph, inputs, weights, state, comm)
+    """The block's outputs, by output name (see `evaluate` for `state`, `comm` and `kept`)."""
+    env = evaluate(graph, inputs, weights, state, comm, kept)
     return {out: env[value] for out, value in graph.outputs}

@@ -32,6 +32,36 @@ def test_reference_matches_golden(fixture, block):
             assert rel_err(value, golden[f"{GOLDEN_KEY[name]}.0.M{m}"]) <= 1e-2
 
 
+def test_the_reference_backend_dequantizes_each_weight_once(rng, monkeypatch):
+    """A compiled block on the reference backend keeps its dequantized weights between runs
+    (a generation's steps), as read-only views: the same outputs as a fresh interpret, and
+    the caller's arrays (a dense weight's is used as it is) are left writeable."""
+    import importlib
+
+    from qir.formats.dense import Dense
+    from qir.types import QWeight
+
+    module = importlib.import_module("qir.interpret")  # `qir.interpret` is the function
+    graph, weights = mlp_graph(rng, 64, 128, FMT4)
+    b = Builder("dense")
+    x = b.input("x", ("M", 64), F32)
+    b.output("y", b.qlinear(x, b.weight("w", QWeight(Dense(F32), 32, 64), name="w_w")))
+    dense = {"w": {"weight": rng.standard_normal((32, 64), dtype=np.float32)}}
+    calls = []
+    real = module.dequantized
+    monkeypatch.setattr(module, "dequantized", lambda *a: calls.append(a[0]) or real(*a))
+    for g, w, act in ((graph, weights, np.float16), (b.graph, dense, np.float32)):
+        c = qir.compile(g, w, backend="reference")
+        calls.clear()
+        for m in (1, 3, 1):
+            xs = {"x": rng.standard_normal((m, 64)).astype(act)}
+            ours = c(xs)
+            fresh = interpret(g, xs, w)
+            assert all(np.array_equal(ours[k], fresh[k]) for k in fresh)
+        assert len(calls) == 4 * len(g.weights)  # once for c, once a fresh interpret
+        assert all(a.flags.writeable for bufs in w.values() for a in bufs.values())
+
+
 @pytest.mark.parametrize("fixture", MLX_FIXTURES)
 def test_reference_mlp_branch_matches_golden(fixture):
     """The MLP branch is ~10x smaller than the residual, so check it on its own."""
