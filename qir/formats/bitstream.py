@@ -28,7 +28,7 @@ def unpack_codes(words: np.ndarray, bits: int, in_features: int) -> np.ndarray:
         raise ValueError(f"{n} words of {bits}-bit codes hold fewer than {in_features} codes")
     if n % span:  # the row's last group, zero-filled
         words = np.concatenate([words, np.zeros((rows, span - n % span), words.dtype)], axis=1)
-    blocks = words.reshape(rows, -1, span)
+    blocks = words.reshape(rows, words.shape[1] // span, span)  # (-1 fails on 0 rows)
     codes = np.empty((rows, blocks.shape[1], per), np.uint32)
     mask = np.uint32((1 << bits) - 1)
     for j in range(per):
@@ -37,7 +37,7 @@ def unpack_codes(words: np.ndarray, bits: int, in_features: int) -> np.ndarray:
         if s + bits > 32:  # its high bits open the next word
             code |= blocks[:, :, k + 1] << np.uint32(32 - s)
         codes[:, :, j] = code & mask
-    result: np.ndarray = codes.reshape(rows, -1)[:, :in_features]
+    result: np.ndarray = codes.reshape(rows, blocks.shape[1] * per)[:, :in_features]
     return result
 
 
@@ -49,11 +49,12 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     q = np.ascontiguousarray(q, dtype=np.uint32)
     if n % per:
         q = np.concatenate([q, np.zeros((rows, per - n % per), np.uint32)], axis=1)
-    blocks = q.reshape(rows, -1, per) & np.uint32((1 << bits) - 1)
+    blocks = q.reshape(rows, q.shape[1] // per, per) & np.uint32((1 << bits) - 1)
     words = np.zeros((rows, blocks.shape[1], span), np.uint32)
     for j in range(per):
         k, s = divmod(j * bits, 32)
         words[:, :, k] |= blocks[:, :, j] << np.uint32(s)
         if s + bits > 32:
             words[:, :, k + 1] |= blocks[:, :, j] >> np.uint32(32 - s)
-    return np.ascontiguousarray(words.reshape(rows, -1)[:, : -(-n * bits // 32)])
+    flat = words.reshape(rows, blocks.shape[1] * span)
+    return np.ascontiguousarray(flat[:, : -(-n * bits // 32)])

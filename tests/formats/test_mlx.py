@@ -135,6 +135,7 @@ def test_codes_of_a_ragged_width_round_trip_bit_by_bit(bits: int, width: int) ->
         codes = [sum(stream[r][j * bits + b] << b for b in range(bits)) for j in range(width)]
         assert codes == q[r].tolist() and not any(stream[r][width * bits :])
     np.testing.assert_array_equal(unpack_codes(words, bits, width), q)
+    assert unpack_codes(pack_codes(q[:0], bits), bits, width).shape == (0, width)  # no rows
     with pytest.raises(ValueError, match=f"fewer than {width + 32} codes"):
         unpack_codes(words, bits, width + 32)
 
