@@ -189,6 +189,7 @@ DEMO_LAUNCHES = {
 }
 
 
+@pytest.mark.usefixtures("launch_heavy")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_demo_prints_a_table_then_an_answer(capsys, backend):
     assert main(["-q", "demo", "--backend", backend]) == 0
