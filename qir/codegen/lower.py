@@ -247,11 +247,15 @@ def _lower_collective(graph: Graph, name: str) -> Launch:
 def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:
     """quantize_act launches narrowed to the batch sizes at which a launch reads their codes (a
     block-scaled FP4 GEMM reads the 16-bit input instead)."""
+    readers: dict[Arg, list[tuple[int, Launch]]] = {}  # each value's launches, in order
+    for i, r in enumerate(launches):
+        for a in dict.fromkeys(r.args):
+            readers.setdefault(a, []).append((i, r))
     out = []
-    for la in launches:
+    for i, la in enumerate(launches):
         if la.kernel.name.startswith("quantize_act_"):
             (codes,) = la.outputs
-            ranges = [r.when for r in launches if r is not la and Arg("value", codes) in r.args]
+            ranges = [r.when for j, r in readers.get(Arg("value", codes), []) if j != i]
             if ranges:
                 la = replace(la, when=(min(lo for lo, _ in ranges), max(hi for _, hi in ranges)))
         out.append(la)
