@@ -6,10 +6,10 @@ on a GPU, the CPU time per block run: plain launches vs CUDA graph replay.
     python benchmarks/runtime.py [--arch sm_90] [--repeat 200] [--blocks mlp qkv]
 
 Cold and warm-disk numbers use a fresh temporary cache; a host one starts with the default
-cache's precompiled header and runtime library (built there first if need be), which a
-machine builds once per toolchain, not per block (~3 s of g++). A warm-disk host load runs in a child
-process (this one has already dlopen'ed the libraries, which would make it look free); NVRTC has
-no such process state, so there the in-process level is simply dropped.
+cache's precompiled header and runtime library (qir.runtime.host.seed_cache), which a machine
+builds once per toolchain, not per block. A warm-disk host load runs in a child process (this
+one has already dlopen'ed the libraries, which would make it look free); NVRTC has no such
+process state, so there the in-process level is simply dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,9 +36,9 @@ from qir.models import load
 from qir.models.blocks import BLOCKS, build
 from qir.models.goldens import embedded_checkpoints
 from qir.passes.manager import run_pipeline
-from qir.runtime.cache import HOST, PCH, KernelCache
+from qir.runtime.cache import KernelCache
 from qir.runtime.cuda import available
-from qir.runtime.host import RUNTIME, HostBackend
+from qir.runtime.host import HostBackend, seed_cache
 from qir.runtime.loading import compile_jobs, load_kernels
 from qir.runtime.nvrtc import compile_cubin
 
@@ -76,32 +75,18 @@ def hit_seconds(fn: Callable[[], object], repeat: int) -> float:
 Row = tuple[float, float, float, float]  # cold serial, cold on threads, warm disk, in-process
 
 
-def seeded(root: Path) -> Path:
-    """`root` holding the default cache's precompiled header and host runtime library (hard
-    links where they can be, else copies: a cache renames new files over old ones and never
-    writes into one, so the default cache's stay whole)."""
-    default = HostBackend().cache.root
-    shutil.copytree(default / PCH, root / PCH, copy_function=_link)
-    (root / HOST).mkdir()
-    for lib in (default / HOST).glob(f"{RUNTIME}-*.so"):
-        _link(str(lib), str(root / HOST / lib.name))
-    return root
-
-
-def _link(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem
-        shutil.copy2(src, dst)
-
-
 def host_row(name: str, plan: Plan, repeat: int) -> Row:
     kernels = [launch.kernel for launch in plan.launches]
-    HostBackend().load(kernels[0])  # the default cache's header and runtime library, built
+    default = HostBackend()
+    default.load(kernels[0])  # the default cache's header and runtime library, to seed from
     with tempfile.TemporaryDirectory(prefix="qir-bench-") as root:
-        pooled = timed(lambda: load_kernels(HostBackend(cache_dir=seeded(Path(root))), kernels))
+        pooled = timed(
+            lambda: load_kernels(
+                HostBackend(cache_dir=seed_cache(default.cache.root, Path(root))), kernels
+            )
+        )
     with tempfile.TemporaryDirectory(prefix="qir-bench-") as root:
-        be = HostBackend(cache_dir=seeded(Path(root)))
+        be = HostBackend(cache_dir=seed_cache(default.cache.root, Path(root)))
         cold = sum(timed(lambda k=k: be.load(k)) for k in kernels)
         child = CHILD.format(here=str(Path(__file__).parent), block=name)
         env = {**os.environ, "QIR_CACHE_DIR": root}

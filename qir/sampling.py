@@ -64,11 +64,13 @@ PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 PHILOX_ROUNDS = 10
 
 
-def _philox(c: tuple[int, int, int, int], k: tuple[int, int]) -> tuple[int, int, int, int]:
-    """One Philox4x32-10 block on Python ints (a draw needs one: numpy's per-call overhead on
-    one-element arrays made it ~20x slower)."""
-    c0, c1, c2, c3 = c
-    k0, k1 = k
+def philox4x32(
+    counter: tuple[int, int, int, int], key: tuple[int, int]
+) -> tuple[int, int, int, int]:
+    """Philox4x32-10 of one block: four uint32 counter words under two uint32 key words, on
+    Python ints (a draw needs one block; numpy on one-element arrays was ~20x slower)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
     for r in range(PHILOX_ROUNDS):
         if r:
             k0, k1 = (k0 + PHILOX_W[0]) & 0xFFFFFFFF, (k1 + PHILOX_W[1]) & 0xFFFFFFFF
@@ -82,20 +84,10 @@ def _philox(c: tuple[int, int, int, int], k: tuple[int, int]) -> tuple[int, int,
     return c0, c1, c2, c3
 
 
-def philox4x32(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """Philox4x32-10 of uint32 counters [..., 4] under uint32 keys [..., 2]: uint32 [..., 4]."""
-    counter, key = np.asarray(counter, np.uint32), np.asarray(key, np.uint32)
-    shape = np.broadcast_shapes(counter.shape[:-1], key.shape[:-1])
-    cs = np.broadcast_to(counter, (*shape, 4)).reshape(-1, 4).tolist()
-    ks = np.broadcast_to(key, (*shape, 2)).reshape(-1, 2).tolist()
-    out = [_philox(tuple(c), tuple(k)) for c, k in zip(cs, ks, strict=True)]
-    return np.array(out, np.uint32).reshape(*shape, 4)
-
-
 def random_bits(seed: int, position: int) -> int:
     """The 64 random bits of a row at `position` drawn with `seed` (its low 64 bits: a
     negative seed is taken two's-complement)."""
-    x = _philox((position & 0xFFFFFFFF, 0, 0, 0), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    x = philox4x32((position & 0xFFFFFFFF, 0, 0, 0), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
     return x[0] << 32 | x[1]
 
 

@@ -247,15 +247,15 @@ def _lower_collective(graph: Graph, name: str) -> Launch:
 def _quantize_when_read(launches: list[Launch]) -> tuple[Launch, ...]:
     """quantize_act launches narrowed to the batch sizes at which a launch reads their codes (a
     block-scaled FP4 GEMM reads the 16-bit input instead)."""
-    readers: dict[Arg, list[tuple[int, Launch]]] = {}  # each value's launches, in order
+    readers: dict[Arg, set[int]] = {}  # the launches (indices) each argument is passed to
     for i, r in enumerate(launches):
-        for a in dict.fromkeys(r.args):
-            readers.setdefault(a, []).append((i, r))
+        for a in r.args:
+            readers.setdefault(a, set()).add(i)
     out = []
     for i, la in enumerate(launches):
         if la.kernel.name.startswith("quantize_act_"):
             (codes,) = la.outputs
-            ranges = [r.when for j, r in readers.get(Arg("value", codes), []) if j != i]
+            ranges = [launches[j].when for j in readers.get(Arg("value", codes), set()) - {i}]
             if ranges:
                 la = replace(la, when=(min(lo for lo, _ in ranges), max(hi for _, hi in ranges)))
         out.append(la)

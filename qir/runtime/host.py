@@ -32,7 +32,7 @@ from qir.codegen.kernel import Kernel
 from qir.errors import UsageError
 from qir.interpret import BindError
 from qir.runtime.backend_api import BoundLaunch, InStream
-from qir.runtime.cache import HOST, Artifact, KernelCache, key
+from qir.runtime.cache import HOST, PCH, Artifact, KernelCache, key
 from qir.runtime.errors import BackendUnavailable, CompileError
 from qir.runtime.host_pch import PrecompiledHeader
 from qir.runtime.host_units import Member, plan_units, unit_source
@@ -185,6 +185,27 @@ def host_source(kernel: Kernel, unroll: bool = True) -> str:
 def host_headers(kernel: Kernel, unroll: bool = True) -> tuple[tuple[str, str], ...]:
     """The kernel's own headers (qir_common.cuh, its format's), as g++ compiles them."""
     return tuple((name, for_gcc(text, unroll)) for name, text in kernel.headers)
+
+
+def seed_cache(src: Path, dst: Path, runtime: bool = True) -> Path:
+    """`dst`, a cache root, holding `src`'s precompiled headers and (with `runtime`) its host
+    runtime libraries: what a machine builds once per toolchain, not per cache (~3 s of g++).
+    Hard links where they can be, else copies; a cache replaces a file by renaming a new one
+    over it, never by writing into one, so `src`'s stay whole."""
+
+    def link(a: str, b: str) -> None:
+        if not os.path.exists(b):  # seeded before
+            try:
+                os.link(a, b)
+            except OSError:  # another filesystem
+                shutil.copy2(a, b)
+
+    shutil.copytree(src / PCH, dst / PCH, dirs_exist_ok=True, copy_function=link)
+    if runtime:
+        (dst / HOST).mkdir(parents=True, exist_ok=True)
+        for lib in (src / HOST).glob(f"{RUNTIME}-*.so"):
+            link(str(lib), str(dst / HOST / lib.name))
+    return dst
 
 
 @dataclass(frozen=True)

@@ -50,22 +50,8 @@ def seeded(root: Path, runtime: bool = True) -> Path:
     """`root`, a fresh cache root, holding the session's precompiled header and (with
     `runtime`) its host runtime library: these tests are about kernel entries, and those two
     (tests/runtime/test_host_pch.py has the header's) would cost each of them seconds of g++
-    again. Hard links: a cache replaces a file by renaming a new one over it, never by writing
-    into it, so the session's copies stay whole."""
-    session = _session_cache()
-    shutil.copytree(
-        session / cache_mod.PCH, root / cache_mod.PCH, dirs_exist_ok=True, copy_function=_link
-    )
-    if runtime:
-        (root / cache_mod.HOST).mkdir(parents=True, exist_ok=True)
-        for lib in (session / cache_mod.HOST).glob(f"{host_mod.RUNTIME}-*.so"):
-            _link(str(lib), str(root / cache_mod.HOST / lib.name))
-    return root
-
-
-def _link(src: str, dst: str) -> None:
-    if not os.path.exists(dst):  # seeded twice
-        os.link(src, dst)
+    again."""
+    return host_mod.seed_cache(_session_cache(), root, runtime)
 
 
 def run_gemv(k: HostKernel) -> np.ndarray:
