@@ -77,6 +77,8 @@ def gate_spelled(fused: str, gate_act: str) -> str:
 
 
 A4_MODES = ("dynamic", "mul", "div")
+# The passes' order in qgemv.cu.j2's enum.
+PATHS = ("packed", "float", "a4", "int")
 # Chunk pairs a lane takes per row at most before its row gets more lanes (lanes_per_row).
 LANE_PASSES = 3
 
@@ -151,6 +153,9 @@ class GemvSpec:
     min_lanes: int = 1
     # One format's part of a launch of several (parts): the kernel holds the others' code too.
     part: bool = False
+    # A table format's row of x quantized to 16-bit integers per run, products by DP4A ("int"
+    # path, int_act_fits): one row of x a tile, for M = 1 (lower.py launches it there only).
+    int_act: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.m_tile <= 32 // SLOTS:
@@ -190,6 +195,10 @@ class GemvSpec:
             self.prologue or self.epilogue in ("silu_mul", "gated")
         ):
             raise ValueError(f"gate activation {self.gate_act}: needs a gate to apply it to")
+        if self.int_act and not int_act_fits(self):
+            raise ValueError(
+                "the int path takes one table format's weights, 16-bit activations, m_tile 1"
+            )
         if self.target is not None and not (
             self.target.fp4_cvt and any(f.e2m1 for f in self.fragments)
         ):
@@ -263,6 +272,8 @@ class GemvSpec:
         fused += EPILOGUES[self.epilogue] + cap_suffix(self.cap)
         if self.a4:
             fused += "_a4" + (self.a4_mode if self.prologue else "")
+        if self.int_act:
+            fused += "_xi16"
         fused += target_suffix(self.target)
         fused = gate_spelled(fused, self.gate_act)
         lanes = lanes_suffix(self.lanes)
@@ -313,7 +324,23 @@ class GemvSpec:
     def path(self, frag: Fragment) -> str:
         if self.a4:
             return "a4"
+        if self.int_act:
+            return "int"
         return "packed" if frag.packed and self.act != F32 else "float"
+
+
+def int_act_fits(spec: GemvSpec) -> bool:
+    """Whether the int path serves the spec's weights and input: one table format (its codes
+    bytes by lookup: IQ4_NL, IQ4_XS) and 16-bit activations, neither W4A4 nor a part of a launch
+    of several formats, one row of x a tile."""
+    return (
+        not spec.mixed
+        and not spec.a4
+        and not spec.part
+        and spec.act != F32
+        and spec.m_tile == 1
+        and bool(spec.fragment.context.get("table"))
+    )
 
 
 def for_target(
@@ -528,7 +555,8 @@ def _render(
         threads=32 * WARPS_PER_BLOCK,
         min_blocks=MIN_BLOCKS_PER_SM,
         chunks_per_row=frag.chunks_per_row(w0.in_features),
-        path=("packed", "float", "a4").index(spec.path(frag)),
+        path=PATHS.index(spec.path(frag)),
+        int_path=spec.int_act,
         epilogue=tuple(EPILOGUES).index(spec.epilogue),
         gate_fn=GATE_ACTS[spec.gate_act],
         cap=c_cap(spec.cap),

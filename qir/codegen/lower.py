@@ -21,7 +21,7 @@ from qir.codegen import elementwise, fragments, gemm, gemv, quantize_act
 from qir.codegen.collectives import collective_kernel
 from qir.codegen.elementwise import EXPRESSIONS, elementwise_grid_x
 from qir.codegen.gemm import GemmSpec, bucket_ranges
-from qir.codegen.gemv import GemvSpec, for_target
+from qir.codegen.gemv import GemvSpec, for_target, int_act_fits
 from qir.codegen.lower_layer import LAYER_LOWERINGS
 from qir.codegen.lower_moe import MOE_LOWERINGS
 
@@ -120,7 +120,9 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         if lo < gemm_from:
             gemv_when = (lo, min(hi, gemm_from - 1))
             out.append(
-                Launch(gemv_kernel(spec), spec.grid_x, m_tile, args, outputs, covers, gemv_when)
+                Launch(
+                    gemv_kernel(spec), spec.grid_x, spec.m_tile, args, outputs, covers, gemv_when
+                )
             )
         for bucket in bucket_ranges(max(lo, gemm_from), hi):
             g, g_args = GemmSpec.of(spec, bucket[1]), args
@@ -167,6 +169,14 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
         res_norm=res_norm,
     )
     if not a4:
+        one_row = replace(plain, m_tile=1)
+        if int_act_fits(one_row):
+            # Decode's row in integers (gemv.int_act_fits): the one row only, so that a batch of
+            # more rows never pads into it or out of it (other numerics).
+            return [
+                *launches(replace(one_row, int_act=True), x16, [], (1, 1)),
+                *launches(plain, x16, [], (2, ALL_M[1])),
+            ]
         return launches(plain, x16, [], ALL_M)
     mode = act_quant_mode(attrs) if prologue else "dynamic"
     quant = GemvSpec(

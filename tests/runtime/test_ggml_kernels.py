@@ -14,6 +14,7 @@ from qir.builder import Builder
 from qir.dtypes import BF16, F16, F32, I32, DType
 from qir.formats.ggml import Ggml
 from qir.formats.ggml_blocks import SPECS
+from qir.interpret import BindError
 from qir.types import TensorType
 from tests.conftest import BACKENDS, max_rel, random_weight, with_bias
 from tests.runtime.test_moe_kernels import close as moe_close
@@ -219,3 +220,73 @@ def test_expert_tensors_in_ggml_types(gemm_from_m: int | None) -> None:
     for m in (1, 9):
         x = feed(m, 2, k_in=HIDDEN)
         moe_close(compiled(x), reference(x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
+    """At M = 1 a table type's GEMV (IQ4_NL, IQ4_XS) quantizes its row of x to 14-bit integers
+    per run of codes and sums the products by DP4A (qgemv.cu.j2's int path), a launch of its
+    own (`_xi16`) that runs at M = 1 only; from M = 2 the f16 pair path runs. Through the
+    fusions: an rms_norm prologue and a bias (a ragged N), gate/up paired with silu(g) * u
+    from a normed input, down with the residual; against the interpreter on rows whose runs
+    hold an outlier, values below 2^-9 (fewer bits kept), zeros; a non-finite x gives no finite
+    output. A batch captured at 2 rows does not serve 1 (other numerics)."""
+    rng = np.random.default_rng(5)
+    k = 2 * HIDDEN
+    b = Builder("tables")
+    weights = {}
+
+    def weight(name: str, fmt: str, rows: int, cols: int, bias: bool = False):
+        qw, bufs = random_weight(rng, rows, cols, Ggml(fmt))
+        if bias:
+            qw, bufs = with_bias(rng, qw, bufs)
+        weights[name] = bufs
+        return b.weight(name, qw, name=f"w_{name}")
+
+    def normed(name: str):
+        x = b.input(name, ("M", k), F16)
+        return x, b.rms_norm(
+            x, b.param(f"n_{name}", TensorType((k,), F16), name=f"w_n_{name}"), 1e-5
+        )
+
+    for name in ("n_q", "n_x"):
+        weights[name] = {"weight": (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float16)}
+    _, q_in = normed("q")
+    b.output("q", b.qlinear(q_in, weight("wq", "IQ4_NL", RAGGED, k, bias=True)))
+    x, x_in = normed("x")
+    g = b.qlinear(x_in, weight("gate", "IQ4_XS", HIDDEN, k))
+    u = b.qlinear(x_in, weight("up", "IQ4_XS", HIDDEN, k))
+    b.output("y", b.add(b.qlinear(b.mul(b.silu(g), u), weight("down", "IQ4_NL", k, HIDDEN)), x))
+    compiled = qir.compile(b.graph, weights, backend=backend)
+    reference = qir.compile(b.graph, weights, backend="reference")
+    gemvs = {
+        m: [
+            la.kernel.name
+            for la in compiled.plan.launches
+            if la.runs_for(m) and la.kernel.name.startswith("qgemv_")
+        ]
+        for m in (1, 2)
+    }
+    assert len(gemvs[1]) == 3 and all(n.endswith("_xi16") for n in gemvs[1]), gemvs[1]
+    assert "_rmsnorm_wf16" in gemvs[1][0] and "_silumul" in "".join(gemvs[1]), gemvs[1]
+    assert len(gemvs[2]) == 3 and not any("_xi16" in n for n in gemvs[2]), gemvs[2]
+
+    def row(seed: int) -> np.ndarray:
+        v = np.random.default_rng(seed).standard_normal(k).astype(np.float32)
+        v[:32] *= 0.01
+        v[5] = 300.0  # one run: an outlier among small values
+        v[32:64] *= 1e-4  # one run below 2^-9 (rms_norm scales it up for q and gate/up)
+        v[64:96] = 0.0
+        return v
+
+    for m in (1, 2):
+        rows = np.stack([row(i) for i in range(m)]).astype(np.float16)
+        feed = {"q": rows, "x": rows[:, ::-1].copy()}
+        close(compiled(feed), reference(feed), TOL[F16])
+    bad = row(0)[None].astype(np.float16)
+    bad[0, 100] = np.inf
+    out = compiled({"q": bad, "x": bad})
+    assert not np.isfinite(np.asarray(out["q"], np.float32)).any()
+    assert not np.isfinite(np.asarray(out["y"], np.float32)).any()
+    with pytest.raises(BindError, match=r"M=1: no captured batch size of at least 1 rows"):
+        compiled.capture_batches([2])({"q": rows[:1], "x": rows[:1]})

@@ -196,6 +196,18 @@ __device__ __forceinline__ int qir_dp4a(uint32_t a, uint32_t b, int c) {
 #endif
 }
 
+// c + the sum of the products of the 4 unsigned bytes of a and the 4 signed bytes of b.
+__device__ __forceinline__ int qir_dp4a_us(uint32_t a, uint32_t b, int c) {
+#if defined(__CUDA_ARCH__)
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  for (int i = 0; i < 4; ++i) c += (int)(uint8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  return c;
+#endif
+}
+
 // ---- Packed pairs -----------------------------------------------------------------------------
 // A pair is two values of a 16-bit type T (__half or __nv_bfloat16) in one 32-bit word, the
 // lower-indexed element in the low half. On a GPU the arithmetic is the packed f16x2/bf16x2
@@ -292,6 +304,21 @@ __device__ __forceinline__ uint32_t qir_mul2(uint32_t a, uint32_t b) {
   return qir_host::pair_op<qir_is_bf16<T>::value, qir_host::PairOp::mul>(a, b, 0u);
 #else
   return qir_host_pair<T>((double)qir_lo<T>(a) * qir_lo<T>(b), (double)qir_hi<T>(a) * qir_hi<T>(b));
+#endif
+}
+
+// max(m, |a|) in each half of two f16 pairs, m's halves not negative; a NaN wins.
+__device__ __forceinline__ uint32_t qir_absmax2(uint32_t m, uint32_t a) {
+#if defined(__CUDA_ARCH__)
+  return qir_pair_bits(__hmax2_nan(qir_as_pair<__half>(m), __habs2(qir_as_pair<__half>(a))));
+#else
+  // Magnitudes order as their bits, and a NaN's are above infinity's.
+  uint32_t out = 0;
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t x = (m >> (16 * h)) & 0xFFFFu, y = (a >> (16 * h)) & 0x7FFFu;
+    out |= (x > y ? x : y) << (16 * h);
+  }
+  return out;
 #endif
 }
 
