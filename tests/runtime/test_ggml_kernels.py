@@ -227,12 +227,12 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
     """At M = 1 a table type's GEMV (IQ4_NL, IQ4_XS) quantizes its row of x to 14-bit integers
     per run of codes and sums the products by DP4A (qgemv.cu.j2's int path), a launch of its
     own (`_xi16`) that runs at M = 1 only; from M = 2 the f16 pair path runs. Through the
-    fusions: an rms_norm prologue and a bias (a ragged N), gate/up paired with silu(g) * u
-    from a normed input, down with the residual; against the interpreter on rows whose runs
+    fusions: an rms_norm prologue and a bias (a ragged N, an odd number of chunks: K = 544),
+    gate/up paired with silu(g) * u from a normed input, down with the residual; against the interpreter on rows whose runs
     hold an outlier, values below 2^-9 (fewer bits kept), zeros; a non-finite x gives no finite
     output. A batch captured at 2 rows does not serve 1 (other numerics)."""
     rng = np.random.default_rng(5)
-    k = 2 * HIDDEN
+    k, kq = 2 * HIDDEN, 2 * HIDDEN + 32
     b = Builder("tables")
     weights = {}
 
@@ -243,17 +243,16 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
         weights[name] = bufs
         return b.weight(name, qw, name=f"w_{name}")
 
-    def normed(name: str):
-        x = b.input(name, ("M", k), F16)
-        return x, b.rms_norm(
-            x, b.param(f"n_{name}", TensorType((k,), F16), name=f"w_n_{name}"), 1e-5
-        )
+    def normed(name: str, size: int):
+        x = b.input(name, ("M", size), F16)
+        norm = (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float16)
+        weights[f"n_{name}"] = {"weight": norm}
+        nw = b.param(f"n_{name}", TensorType((size,), F16), name=f"w_n_{name}")
+        return x, b.rms_norm(x, nw, 1e-5)
 
-    for name in ("n_q", "n_x"):
-        weights[name] = {"weight": (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float16)}
-    _, q_in = normed("q")
-    b.output("q", b.qlinear(q_in, weight("wq", "IQ4_NL", RAGGED, k, bias=True)))
-    x, x_in = normed("x")
+    _, q_in = normed("q", kq)
+    b.output("q", b.qlinear(q_in, weight("wq", "IQ4_NL", RAGGED, kq, bias=True)))
+    x, x_in = normed("x", k)
     g = b.qlinear(x_in, weight("gate", "IQ4_XS", HIDDEN, k))
     u = b.qlinear(x_in, weight("up", "IQ4_XS", HIDDEN, k))
     b.output("y", b.add(b.qlinear(b.mul(b.silu(g), u), weight("down", "IQ4_NL", k, HIDDEN)), x))
@@ -271,22 +270,27 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
     assert "_rmsnorm_wf16" in gemvs[1][0] and "_silumul" in "".join(gemvs[1]), gemvs[1]
     assert len(gemvs[2]) == 3 and not any("_xi16" in n for n in gemvs[2]), gemvs[2]
 
-    def row(seed: int) -> np.ndarray:
-        v = np.random.default_rng(seed).standard_normal(k).astype(np.float32)
+    def row(seed: int, size: int) -> np.ndarray:
+        v = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
         v[:32] *= 0.01
         v[5] = 300.0  # one run: an outlier among small values
-        v[32:64] *= 1e-4  # one run below 2^-9 (rms_norm scales it up for q and gate/up)
+        v[32:64] *= 1e-4  # one run below 2^-9, normed too: fewer bits kept
         v[64:96] = 0.0
         return v
 
+    def feed(m: int) -> dict[str, np.ndarray]:
+        return {
+            name: np.stack([row(i, size)[::step] for i in range(m)]).astype(np.float16)
+            for name, size, step in (("q", kq, 1), ("x", k, -1))
+        }
+
     for m in (1, 2):
-        rows = np.stack([row(i) for i in range(m)]).astype(np.float16)
-        feed = {"q": rows, "x": rows[:, ::-1].copy()}
-        close(compiled(feed), reference(feed), TOL[F16])
-    bad = row(0)[None].astype(np.float16)
-    bad[0, 100] = np.inf
-    out = compiled({"q": bad, "x": bad})
+        close(compiled(feed(m)), reference(feed(m)), TOL[F16])
+    bad = feed(1)
+    for v in bad.values():
+        v[0, 100] = np.inf
+    out = compiled(bad)
     assert not np.isfinite(np.asarray(out["q"], np.float32)).any()
     assert not np.isfinite(np.asarray(out["y"], np.float32)).any()
     with pytest.raises(BindError, match=r"M=1: no captured batch size of at least 1 rows"):
-        compiled.capture_batches([2])({"q": rows[:1], "x": rows[:1]})
+        compiled.capture_batches([2])(feed(1))

@@ -161,6 +161,8 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "sub_bytes_row": in_features // s.run * sub_bytes(s),
         "scales_at": lay.scales_at,
         "chunks_per_block": s.block // chunk,
+        # a lane's pair of chunks (qgemv's qir_chunks: c even, c + 1) in one block
+        "load_pair": s.block // chunk % 2 == 0,
         # a 16-bit d and a chunk's sub-block bytes, at most 2, in one register
         "sub_in_d": bool(s.sub) and per_block == 1 and chunk // s.run * sub_bytes(s) <= 2,
         "table": bool(s.table),
