@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from qir.codegen.fragments import Fragment, fragment_for
 from qir.codegen.kernel import Kernel, KernelParam
 from qir.codegen.render import common_header, render
-from qir.dtypes import F32, DType
+from qir.dtypes import F16, F32, DType
 from qir.target import Target
 from qir.types import QWeight, WeightFormat
 
@@ -153,8 +153,8 @@ class GemvSpec:
     min_lanes: int = 1
     # One format's part of a launch of several (parts): the kernel holds the others' code too.
     part: bool = False
-    # A table format's row of x quantized to 16-bit integers per run, products by DP4A ("int"
-    # path, int_act_fits): one row of x a tile, for M = 1 (lower.py launches it there only).
+    # A table format's row of x quantized to integers per run, products by DP4A ("int" path,
+    # int_act_fits): one row of x a tile, for M = 1 (lower.py launches it there only).
     int_act: bool = False
 
     def __post_init__(self) -> None:
@@ -197,7 +197,7 @@ class GemvSpec:
             raise ValueError(f"gate activation {self.gate_act}: needs a gate to apply it to")
         if self.int_act and not int_act_fits(self):
             raise ValueError(
-                "the int path takes one table format's weights, 16-bit activations, m_tile 1"
+                "the int path takes one table format's weights, f16 activations, m_tile 1"
             )
         if self.target is not None and not (
             self.target.fp4_cvt and any(f.e2m1 for f in self.fragments)
@@ -331,13 +331,13 @@ class GemvSpec:
 
 def int_act_fits(spec: GemvSpec) -> bool:
     """Whether the int path serves the spec's weights and input: one table format (its codes
-    bytes by lookup: IQ4_NL, IQ4_XS) and 16-bit activations, neither W4A4 nor a part of a launch
-    of several formats, one row of x a tile."""
+    bytes by lookup: IQ4_NL, IQ4_XS) and f16 activations (the quantization rounds in f16),
+    neither W4A4 nor a part of a launch of several formats, one row of x a tile."""
     return (
         not spec.mixed
         and not spec.a4
         and not spec.part
-        and spec.act != F32
+        and spec.act == F16
         and spec.m_tile == 1
         and bool(spec.fragment.context.get("table"))
     )

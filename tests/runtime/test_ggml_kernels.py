@@ -11,10 +11,12 @@ import pytest
 
 import qir
 from qir.builder import Builder
+from qir.codegen.lower import lower
 from qir.dtypes import BF16, F16, F32, I32, DType
 from qir.formats.ggml import Ggml
 from qir.formats.ggml_blocks import SPECS
 from qir.interpret import BindError
+from qir.passes.manager import run_pipeline
 from qir.types import TensorType
 from tests.conftest import BACKENDS, max_rel, random_weight, with_bias
 from tests.runtime.test_moe_kernels import close as moe_close
@@ -294,3 +296,10 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
     assert not np.isfinite(np.asarray(out["y"], np.float32)).any()
     with pytest.raises(BindError, match=r"M=1: no captured batch size of at least 1 rows"):
         compiled.capture_batches([2])(feed(1))
+    # bf16 activations keep the pair path at every batch size (the quantization rounds in f16).
+    bf = Builder("bf16")
+    xb = bf.input("x", ("M", k), BF16)
+    qw, _ = random_weight(rng, RAGGED, k, Ggml("IQ4_NL"))
+    bf.output("y", bf.qlinear(xb, bf.weight("w", qw, name="w_w")))
+    names = [la.kernel.name for la in lower(run_pipeline(bf.graph, "default")[0]).launches]
+    assert names and not any("_xi16" in n for n in names), names
