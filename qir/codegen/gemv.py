@@ -111,15 +111,15 @@ def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType, part: bool 
     fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
     spill; so do four slots of f32 activations (eight rows of x, each a float per weight), and
     four of 2-bit codes at eight rows of x (16 codes a step: two slots). A fragment may ask for
-    fewer where the kernel holds more (`crowded_slots` in its context): paired, or a `part` of
-    a launch of several formats."""
+    fewer where the kernel holds more (`crowded_slots` in its context): a `part` of a launch
+    of several formats."""
     if frag.context.get("gathers") or act == F32:
         slots = 1
     else:
         slots = SLOTS // 2 if int(frag.context.get("step", 8)) > 8 else SLOTS
-    if weights_per_warp > 1 or part:
-        # A fragment that spills where a kernel holds other code (a gate/up pair, a part of a
-        # launch of several formats) beside its four rows keeps to fewer (ggml Q6_K).
+    if part:
+        # A fragment that spills where a kernel holds other formats' code beside its four rows
+        # keeps to fewer (ggml Q6_K).
         slots = min(slots, int(frag.context.get("crowded_slots", slots)))
     return max(1, slots // weights_per_warp)
 
