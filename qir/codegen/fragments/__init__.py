@@ -47,6 +47,15 @@ weight:
         through qir_gemv_finish (NVFP4's tensor scale, FP8's row or tensor scale: once per row
         instead of per run; the whole scale per run and identity elsewhere)
 
+Two optional pieces (ggml's, `fragments/ggml.py`), each announced in the context:
+
+  void qir_load_pair(const qir_weight& w, int row, int c, qir_raw& a, qir_raw& b)   (`load_pair`)
+        chunks c and c + 1 (c even) of one block: their fields of the whole block (a K-quant's
+        d and dmin) loaded once, for a GEMV lane's pair of chunks
+  void qir_step_bytes(const qir_raw& r, int step, uint32_t (&b)[2])                 (`table`)
+        a step's values as bytes 128 + value, k order (stride 2): the GEMV's int path at M = 1
+        multiplies them with integer activations by DP4A (qgemv.cu.j2, gemv.int_act_fits)
+
 Both shifts are chosen (overflow_shift) so that QIR_RUN_STEPS * QIR_STEP products of codes with
 any finite f16 activations, summed in f16 pairs, cannot overflow.
 

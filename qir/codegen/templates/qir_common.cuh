@@ -184,26 +184,20 @@ __device__ __forceinline__ uint32_t qir_prmt(uint32_t a, uint32_t b, uint32_t se
 #endif
 }
 
-// c + the sum of the products of the 4 signed bytes of a and b (DP4A, sm_61 and later).
+// c + the sum of the products of the 4 bytes of a and b (DP4A, sm_61 and later): b's signed,
+// a's signed, or unsigned where UA (a table decode's offset-binary bytes).
+template <bool UA = false>
 __device__ __forceinline__ int qir_dp4a(uint32_t a, uint32_t b, int c) {
 #if defined(__CUDA_ARCH__)
   int d;
-  asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  if constexpr (UA) asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  else asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 #else
-  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
-  return c;
-#endif
-}
-
-// c + the sum of the products of the 4 unsigned bytes of a and the 4 signed bytes of b.
-__device__ __forceinline__ int qir_dp4a_us(uint32_t a, uint32_t b, int c) {
-#if defined(__CUDA_ARCH__)
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-#else
-  for (int i = 0; i < 4; ++i) c += (int)(uint8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  for (int i = 0; i < 4; ++i) {
+    const int ai = UA ? (int)(uint8_t)(a >> (8 * i)) : (int)(int8_t)(a >> (8 * i));
+    c += ai * (int)(int8_t)(b >> (8 * i));
+  }
   return c;
 #endif
 }
