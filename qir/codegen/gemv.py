@@ -21,6 +21,11 @@ products depends on the fragment and the activation dtype (`path`):
   E2M1 x E2M1 products and their block sums are exact (integers with DP4A, or f16 pairs on a
   target with the FP4 conversion: see qgemv.cu.j2), the two block factors scale the block sum
   in float.
+- "int": a table format's codes (IQ4_NL, IQ4_XS) at M = 1 with f16 activations. The block
+  stages its row of x as integers, per run of codes a power of two times a 14-bit integer in
+  two signed bytes; DP4A sums each run's products with the codes' table bytes exactly, and the
+  run's sum joins the float accumulator times the scale and the power of two (int_act_fits; a
+  launch of its own, M = 1 only).
 """
 
 from __future__ import annotations

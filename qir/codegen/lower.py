@@ -3,7 +3,8 @@
 The plan names, for each launch, the rendered kernel, how its grid grows with M, which batch
 sizes it serves and where each argument comes from (a value, a weight buffer, a constant, or M
 itself), so an executor only binds memory. A qlinear's launches split the batch sizes: W4A4
-takes M <= 64 and a 16-bit twin the rest; within each, the GEMV family runs below the node's
+takes M <= 64 and a 16-bit twin the rest; a table format (IQ4_NL, IQ4_XS) at f16 takes M = 1
+through integer activations (gemv.int_act_fits) and f16 pairs from M = 2; within each, the GEMV family runs below the node's
 `gemm_from_m` label (select_kernels) and the GEMM family from there, one launch per tile bucket
 of the GEMM's table. A node without a label (no select_kernels pass) runs the GEMV only.
 
