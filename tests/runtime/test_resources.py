@@ -640,7 +640,7 @@ def _llama_o(fmt) -> Plan:
 
 # Issue 32's goals at decode (sm_90, M = 1): 80 warp instructions per 512 B for the 4- and 5-bit
 # GGUF types, 60 for Q8_0 and Q6_K. The linear types meet them through f16 pairs (Q6_K 56 at this
-# shape, its codes laid whole in words: formats.ggml.Q6_PAIRS); IQ4_NL (71.4) and IQ4_XS (78.2)
+# shape, its codes laid whole in words: formats.ggml.Q6_PAIRS); IQ4_NL (70.6) and IQ4_XS (75.9)
 # through their M = 1 launch's integer activations (qgemv.cu.j2's int path: two table lookups
 # and a merge into bytes, 4 DP4A a step), where f16 pairs took 90.1 and 97.9.
 GGML_GOALS = {
