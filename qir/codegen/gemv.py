@@ -111,20 +111,20 @@ def lanes_of(kernel_name: str) -> int:
     return int(m.group(1)) if m else 32
 
 
-def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType, part: bool = False) -> int:
+def rows_per_warp(frag: Fragment, weights_per_warp: int, act: DType, crowded: bool = False) -> int:
     """Rows of each of its `weights_per_warp` weights one warp computes (a gate/up pair: 2). A
     fragment that gathers per weight (GPTQ act-order) keeps one slot: four slots' gathers
     spill; so do four slots of f32 activations (eight rows of x, each a float per weight), and
     four of 2-bit codes at eight rows of x (16 codes a step: two slots). A fragment may ask for
     fewer where the kernel holds more (`crowded_slots` in its context): a `part` of a launch
-    of several formats."""
+    of several formats, an expert kernel (its routing; GemvSpec.crowded)."""
     if frag.context.get("gathers") or act == F32:
         slots = 1
     else:
         slots = SLOTS // 2 if int(frag.context.get("step", 8)) > 8 else SLOTS
-    if part:
-        # A fragment that spills where a kernel holds other formats' code beside its four rows
-        # keeps to fewer (ggml Q6_K).
+    if crowded:
+        # A fragment that spills where a kernel holds other code beside its four rows keeps to
+        # fewer (ggml Q6_K).
         slots = min(slots, int(frag.context.get("crowded_slots", slots)))
     return max(1, slots // weights_per_warp)
 
@@ -158,6 +158,9 @@ class GemvSpec:
     min_lanes: int = 1
     # One format's part of a launch of several (parts): the kernel holds the others' code too.
     part: bool = False
+    # The kernel holds more code than its rows' (an expert kernel's routing): the fragment's
+    # crowded_slots apply, as in a part.
+    crowded: bool = False
     # A table format's row of x quantized to integers per run, products by DP4A ("int" path,
     # int_act_fits): one row of x a tile, for M = 1 (lower.py launches it there only).
     int_act: bool = False
@@ -301,7 +304,7 @@ class GemvSpec:
     def rows_per_warp(self) -> int:
         """Rows of each weight one group of `lanes` lanes computes (its slots)."""
         weights = len(self.weights) if self.paired else 1
-        return rows_per_warp(self.fragment, weights, self.act, self.part)
+        return rows_per_warp(self.fragment, weights, self.act, self.part or self.crowded)
 
     @property
     def lanes(self) -> int:

@@ -171,9 +171,10 @@ def _lower_qlinear(graph: Graph, name: str, m_tile: int, target: Target) -> list
     )
     if not a4:
         one_row = replace(plain, m_tile=1)
-        if int_act_fits(one_row):
+        if gemm_from > 1 and int_act_fits(one_row):
             # Decode's row in integers (gemv.int_act_fits): the one row only, so that a batch of
-            # more rows never pads into it or out of it (other numerics).
+            # more rows never pads into it or out of it (other numerics). Without a GEMV at
+            # M = 1 (gemm_from_m 1) nothing splits.
             return [
                 *launches(replace(one_row, int_act=True), x16, [], (1, 1)),
                 *launches(plain, x16, [], (2, ALL_M[1])),

@@ -172,6 +172,7 @@ class ExpertGemvSpec:
             epilogue=epilogue,
             target=self.target,
             a4=bool(self.a4_mode),
+            crowded=len(self.experts) == 2,  # beside the ballot of a token's slots: Q6_K spilled
         )
         # The combine keeps a float per (tile row, slot, block row) in shared memory (the decode
         # path an act_t per (slot, block row)), every kind a tile's act_t results: short rows'

@@ -197,9 +197,10 @@ def weight_stream(plan: Plan, launch: Launch) -> WeightStream | None:
         math.prod(code.concrete({})) * code.dtype.itemsize / (w.out_features * w.in_features)
     )
     # A group of lanes computes rows_per_warp rows of each of the weights it pairs (gate/up: 2),
-    # a warp 32 / lanes such groups.
+    # a warp 32 / lanes such groups; an expert kernel's pair is crowded (ExpertGemvSpec.gemv).
     pairs = max(1, len(weights) // max(1, len(launch.outputs)))
-    per_lane = pairs * rows_per_warp(frag, pairs, act)
+    crowded = pairs > 1 and launch.kernel.name.startswith("moe_gemv_")
+    per_lane = pairs * rows_per_warp(frag, pairs, act, crowded)
     chunks = frag.chunks_per_row(w.in_features)
     lanes = lanes_of(launch.kernel.name)
     return WeightStream(

@@ -16,7 +16,7 @@ from qir.dtypes import BF16, F16, F32, I32, DType
 from qir.formats.ggml import Ggml
 from qir.formats.ggml_blocks import SPECS
 from qir.interpret import BindError
-from qir.passes.manager import run_pipeline
+from qir.passes.manager import PassOptions, run_pipeline
 from qir.types import TensorType
 from tests.conftest import BACKENDS, max_rel, random_weight, with_bias
 from tests.runtime.test_moe_kernels import close as moe_close
@@ -231,7 +231,7 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
     own (`_xi16`) that runs at M = 1 only; from M = 2 the f16 pair path runs. Through the
     fusions: an rms_norm prologue and a bias (a ragged N, an odd number of chunks: K = 544),
     gate/up paired with silu(g) * u from a normed input, down with the residual; against the interpreter on rows whose runs
-    hold an outlier, values below 2^-9 (fewer bits kept), zeros; a non-finite x gives no finite
+    hold an outlier, values below 2^-10 (fewer bits kept), zeros; a non-finite x gives no finite
     output. A batch captured at 2 rows does not serve 1 (other numerics)."""
     rng = np.random.default_rng(5)
     k, kq = 2 * HIDDEN, 2 * HIDDEN + 32
@@ -276,7 +276,7 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
         v = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
         v[:32] *= 0.01
         v[5] = 300.0  # one run: an outlier among small values
-        v[32:64] *= 1e-4  # one run below 2^-9, normed too: fewer bits kept
+        v[32:64] *= 1e-4  # one run below 2^-10, normed too: fewer bits kept
         v[64:96] = 0.0
         return v
 
@@ -303,3 +303,9 @@ def test_table_types_at_one_row_sum_integer_activations(backend: str) -> None:
     bf.output("y", bf.qlinear(xb, bf.weight("w", qw, name="w_w")))
     names = [la.kernel.name for la in lower(run_pipeline(bf.graph, "default")[0]).launches]
     assert names and not any("_xi16" in n for n in names), names
+    # Without a GEMV at M = 1 (GEMMs from M = 1) the launches do not split at M = 2.
+    gemms = lower(run_pipeline(b.graph, "default", options=PassOptions(gemm_from_m=1))[0])
+    assert not any(la.kernel.name.startswith("qgemv_") for la in gemms.launches)
+    assert all(la.runs_for(1) == la.runs_for(2) for la in gemms.launches), [
+        (la.kernel.name, la.when) for la in gemms.launches
+    ]

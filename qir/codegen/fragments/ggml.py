@@ -168,8 +168,9 @@ def _ggml(fmt: WeightFormat, out_features: int, in_features: int) -> Fragment:
         "table": bool(s.table),
         "high_words": 0,
         # Q6_K's chunk holds the most registers (4 code words, 2 high words, d and sub-scales):
-        # its part of a Q4_K_M q/k/v launch spilled 12 B on sm_120a (its gate/up pair at two
-        # rows of both no longer spills: 151-159 registers on sm_80 to sm_120a)
+        # its part of a Q4_K_M q/k/v launch spilled 12 B on sm_120a, its gate/up experts at two
+        # rows of both 236-292 B on sm_80 and sm_90 (the dense gate/up pair does not spill:
+        # 151-168 registers on sm_80 to sm_120a, with its rms_norm prologue too)
         **({"crowded_slots": 2} if s.name == "Q6_K" else {}),
         **(_table_luts(s.table) if s.table else {}),
     }
